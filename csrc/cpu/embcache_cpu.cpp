@@ -1,0 +1,497 @@
+// CPU kernels of the embedding cache (SPEC §2-4) and their registration as torch ops.
+//
+// The ops are stateless functions over the state tensors that the Python module owns;
+// ops that change state take them as mutable arguments and change nothing before every
+// check has passed. All row arithmetic comes from embcache/rowquant.h, shared with CUDA.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "embcache/rowquant.h"
+
+namespace embcache {
+namespace {
+
+enum Optimizer : int64_t { kSGD = 0, kRowwiseAdagrad = 1, kAdagrad = 2 };
+
+constexpr int64_t kGrainBags = 64;
+constexpr int64_t kGrainRows = 32;
+
+RowFormat make_format(int64_t bits, int64_t dim, bool qparams_fp16) {
+  TORCH_CHECK(bits == 32 || bits == 16 || bits == 8 || bits == 4 || bits == 2,
+              "embcache: unsupported number of bits ", bits);
+  TORCH_CHECK(dim > 0, "embcache: embedding dim must be positive, got ", dim);
+  return RowFormat{(int)bits, (int)dim, qparams_fp16};
+}
+
+void check_tensor(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype, "embcache: ", what, " must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "embcache: ", what,
+              " must be a contiguous CPU tensor");
+}
+
+void check_table(const at::Tensor& weights, const RowFormat& f) {
+  check_tensor(weights, at::kByte, "weights");
+  TORCH_CHECK(weights.dim() == 2 && weights.size(1) == f.row_bytes(),
+              "embcache: weights must be [rows, ", f.row_bytes(), "] bytes, got ",
+              weights.sizes());
+}
+
+struct Cache {
+  int32_t* tags;
+  float* rows;
+  int64_t num_sets;
+  int64_t ways;
+
+  /// The slot that holds `row`, or -1.
+  int64_t find(int64_t row) const {
+    if (num_sets == 0) return -1;
+    const int64_t base = set_of_row(row, num_sets) * ways;
+    for (int64_t w = 0; w < ways; ++w)
+      if (tags[base + w] == row) return base + w;
+    return -1;
+  }
+};
+
+Cache make_cache(const at::Tensor& tags, const at::Tensor& rows, int64_t num_sets,
+                 int64_t ways, int64_t dim) {
+  check_tensor(tags, at::kInt, "cache_tags");
+  check_tensor(rows, at::kFloat, "cache_rows");
+  TORCH_CHECK(num_sets >= 0 && ways >= 1 && tags.numel() == num_sets * ways &&
+                  rows.numel() == num_sets * ways * dim,
+              "embcache: cache tensors do not match ", num_sets, " sets x ", ways, " ways");
+  return Cache{tags.data_ptr<int32_t>(), rows.data_ptr<float>(), num_sets, ways};
+}
+
+/// Bag b covers lookups [offsets[b], offsets[b+1]).
+void check_bags(const at::Tensor& indices, const at::Tensor& offsets,
+                const c10::optional<at::Tensor>& psw) {
+  check_tensor(indices, at::kLong, "indices");
+  check_tensor(offsets, at::kLong, "offsets");
+  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1,
+              "embcache: indices and offsets must be 1-D, offsets with the end appended");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t nb = offsets.numel() - 1;
+  TORCH_CHECK(off[0] == 0 && off[nb] == indices.numel(),
+              "embcache: offsets must start at 0 and end at len(indices)");
+  for (int64_t b = 0; b < nb; ++b)
+    TORCH_CHECK(off[b] <= off[b + 1], "embcache: offsets decrease at bag ", b);
+  if (psw.has_value()) {
+    check_tensor(*psw, at::kFloat, "per_sample_weights");
+    TORCH_CHECK(psw->numel() == indices.numel(),
+                "embcache: per_sample_weights must have one weight per index");
+  }
+}
+
+at::Tensor quantize_rows(const at::Tensor& values, const at::Tensor& row_ids, int64_t bits,
+                         bool qparams_fp16, bool stochastic, int64_t seed, int64_t step,
+                         int64_t table) {
+  check_tensor(values, at::kFloat, "values");
+  check_tensor(row_ids, at::kLong, "row_ids");
+  TORCH_CHECK(values.dim() == 2 && row_ids.numel() == values.size(0),
+              "embcache: values must be [rows, dim] with one row id per row");
+  const RowFormat f = make_format(bits, values.size(1), qparams_fp16);
+  const int64_t n = values.size(0);
+  const float* x = values.data_ptr<float>();
+  const int64_t* ids = row_ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(row_is_storable(f, x + r * f.dim), "embcache: row ", ids[r],
+                " cannot be stored in ", bits, " bits: non-finite or out of range");
+  at::Tensor out = at::empty({n, (int64_t)f.row_bytes()}, values.options().dtype(at::kByte));
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const RoundingStream s{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
+  at::parallel_for(0, n, kGrainRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(f, x + r * f.dim, stochastic, s, ids[r], o + r * f.row_bytes());
+  });
+  return out;
+}
+
+at::Tensor dequantize_rows(const at::Tensor& weights, int64_t bits, int64_t dim,
+                           bool qparams_fp16) {
+  const RowFormat f = make_format(bits, dim, qparams_fp16);
+  check_table(weights, f);
+  const int64_t n = weights.size(0);
+  at::Tensor out = at::empty({n, dim}, weights.options().dtype(at::kFloat));
+  const uint8_t* w = weights.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrainRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dequantize_row(f, w + r * f.row_bytes(), o + r * dim);
+  });
+  return out;
+}
+
+/// Pooled lookups (SPEC §4 step 1) and the number of lookups that found their row cached.
+std::tuple<at::Tensor, at::Tensor> lookup_forward(
+    const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
+    const at::Tensor& indices, const at::Tensor& offsets,
+    const c10::optional<at::Tensor>& per_sample_weights, int64_t bits, int64_t dim,
+    bool qparams_fp16, int64_t num_sets, int64_t ways, bool mean) {
+  const RowFormat f = make_format(bits, dim, qparams_fp16);
+  check_table(weights, f);
+  const Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
+  check_bags(indices, offsets, per_sample_weights);
+  const int64_t nb = offsets.numel() - 1;
+  const int64_t num_rows = weights.size(0);
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
+  const uint8_t* w = weights.data_ptr<uint8_t>();
+  at::Tensor out = at::zeros({nb, dim}, cache_rows.options());
+  float* o = out.data_ptr<float>();
+  std::atomic<int64_t> hits{0};
+  at::parallel_for(0, nb, kGrainBags, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(dim);
+    int64_t local_hits = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      float* acc = o + b * dim;
+      for (int64_t l = off[b]; l < off[b + 1]; ++l) {
+        const int64_t row = idx[l];
+        TORCH_CHECK(row >= 0 && row < num_rows, "embcache: index ", row, " out of range");
+        const int64_t slot = cache.find(row);
+        const float* v;
+        if (slot >= 0) {
+          v = cache.rows + slot * dim;
+          ++local_hits;
+        } else {
+          dequantize_row(f, w + row * f.row_bytes(), buf.data());
+          v = buf.data();
+        }
+        if (psw) {
+          const float s = psw[l];
+          for (int64_t j = 0; j < dim; ++j) acc[j] += s * v[j];
+        } else {
+          for (int64_t j = 0; j < dim; ++j) acc[j] += v[j];
+        }
+      }
+      const int64_t n = off[b + 1] - off[b];
+      if (mean && n > 0)
+        for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)n;
+    }
+    hits += local_hits;
+  });
+  return {out, at::scalar_tensor(hits.load(), at::kLong)};
+}
+
+/// Gradient per unique row (SPEC §4 step 2): rows ascending, each row's contributions
+/// summed in lookup order; also how often each row occurs in the batch.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
+    const at::Tensor& indices, const at::Tensor& offsets,
+    const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
+    bool mean) {
+  check_bags(indices, offsets, per_sample_weights);
+  check_tensor(grad_output, at::kFloat, "grad_output");
+  const int64_t nb = offsets.numel() - 1;
+  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == nb,
+              "embcache: grad_output must be [bags, dim]");
+  const int64_t dim = grad_output.size(1);
+  const int64_t n = indices.numel();
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
+  const float* g = grad_output.data_ptr<float>();
+
+  std::vector<int64_t> bag_of(n);
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t l = off[b]; l < off[b + 1]; ++l) bag_of[l] = b;
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
+  std::vector<int64_t> starts;
+  for (int64_t k = 0; k < n; ++k)
+    if (k == 0 || idx[order[k]] != idx[order[k - 1]]) starts.push_back(k);
+  const int64_t nu = (int64_t)starts.size();
+  starts.push_back(n);
+
+  at::Tensor rows = at::empty({nu}, indices.options());
+  at::Tensor grads = at::zeros({nu, dim}, grad_output.options());
+  at::Tensor occ = at::empty({nu}, indices.options());
+  int64_t* r = rows.data_ptr<int64_t>();
+  float* gr = grads.data_ptr<float>();
+  int64_t* oc = occ.data_ptr<int64_t>();
+  at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      r[u] = idx[order[starts[u]]];
+      oc[u] = starts[u + 1] - starts[u];
+      float* acc = gr + u * dim;
+      for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
+        const int64_t l = order[k], b = bag_of[l];
+        const float* gb = g + b * dim;
+        if (psw) {
+          for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] * psw[l];
+        } else if (mean) {
+          const float len = (float)(off[b + 1] - off[b]);
+          for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] / len;
+        } else {
+          for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j];
+        }
+      }
+    }
+  });
+  return {rows, grads, occ};
+}
+
+/// The optimizer step of one row: new value and new state from the fetched value v and
+/// the gradient g (SPEC §4 "Optimizers"). Writes only to `out` and `state_out`.
+void optimizer_row(int64_t opt, float lr, float eps, int64_t dim, const float* v,
+                   const float* g, const float* state, float* out, float* state_out) {
+  if (opt == kSGD) {
+    for (int64_t j = 0; j < dim; ++j) out[j] = v[j] - lr * g[j];
+  } else if (opt == kRowwiseAdagrad) {
+    float sum_sq = 0.f;
+    for (int64_t j = 0; j < dim; ++j) sum_sq += g[j] * g[j];
+    const float acc = state[0] + sum_sq / (float)dim;
+    const float step = lr / (sqrtf(acc) + eps);
+    for (int64_t j = 0; j < dim; ++j) out[j] = v[j] - step * g[j];
+    state_out[0] = acc;
+  } else {
+    for (int64_t j = 0; j < dim; ++j) {
+      const float acc = state[j] + g[j] * g[j];
+      out[j] = v[j] - (lr / (sqrtf(acc) + eps)) * g[j];
+      state_out[j] = acc;
+    }
+  }
+}
+
+int64_t optimizer_state_width(int64_t opt, int64_t dim) {
+  return opt == kSGD ? 0 : opt == kRowwiseAdagrad ? 1 : dim;
+}
+
+/// Applies one training step's update to the table and its cache (SPEC §4 step 3).
+/// Returns [unique hits, unique misses, insertions, evictions, bypasses].
+at::Tensor cache_update(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor& cache_rows,
+                        at::Tensor& cache_timestamps, at::Tensor& counts,
+                        at::Tensor& optimizer_state, const at::Tensor& unique_rows,
+                        const at::Tensor& grads, const at::Tensor& occurrences, int64_t bits,
+                        bool qparams_fp16, bool stochastic, bool lfu, int64_t optimizer,
+                        double lr, double eps, int64_t seed, int64_t step, int64_t table,
+                        int64_t num_sets, int64_t ways) {
+  const int64_t dim = grads.dim() == 2 ? grads.size(1) : 0;
+  const RowFormat f = make_format(bits, dim, qparams_fp16);
+  check_table(weights, f);
+  Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
+  check_tensor(unique_rows, at::kLong, "unique_rows");
+  check_tensor(grads, at::kFloat, "grads");
+  check_tensor(occurrences, at::kLong, "occurrences");
+  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(counts, at::kInt, "counts");
+  check_tensor(optimizer_state, at::kFloat, "optimizer_state");
+  TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdagrad, "embcache: unknown optimizer ",
+              optimizer);
+  const int64_t nu = unique_rows.numel(), num_rows = weights.size(0);
+  const int64_t sw = optimizer_state_width(optimizer, dim);
+  TORCH_CHECK(grads.size(0) == nu && occurrences.numel() == nu,
+              "embcache: one gradient row and one count per unique row");
+  TORCH_CHECK(optimizer_state.numel() == num_rows * sw, "embcache: optimizer state size");
+  TORCH_CHECK(!lfu || counts.numel() == num_rows, "embcache: LFU needs a count per row");
+  TORCH_CHECK(lfu || cache_timestamps.numel() == num_sets * ways,
+              "embcache: LRU needs a timestamp per slot");
+  const int64_t* rows = unique_rows.data_ptr<int64_t>();
+  for (int64_t u = 0; u < nu; ++u)
+    TORCH_CHECK(rows[u] >= 0 && rows[u] < num_rows && (u == 0 || rows[u] > rows[u - 1]),
+                "embcache: unique rows must be ascending and in range");
+
+  // Phase 1: new values and optimizer state, into scratch; nothing is changed yet.
+  const float* g = grads.data_ptr<float>();
+  const int64_t* occ = occurrences.data_ptr<int64_t>();
+  uint8_t* w = weights.data_ptr<uint8_t>();
+  float* st = optimizer_state.data_ptr<float>();
+  std::vector<float> fresh(nu * dim), fresh_state(nu * sw);
+  std::vector<int64_t> slot_of(nu);
+  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
+  at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+    std::vector<float> v(dim);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t row = rows[u];
+      slot_of[u] = cache.find(row);
+      if (slot_of[u] >= 0)
+        std::copy_n(cache.rows + slot_of[u] * dim, dim, v.data());
+      else
+        dequantize_row(f, w + row * f.row_bytes(), v.data());
+      optimizer_row(optimizer, (float)lr, (float)eps, dim, v.data(), g + u * dim,
+                    st + row * sw, fresh.data() + u * dim, fresh_state.data() + u * sw);
+      if (!row_is_storable(f, fresh.data() + u * dim)) {
+        int64_t cur = first_bad.load();
+        while (row < cur && !first_bad.compare_exchange_weak(cur, row)) {
+        }
+      }
+    }
+  });
+  TORCH_CHECK(first_bad.load() == std::numeric_limits<int64_t>::max(),
+              "embcache: the update of row ", first_bad.load(),
+              " gives a value the table cannot store (non-finite, or beyond the format's "
+              "range); nothing was changed");
+
+  // Phase 2: optimizer state and priorities.
+  int32_t* cnt = counts.data_ptr<int32_t>();
+  int32_t* ts = cache_timestamps.data_ptr<int32_t>();
+  for (int64_t u = 0; u < nu; ++u) {
+    std::copy_n(fresh_state.data() + u * sw, sw, st + rows[u] * sw);
+    if (lfu) {
+      const int64_t c = (int64_t)cnt[rows[u]] + occ[u];
+      cnt[rows[u]] = (int32_t)std::min<int64_t>(c, std::numeric_limits<int32_t>::max());
+    }
+  }
+
+  // Phase 3: per set, residents stay, candidates enter by strictly higher priority,
+  // the rest bypass. Sets are independent, so they run in parallel.
+  const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
+  std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
+  auto store = [&](int64_t row, const float* x) {
+    quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes());
+  };
+  if (num_sets == 0) {
+    at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) store(rows[u], fresh.data() + u * dim);
+    });
+    n_bypass = nu;
+  } else {
+    std::vector<int64_t> set_of(nu), by_set(nu);
+    for (int64_t u = 0; u < nu; ++u) set_of[u] = set_of_row(rows[u], num_sets);
+    std::iota(by_set.begin(), by_set.end(), 0);
+    std::stable_sort(by_set.begin(), by_set.end(),
+                     [&](int64_t a, int64_t b) { return set_of[a] < set_of[b]; });
+    std::vector<int64_t> starts;
+    for (int64_t k = 0; k < nu; ++k)
+      if (k == 0 || set_of[by_set[k]] != set_of[by_set[k - 1]]) starts.push_back(k);
+    const int64_t ngroups = (int64_t)starts.size();
+    starts.push_back(nu);
+    const int64_t kEmpty = std::numeric_limits<int64_t>::min();
+    auto priority_of_row = [&](int64_t row) -> int64_t { return lfu ? cnt[row] : step; };
+    at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+      std::vector<int64_t> cand, ways_order(ways), slot_prio(ways);
+      for (int64_t gi = g0; gi < g1; ++gi) {
+        cand.clear();
+        int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
+        for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
+          const int64_t u = by_set[k], slot = slot_of[u];
+          if (slot >= 0) {
+            std::copy_n(fresh.data() + u * dim, dim, cache.rows + slot * dim);
+            if (!lfu) ts[slot] = (int32_t)step;
+            ++hits;
+          } else {
+            cand.push_back(u);
+          }
+        }
+        std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) {
+          return priority_of_row(rows[a]) > priority_of_row(rows[b]);
+        });
+        const int64_t base = set_of[by_set[starts[gi]]] * ways;
+        for (int64_t way = 0; way < ways; ++way) {
+          const int32_t tag = cache.tags[base + way];
+          slot_prio[way] = tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
+        }
+        std::iota(ways_order.begin(), ways_order.end(), 0);
+        std::stable_sort(ways_order.begin(), ways_order.end(),
+                         [&](int64_t a, int64_t b) { return slot_prio[a] < slot_prio[b]; });
+        for (int64_t k = 0; k < (int64_t)cand.size(); ++k) {
+          const int64_t u = cand[k], row = rows[u];
+          const float* x = fresh.data() + u * dim;
+          if (k < ways && priority_of_row(row) > slot_prio[ways_order[k]]) {
+            const int64_t slot = base + ways_order[k];
+            const int32_t old = cache.tags[slot];
+            if (old >= 0) {
+              store(old, cache.rows + slot * dim);
+              ++evict;
+            }
+            cache.tags[slot] = (int32_t)row;
+            std::copy_n(x, dim, cache.rows + slot * dim);
+            if (!lfu) ts[slot] = (int32_t)step;
+            ++ins;
+          } else {
+            store(row, x);
+            ++bypass;
+          }
+        }
+        n_hits += hits;
+        n_ins += ins;
+        n_evict += evict;
+        n_bypass += bypass;
+      }
+    });
+  }
+  return at::tensor({n_hits.load(), nu - n_hits.load(), n_ins.load(), n_evict.load(),
+                     n_bypass.load()},
+                    at::kLong);
+}
+
+/// Writes every cached row back into the table and empties the cache. Returns the number
+/// of rows written.
+int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tensor& cache_rows,
+                    at::Tensor& cache_timestamps, int64_t bits, bool qparams_fp16,
+                    bool stochastic, int64_t seed, int64_t step, int64_t table) {
+  check_tensor(cache_tags, at::kInt, "cache_tags");
+  check_tensor(cache_rows, at::kFloat, "cache_rows");
+  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  const int64_t slots = cache_tags.numel();
+  if (slots == 0) return 0;
+  const int64_t dim = cache_rows.numel() / slots;
+  const RowFormat f = make_format(bits, dim, qparams_fp16);
+  check_table(weights, f);
+  int32_t* tags = cache_tags.data_ptr<int32_t>();
+  const float* cr = cache_rows.data_ptr<float>();
+  uint8_t* w = weights.data_ptr<uint8_t>();
+  const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
+  std::atomic<int64_t> written{0};
+  at::parallel_for(0, slots, kGrainRows, [&](int64_t s0, int64_t s1) {
+    int64_t local = 0;
+    for (int64_t s = s0; s < s1; ++s) {
+      if (tags[s] < 0) continue;
+      quantize_row(f, cr + s * dim, stochastic, stream, tags[s], w + tags[s] * f.row_bytes());
+      tags[s] = -1;
+      ++local;
+    }
+    written += local;
+  });
+  cache_timestamps.zero_();
+  return written.load();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(embcache, m) {
+  m.def("quantize_rows(Tensor values, Tensor row_ids, int bits, bool qparams_fp16, "
+        "bool stochastic, int seed, int step, int table) -> Tensor");
+  m.def("dequantize_rows(Tensor weights, int bits, int dim, bool qparams_fp16) -> Tensor");
+  m.def("lookup_forward(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
+        "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int bits, int dim, "
+        "bool qparams_fp16, int num_sets, int ways, bool mean) -> (Tensor, Tensor)");
+  m.def("dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
+        "Tensor grad_output, bool mean) -> (Tensor, Tensor, Tensor)");
+  m.def("cache_update(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
+        "Tensor(d!) cache_timestamps, Tensor(e!) counts, Tensor(f!) optimizer_state, "
+        "Tensor unique_rows, Tensor grads, Tensor occurrences, int bits, bool qparams_fp16, "
+        "bool stochastic, bool lfu, int optimizer, float lr, float eps, int seed, int step, "
+        "int table, int num_sets, int ways) -> Tensor");
+  m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
+        "Tensor(c!) cache_timestamps, int bits, bool qparams_fp16, bool stochastic, "
+        "int seed, int step, int table) -> int");
+}
+
+TORCH_LIBRARY_IMPL(embcache, CPU, m) {
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("lookup_forward", &lookup_forward);
+  m.impl("dedup_backward", &dedup_backward);
+  m.impl("cache_update", &cache_update);
+  m.impl("cache_flush", &cache_flush);
+}
+
+}  // namespace embcache
+
+// Importing `embcache._C` loads this library, which registers the ops above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

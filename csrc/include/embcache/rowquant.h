@@ -1,0 +1,328 @@
+// Row formats, rounding and random numbers of SPEC §2-4, written once for C++ and CUDA.
+//
+// Everything here is plain arithmetic on plain pointers: no torch, no STL, no <cmath>
+// functions whose results could differ between host and device. Every function is
+// EMBCACHE_HD (__host__ __device__ under nvcc), so the CPU kernels and the CUDA kernels
+// produce bit-identical table bytes for the same seed, stochastic rounding included.
+//
+// Compile with floating-point contraction off (-ffp-contract=off, nvcc --fmad=false):
+// `code * scale + bias` must be a multiply and an add, each rounded, never an FMA.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define EMBCACHE_HD __host__ __device__ __forceinline__
+#else
+#define EMBCACHE_HD inline
+#endif
+
+namespace embcache {
+
+// ---------------------------------------------------------------------------------------
+// Bit casts and IEEE binary16
+// ---------------------------------------------------------------------------------------
+
+EMBCACHE_HD uint32_t float_bits(float f) {
+  union { float f; uint32_t u; } v;
+  v.f = f;
+  return v.u;
+}
+
+EMBCACHE_HD float bits_float(uint32_t u) {
+  union { float f; uint32_t u; } v;
+  v.u = u;
+  return v.f;
+}
+
+EMBCACHE_HD bool is_finite(float f) { return (float_bits(f) & 0x7f800000u) != 0x7f800000u; }
+
+/// binary16 bits -> float (exact).
+EMBCACHE_HD float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float
+    const float mag = (float)man * 5.9604644775390625e-8f;
+    return bits_float(float_bits(mag) | sign);
+  }
+  if (exp == 31) return bits_float(sign | 0x7f800000u | (man << 13));
+  return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/// float -> binary16 bits, magnitude truncated toward zero (|f| must be < 65536 and finite).
+EMBCACHE_HD uint16_t half_bits_toward_zero(uint32_t abs_bits) {
+  if (abs_bits < 0x33800000u) return 0;  // |f| < 2^-24: below the smallest subnormal
+  if (abs_bits < 0x38800000u) {           // subnormal half: floor(|f| * 2^24)
+    const uint32_t exp = abs_bits >> 23;
+    const uint32_t man = (abs_bits & 0x7fffffu) | 0x800000u;
+    return (uint16_t)(man >> (126u - exp));
+  }
+  const uint32_t exp = (abs_bits >> 23) - 112u;
+  return (uint16_t)((exp << 10) | ((abs_bits & 0x7fffffu) >> 13));
+}
+
+/// float -> binary16 bits, round to nearest even (what `tensor.half()` does).
+EMBCACHE_HD uint16_t float_to_half_rn(float f) {
+  const uint32_t x = float_bits(f);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  const uint32_t a = x & 0x7fffffffu;
+  if (a >= 0x7f800000u) return sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
+  if (a < 0x33000000u) return sign;             // < 2^-25 rounds to zero
+  uint32_t q, rem, half;
+  if (a < 0x38800000u) {
+    const uint32_t exp = a >> 23;
+    const uint32_t man = (a & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - exp;
+    q = man >> shift;
+    rem = man & ((1u << shift) - 1u);
+    half = 1u << (shift - 1u);
+  } else {
+    q = (((a >> 23) - 112u) << 10) | ((a & 0x7fffffu) >> 13);
+    rem = a & 0x1fffu;
+    half = 0x1000u;
+  }
+  if (rem > half || (rem == half && (q & 1u))) q += 1u;  // a carry moves into the exponent
+  return sign | (uint16_t)q;
+}
+
+// ---------------------------------------------------------------------------------------
+// Philox4x32-10 (Salmon et al., Random123) and the stream of SPEC §3
+// ---------------------------------------------------------------------------------------
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+EMBCACHE_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
+  return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
+}
+
+EMBCACHE_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                  uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint32_t lo0 = 0xD2511F53u * c0, hi0 = mulhi32(0xD2511F53u, c0);
+    const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = mulhi32(0xCD9E8D57u, c2);
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+  Philox4 out = {{c0, c1, c2, c3}};
+  return out;
+}
+
+/// Where a row's random numbers come from: key (seed), counter (step, table, row).
+/// Element j of the row uses word j % 4 of philox(counter = (j / 4, row, step, table)).
+struct RoundingStream {
+  uint64_t seed;
+  uint32_t step;
+  uint32_t table;
+};
+
+/// The uniform number in [0, 1) of element `j` of row `row`: 24 random bits * 2^-24.
+EMBCACHE_HD float stream_uniform(const RoundingStream& s, int64_t row, int64_t j) {
+  const Philox4 r = philox4x32_10((uint32_t)(j >> 2), (uint32_t)row, s.step, s.table,
+                                  (uint32_t)s.seed, (uint32_t)(s.seed >> 32));
+  return (float)(r.v[j & 3] >> 8) * 5.9604644775390625e-8f;
+}
+
+/// 64-bit MurmurHash3 finalizer: row -> set.
+EMBCACHE_HD uint64_t murmur_fmix64(uint64_t h) {
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdull;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ull;
+  h ^= h >> 33;
+  return h;
+}
+
+EMBCACHE_HD int64_t set_of_row(int64_t row, int64_t num_sets) {
+  return (int64_t)(murmur_fmix64((uint64_t)row) % (uint64_t)num_sets);
+}
+
+// ---------------------------------------------------------------------------------------
+// Row formats (SPEC §2)
+// ---------------------------------------------------------------------------------------
+
+/// One table's row layout. `bits` is 32 (fp32), 16 (fp16), 8, 4 or 2 (integer codes).
+/// Integer rows are [codes packed low bits first | scale | bias], scale and bias float32
+/// (8 bytes) or, with qparams_fp16, binary16 (4 bytes): FBGEMM's fused row-wise layouts.
+struct RowFormat {
+  int bits;
+  int dim;
+  bool qparams_fp16;
+
+  EMBCACHE_HD bool is_int() const { return bits <= 8; }
+  EMBCACHE_HD int payload_bytes() const {
+    return bits == 32 ? 4 * dim : bits == 16 ? 2 * dim : (dim * bits + 7) / 8;
+  }
+  EMBCACHE_HD int qparam_bytes() const { return is_int() ? (qparams_fp16 ? 4 : 8) : 0; }
+  EMBCACHE_HD int row_bytes() const { return payload_bytes() + qparam_bytes(); }
+};
+
+EMBCACHE_HD float load_f32(const uint8_t* p) {
+  uint32_t u = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
+               ((uint32_t)p[3] << 24);
+  return bits_float(u);
+}
+
+EMBCACHE_HD void store_f32(uint8_t* p, float f) {
+  const uint32_t u = float_bits(f);
+  p[0] = (uint8_t)u;
+  p[1] = (uint8_t)(u >> 8);
+  p[2] = (uint8_t)(u >> 16);
+  p[3] = (uint8_t)(u >> 24);
+}
+
+EMBCACHE_HD uint16_t load_u16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+EMBCACHE_HD void store_u16(uint8_t* p, uint16_t h) {
+  p[0] = (uint8_t)h;
+  p[1] = (uint8_t)(h >> 8);
+}
+
+/// The row's scale and bias as floats.
+EMBCACHE_HD void load_qparams(const RowFormat& f, const uint8_t* row, float* scale,
+                              float* bias) {
+  const uint8_t* q = row + f.payload_bytes();
+  if (f.qparams_fp16) {
+    *scale = half_to_float(load_u16(q));
+    *bias = half_to_float(load_u16(q + 2));
+  } else {
+    *scale = load_f32(q);
+    *bias = load_f32(q + 4);
+  }
+}
+
+EMBCACHE_HD int load_code(const RowFormat& f, const uint8_t* row, int j) {
+  const int per_byte = 8 / f.bits;
+  return (row[j / per_byte] >> ((j % per_byte) * f.bits)) & ((1 << f.bits) - 1);
+}
+
+/// Element j of a stored row, as float32.
+EMBCACHE_HD float dequantize_element(const RowFormat& f, const uint8_t* row, int j,
+                                     float scale, float bias) {
+  if (f.bits == 32) return load_f32(row + 4 * j);
+  if (f.bits == 16) return half_to_float(load_u16(row + 2 * j));
+  return (float)load_code(f, row, j) * scale + bias;
+}
+
+/// out[0..dim) = the stored row as float32.
+EMBCACHE_HD void dequantize_row(const RowFormat& f, const uint8_t* row, float* out) {
+  float scale = 0.f, bias = 0.f;
+  if (f.is_int()) load_qparams(f, row, &scale, &bias);
+  for (int j = 0; j < f.dim; ++j) out[j] = dequantize_element(f, row, j, scale, bias);
+}
+
+/// Whether a float32 row can be stored in format f: every value finite and, for fp16,
+/// no value beyond the largest finite half (65504), for integer rows a finite range.
+EMBCACHE_HD bool row_is_storable(const RowFormat& f, const float* x) {
+  float mn = x[0], mx = x[0];
+  for (int j = 0; j < f.dim; ++j) {
+    if (!is_finite(x[j])) return false;
+    if (f.bits == 16 && (x[j] > 65504.f || x[j] < -65504.f)) return false;
+    mn = x[j] < mn ? x[j] : mn;
+    mx = x[j] > mx ? x[j] : mx;
+  }
+  if (f.is_int()) {
+    if (!is_finite(mx - mn)) return false;
+    if (f.qparams_fp16) {  // binary16 bias and scale must be finite
+      const uint16_t bias_h = float_to_half_rn(mn);
+      if ((bias_h & 0x7c00u) == 0x7c00u) return false;
+      const float scale = (mx - half_to_float(bias_h)) / (float)((1 << f.bits) - 1);
+      if ((float_to_half_rn(scale) & 0x7c00u) == 0x7c00u) return false;
+    }
+  }
+  return true;
+}
+
+/// Round x >= 0 (as bits, < 65536) to one of its binary16 neighbours with probability
+/// proportional to closeness (SPEC §3): hi with probability (x - lo) / (hi - lo).
+EMBCACHE_HD uint16_t half_stochastic_magnitude(uint32_t abs_bits, float u) {
+  const uint16_t lo = half_bits_toward_zero(abs_bits);
+  const float x = bits_float(abs_bits);
+  const float lo_f = half_to_float(lo);
+  if (x == lo_f) return lo;
+  const float hi_f = lo == 0x7bffu ? 65536.f : half_to_float((uint16_t)(lo + 1));
+  const float p = (x - lo_f) / (hi_f - lo_f);
+  return u < p ? (uint16_t)(lo + 1) : lo;
+}
+
+/// Round y to an integer code in [0, q_max]: nearest-even, or stochastic with uniform u.
+EMBCACHE_HD int round_code(float y, bool stochastic, float u, int q_max) {
+  float r;
+  if (stochastic) {
+    const float lo = floorf(y);
+    r = u < (y - lo) ? lo + 1.f : lo;
+  } else {
+    r = rintf(y);
+  }
+  if (!(r > 0.f)) return 0;  // also maps NaN to 0
+  return r > (float)q_max ? q_max : (int)r;
+}
+
+/// Store the float32 row x into `row` in format f, rounding as asked. Requires
+/// row_is_storable(f, x). `row_id` and `stream` key the stochastic rounding (SPEC §3).
+EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochastic,
+                              const RoundingStream& stream, int64_t row_id, uint8_t* row) {
+  if (f.bits == 32) {
+    for (int j = 0; j < f.dim; ++j) store_f32(row + 4 * j, x[j]);
+    return;
+  }
+  if (f.bits == 16) {
+    for (int j = 0; j < f.dim; ++j) {
+      uint16_t h;
+      if (stochastic) {
+        const uint32_t b = float_bits(x[j]);
+        h = (uint16_t)((b >> 16) & 0x8000u) |
+            half_stochastic_magnitude(b & 0x7fffffffu, stream_uniform(stream, row_id, j));
+      } else {
+        h = float_to_half_rn(x[j]);
+      }
+      store_u16(row + 2 * j, h);
+    }
+    return;
+  }
+  const int q_max = (1 << f.bits) - 1;
+  float mn = x[0], mx = x[0];
+  for (int j = 1; j < f.dim; ++j) {
+    mn = x[j] < mn ? x[j] : mn;
+    mx = x[j] > mx ? x[j] : mx;
+  }
+  float scale, bias, inv;
+  uint8_t* q = row + f.payload_bytes();
+  if (f.qparams_fp16) {
+    const uint16_t bias_h = float_to_half_rn(mn);
+    bias = half_to_float(bias_h);
+    const uint16_t scale_h = float_to_half_rn((mx - bias) / (float)q_max);
+    scale = half_to_float(scale_h);
+    inv = scale == 0.f ? 0.f : 1.f / scale;
+    store_u16(q, scale_h);
+    store_u16(q + 2, bias_h);
+  } else {
+    const float range = mx - mn;
+    bias = mn;
+    scale = range / (float)q_max;
+    inv = (float)q_max / (range + 1e-8f);
+    store_f32(q, scale);
+    store_f32(q + 4, bias);
+  }
+  const int per_byte = 8 / f.bits;
+  for (int b = 0; b < f.payload_bytes(); ++b) row[b] = 0;
+  for (int j = 0; j < f.dim; ++j) {
+    const float y = (x[j] - bias) * inv;
+    const float u = stochastic ? stream_uniform(stream, row_id, j) : 0.f;
+    const int code = round_code(y, stochastic, u, q_max);
+    row[j / per_byte] |= (uint8_t)(code << ((j % per_byte) * f.bits));
+  }
+}
+
+}  // namespace embcache

@@ -1,0 +1,140 @@
+"""The knobs of one low-precision cached table, validated once (SPEC §2-4).
+
+A :class:`TableConfig` is what a user asked for; :meth:`TableConfig.resolve` applies the rule
+that small tables stay plain FP32 without cache and gives the layout the kernels work on.
+Every invalid value raises ``ValueError`` naming the table, the field and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+PRECISION_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "int2": 2}
+ROUNDINGS = ("nearest", "stochastic")
+POLICIES = ("lru", "lfu")
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+QPARAMS = ("fp32", "fp16")
+MODES = ("sum", "mean")
+MAX_ASSOCIATIVITY = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """One table: ``num_embeddings x embedding_dim`` rows stored in ``precision`` behind an
+    FP32 cache of ``floor(cache_ratio * num_embeddings)`` rows (rounded down to a multiple of
+    ``associativity``), ``policy`` LRU or LFU, trained by ``optimizer`` with ``lr``.
+
+    ``seed`` keys the stochastic rounding stream together with ``table_id``; tables with
+    fewer than ``min_rows_for_low_precision`` rows are stored FP32 without cache.
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    precision: str = "int8"
+    rounding: str = "stochastic"
+    cache_ratio: float = 0.05
+    associativity: int = 32
+    policy: str = "lfu"
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    eps: float = 1e-8
+    mode: str = "sum"
+    qparams: str = "fp32"
+    seed: int = 0
+    min_rows_for_low_precision: int = 1000
+    name: str = "table"
+    table_id: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            value = getattr(self, field)
+            return ValueError(f"table '{self.name}': {field}={value!r} {why}")
+
+        for field, choices in (
+            ("precision", tuple(PRECISION_BITS)),
+            ("rounding", ROUNDINGS),
+            ("policy", POLICIES),
+            ("optimizer", OPTIMIZERS),
+            ("qparams", QPARAMS),
+            ("mode", MODES),
+        ):
+            if getattr(self, field) not in choices:
+                raise bad(field, f"is not one of {', '.join(choices)}")
+        if not isinstance(self.num_embeddings, int) or not 0 < self.num_embeddings < 2**31 - 1:
+            raise bad("num_embeddings", "must be an integer in [1, 2^31 - 2]")
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim <= 0:
+            raise bad("embedding_dim", "must be a positive integer")
+        if not (isinstance(self.cache_ratio, (int, float)) and 0 <= self.cache_ratio < 1):
+            raise bad("cache_ratio", "must be in [0, 1)")
+        a = self.associativity
+        if not isinstance(a, int) or a < 1 or a > MAX_ASSOCIATIVITY or a & (a - 1):
+            raise bad("associativity", f"must be a power of two in [1, {MAX_ASSOCIATIVITY}]")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise bad("lr", "must be finite and non-negative")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise bad("eps", "must be finite and positive")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise bad("seed", "must be an integer in [0, 2^63)")
+        if not isinstance(self.table_id, int) or not 0 <= self.table_id < 2**32:
+            raise bad("table_id", "must be an integer in [0, 2^32)")
+
+    @property
+    def low_precision(self) -> bool:
+        """False for tables small enough to stay FP32 without cache (SPEC §4.4)."""
+        return self.num_embeddings >= self.min_rows_for_low_precision
+
+    @property
+    def bits(self) -> int:
+        return PRECISION_BITS[self.precision] if self.low_precision else 32
+
+    @property
+    def stored_precision(self) -> str:
+        return self.precision if self.low_precision else "fp32"
+
+    @property
+    def ways(self) -> int:
+        return self.associativity
+
+    @property
+    def num_slots(self) -> int:
+        """Cache capacity C: floor(cache_ratio * rows), rounded down to a multiple of W."""
+        if not self.low_precision:
+            return 0
+        c = math.floor(self.cache_ratio * self.num_embeddings)
+        return c - c % self.associativity
+
+    @property
+    def num_sets(self) -> int:
+        return self.num_slots // self.associativity
+
+    @property
+    def qparams_fp16(self) -> bool:
+        return self.qparams == "fp16"
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one row's values (codes packed low bits first for integer formats)."""
+        return math.ceil(self.embedding_dim * self.bits / 8)
+
+    @property
+    def qparam_bytes(self) -> int:
+        """Bytes of one row's scale and bias (integer formats only)."""
+        if self.bits > 8:
+            return 0
+        return 4 if self.qparams_fp16 else 8
+
+    @property
+    def row_bytes(self) -> int:
+        return self.payload_bytes + self.qparam_bytes
+
+    @property
+    def optimizer_state_width(self) -> int:
+        """FP32 accumulators per row: 0 (SGD), 1 (row-wise AdaGrad), dim (AdaGrad)."""
+        return {"sgd": 0, "rowwise_adagrad": 1, "adagrad": self.embedding_dim}[self.optimizer]
+
+    @property
+    def optimizer_code(self) -> int:
+        return OPTIMIZERS.index(self.optimizer)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,398 @@
+"""A low-precision embedding-bag table behind an FP32 set-associative cache (SPEC §2-4)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
+from embcache.config import TableConfig
+
+_ops = torch.ops.embcache
+
+_STAT_NAMES = (
+    "lookups",
+    "hits",
+    "steps",
+    "unique_rows",
+    "unique_hits",
+    "unique_misses",
+    "insertions",
+    "evictions",
+    "bypasses",
+    "flushed",
+)
+
+
+class EmbeddingUpdateError(ValueError):
+    """A training step the table refused; the table, cache and optimizer state are unchanged."""
+
+
+class CachedLowPrecisionEmbedding(nn.Module):
+    r"""An ``nn.EmbeddingBag`` whose rows are stored in FP16/INT8/INT4/INT2 and trained there,
+    with the hottest rows kept in a small FP32 cache (LRU or LFU, direct-mapped or N-way).
+
+    Usage is ``nn.EmbeddingBag``'s, except that the update is applied by :meth:`step` (a
+    fused sparse optimizer) rather than by a ``torch.optim`` optimizer::
+
+        emb = CachedLowPrecisionEmbedding(10**6, 16, precision="int8", cache_ratio=0.05)
+        loss = head(emb(indices, offsets)).sum()
+        loss.backward()   # stores the deduplicated per-row gradient in the module
+        emb.step()        # optimizer + cache insert/evict/bypass + rounding into the table
+
+    Invariants:
+
+    * ``weights`` (uint8 ``[rows, row_bytes]``) holds every row that is not cached, in the
+      stored format (FBGEMM's fused row-wise layouts for integer formats); a cached row's
+      table copy is stale (write-back) until it is evicted or :meth:`flush` is called.
+    * ``cache_tags`` (int32 ``[sets * ways]``, -1 empty) never holds a row twice; slot
+      ``s * ways + w`` is way ``w`` of set ``s`` and row ``i`` can only live in set
+      ``murmur_fmix64(i) % sets``. ``cache_rows`` holds the FP32 values of the slots.
+    * LRU keeps ``cache_timestamps`` (int32 per slot: the step that last updated the row);
+      LFU keeps ``counts`` (int32 per table row, saturating: lookups during training steps).
+    * ``optimizer_state`` holds FP32 accumulators for every row (0, 1 or dim per row).
+    * ``step_count`` is the number of applied updates. Stochastic rounding at update ``t`` is
+      keyed by ``(seed, t, table_id, row, element)``, so ``state_dict()`` alone resumes a run
+      bit-identically.
+    * Evaluation forwards (``module.eval()``) and refused calls change no state at all.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        weight: Optional[torch.Tensor] = None,
+        **options,
+    ) -> None:
+        super().__init__()
+        self.config = TableConfig(num_embeddings, embedding_dim, **options)
+        cfg = self.config
+        rows, dim = num_embeddings, embedding_dim
+        if weight is None:
+            bound = math.sqrt(1.0 / rows)
+            gen = torch.Generator().manual_seed(cfg.seed * 1000003 + cfg.table_id)
+            weight = torch.empty(rows, dim).uniform_(-bound, bound, generator=gen)
+        elif tuple(weight.shape) != (rows, dim):
+            raise ValueError(
+                f"table '{cfg.name}': initial weight has shape {tuple(weight.shape)}, "
+                f"expected {(rows, dim)}"
+            )
+        self.register_buffer("weights", self._quantize_initial(weight.detach().float()))
+        self.register_buffer("cache_tags", torch.full((cfg.num_slots,), -1, dtype=torch.int32))
+        self.register_buffer("cache_rows", torch.zeros(cfg.num_slots, dim))
+        lru, lfu = cfg.policy == "lru", cfg.policy == "lfu"
+        self.register_buffer(
+            "cache_timestamps", torch.zeros(cfg.num_slots if lru else 0, dtype=torch.int32)
+        )
+        counts_rows = rows if lfu and cfg.num_slots > 0 else 0
+        self.register_buffer("counts", torch.zeros(counts_rows, dtype=torch.int32))
+        self.register_buffer(
+            "optimizer_state", torch.zeros(rows * cfg.optimizer_state_width, dtype=torch.float32)
+        )
+        self.register_buffer("step_count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("stat_counters", torch.zeros(len(_STAT_NAMES), dtype=torch.int64))
+        self._grad_anchor = torch.empty(0, requires_grad=True)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @property
+    def _lfu(self) -> bool:
+        return self.config.policy == "lfu" and self.config.num_slots > 0
+
+    def _format_args(self) -> tuple[int, bool]:
+        return self.config.bits, self.config.qparams_fp16
+
+    def _quantize_initial(self, weight: torch.Tensor) -> torch.Tensor:
+        """Round the initial FP32 rows to the stored format (nearest), in bounded chunks."""
+        bits, qfp16 = self._format_args()
+        chunks = []
+        for start in range(0, weight.shape[0], 1 << 16):
+            block = weight[start : start + (1 << 16)].contiguous()
+            ids = torch.arange(start, start + block.shape[0], dtype=torch.int64)
+            try:
+                chunks.append(_ops.quantize_rows(block, ids, bits, qfp16, False, 0, 0, 0))
+            except RuntimeError as e:
+                raise ValueError(f"table '{self.config.name}': initial weight: {e}") from None
+        return torch.cat(chunks) if chunks else torch.empty(0, self.config.row_bytes, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ input checking
+
+    def _bags(
+        self,
+        input: torch.Tensor,
+        offsets: Optional[torch.Tensor],
+        per_sample_weights: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(indices int64 [L], offsets int64 [B+1], weights float32 [L] or None), checked."""
+        name = self.config.name
+
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"table '{name}': {msg}")
+
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
+            raise bad(f"input must be an int64 or int32 tensor, got {getattr(input, 'dtype', type(input))}")
+        if input.dim() == 2:
+            if offsets is not None:
+                raise bad("offsets must be None when input is 2-D (fixed-length bags)")
+            b, l = input.shape
+            offsets = torch.arange(0, b * l + 1, max(l, 1), dtype=torch.int64)[: b + 1]
+            input = input.reshape(-1)
+        elif input.dim() == 1:
+            if offsets is None:
+                raise bad("offsets are required when input is 1-D")
+            if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) or offsets.dim() != 1:
+                raise bad("offsets must be a 1-D int64 or int32 tensor")
+            offsets = torch.cat([offsets.long(), torch.tensor([input.numel()])])
+        else:
+            raise bad(f"input must be 1-D or 2-D, got {input.dim()}-D")
+        indices = input.long().contiguous()
+        if indices.numel():
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < 0 or hi >= self.config.num_embeddings:
+                raise bad(
+                    f"index {lo if lo < 0 else hi} is out of range [0, {self.config.num_embeddings})"
+                )
+        if offsets.numel() > 1:
+            if int(offsets[0]) != 0:
+                raise bad(f"offsets must start at 0, got {int(offsets[0])}")
+            steps = offsets[1:] - offsets[:-1]
+            if bool((steps < 0).any()):
+                at = int(torch.nonzero(steps < 0)[0])
+                raise bad(
+                    f"offsets decrease at bag {at} ({int(offsets[at])} > {int(offsets[at + 1])}) "
+                    f"or exceed len(input)={indices.numel()}"
+                )
+        if per_sample_weights is not None:
+            if self.config.mode != "sum":
+                raise bad("per_sample_weights are only supported with mode='sum'")
+            if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
+                raise bad("per_sample_weights must be a floating-point tensor")
+            if per_sample_weights.shape != indices.shape:
+                raise bad(
+                    f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
+                    f"expected {tuple(indices.shape)}"
+                )
+        return indices, offsets.contiguous(), per_sample_weights
+
+    # ------------------------------------------------------------------ forward / backward
+
+    def _lookup(self, indices, offsets, psw) -> tuple[torch.Tensor, int]:
+        cfg = self.config
+        bits, qfp16 = self._format_args()
+        out, hits = _ops.lookup_forward(
+            self.weights, self.cache_tags, self.cache_rows, indices, offsets, psw,
+            bits, cfg.embedding_dim, qfp16, cfg.num_sets, cfg.ways, cfg.mode == "mean",
+        )
+        return out, int(hits)
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: Optional[torch.Tensor] = None,
+        per_sample_weights: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Pooled embeddings ``[bags, dim]`` (FP32), with ``nn.EmbeddingBag``'s conventions.
+
+        In training mode the backward pass stores the per-row gradient for :meth:`step`.
+        """
+        indices, offs, psw = self._bags(input, offsets, per_sample_weights)
+        psw32 = None if psw is None else psw.detach().float().contiguous()
+        if self.training:
+            self.stat_counters[0] += indices.numel()
+        anchor = self._grad_anchor if self.training else self._grad_anchor.detach()
+        psw_in = psw if psw is not None else torch.empty(0)
+        return _PooledLookup.apply(self, indices, offs, psw32, anchor, psw_in)
+
+    def _store_gradient(self, indices, offsets, psw, grad_output) -> None:
+        rows, grads, occ = _ops.dedup_backward(
+            indices, offsets, psw, grad_output.float().contiguous(), self.config.mode == "mean"
+        )
+        self._pending.append((rows, grads, occ))
+
+    # ------------------------------------------------------------------ the update
+
+    def _pending_gradient(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The stored gradient summed per unique row (rows ascending)."""
+        if not self._pending:
+            return None
+        if len(self._pending) == 1:
+            return self._pending[0]
+        rows = torch.cat([p[0] for p in self._pending])
+        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+        grads = torch.zeros(unique.numel(), self.config.embedding_dim)
+        grads.index_add_(0, inverse, torch.cat([p[1] for p in self._pending]))
+        occ = torch.zeros(unique.numel(), dtype=torch.int64)
+        occ.index_add_(0, inverse, torch.cat([p[2] for p in self._pending]))
+        self._pending = [(unique, grads, occ)]
+        return self._pending[0]
+
+    def has_nonfinite_grad(self) -> bool:
+        """Whether the stored gradient holds an inf or NaN (the overflow check of SPEC §6)."""
+        return any(not bool(torch.isfinite(p[1]).all()) for p in self._pending)
+
+    def unscale_grad_(self, inv_scale: float) -> None:
+        """Multiply the stored gradient by ``inv_scale`` (in FP32), e.g. ``1 / loss_scale``."""
+        for p in self._pending:
+            p[1].mul_(inv_scale)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the stored gradient (a skipped step)."""
+        self._pending = []
+
+    def step(self) -> None:
+        """Apply the stored gradient (SPEC §4 step 3) and clear it.
+
+        Raises :class:`EmbeddingUpdateError` and changes nothing if the gradient or the
+        updated values are not finite (or not storable in the table's format).
+        """
+        pending = self._pending_gradient()
+        if pending is None:
+            return
+        rows, grads, occ = pending
+        cfg = self.config
+        finite = torch.isfinite(grads).all(dim=1)
+        if not bool(finite.all()):
+            row = int(rows[~finite][0])
+            raise EmbeddingUpdateError(
+                f"table '{cfg.name}': non-finite gradient for row {row}; nothing was changed"
+            )
+        bits, qfp16 = self._format_args()
+        t = int(self.step_count) + 1
+        try:
+            counts = _ops.cache_update(
+                self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps,
+                self.counts, self.optimizer_state, rows, grads, occ, bits, qfp16,
+                cfg.rounding == "stochastic", self._lfu, cfg.optimizer_code, cfg.lr, cfg.eps,
+                cfg.seed, t, cfg.table_id, cfg.num_sets, cfg.ways,
+            )
+        except RuntimeError as e:
+            raise EmbeddingUpdateError(f"table '{cfg.name}': {e}") from None
+        self.step_count.fill_(t)
+        self.stat_counters[2] += 1
+        self.stat_counters[3] += rows.numel()
+        self.stat_counters[4:9] += counts
+        self._pending = []
+
+    def flush(self) -> int:
+        """Round every cached row down into the table and empty the cache.
+
+        Afterwards ``weights`` alone holds every row. Returns the number of rows written.
+        """
+        cfg = self.config
+        bits, qfp16 = self._format_args()
+        n = _ops.cache_flush(
+            self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps, bits, qfp16,
+            cfg.rounding == "stochastic", cfg.seed, int(self.step_count), cfg.table_id,
+        )
+        self.cache_rows.zero_()
+        self.stat_counters[9] += n
+        return n
+
+    # ------------------------------------------------------------------ inspection
+
+    def current_weight(self) -> torch.Tensor:
+        """The FP32 value of every row as a forward pass sees it (cache over table)."""
+        bits, qfp16 = self._format_args()
+        out = _ops.dequantize_rows(self.weights, bits, self.config.embedding_dim, qfp16)
+        resident = self.cache_tags >= 0
+        out[self.cache_tags[resident].long()] = self.cache_rows[resident]
+        return out
+
+    def stats(self) -> dict:
+        """Counters since construction: per lookup (``lookups``, ``hits``, ``misses``,
+        ``hit_rate``: a hit is a training-forward lookup that finds its row cached) and per
+        unique updated row (``unique_hits``/``unique_misses``, ``insertions``, ``evictions``,
+        ``bypasses``), ``steps`` applied and rows ``flushed``."""
+        s = dict(zip(_STAT_NAMES, (int(v) for v in self.stat_counters)))
+        s["misses"] = s["lookups"] - s["hits"]
+        s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        return s
+
+    def memory_bytes(self) -> dict:
+        """Bytes of the module's state by component; ``total`` is their sum and equals the
+        bytes of all its tensors except the 2 scalars of bookkeeping (step, statistics)."""
+        cfg = self.config
+        rows = cfg.num_embeddings
+        return _with_total(
+            {
+                "table_payload": rows * cfg.payload_bytes,
+                "table_qparams": rows * cfg.qparam_bytes,
+                "cache_rows": self.cache_rows.nbytes,
+                "cache_tags": self.cache_tags.nbytes,
+                "cache_timestamps": self.cache_timestamps.nbytes,
+                "lfu_counts": self.counts.nbytes,
+                "optimizer_state": self.optimizer_state.nbytes,
+            }
+        )
+
+    def compression_factor(self) -> float:
+        """Bytes of this module over those of the FP32 table with the same optimizer state
+        (the paper's Appendix A), from the tensors really allocated."""
+        mem = self.memory_bytes()
+        fp32 = self.config.num_embeddings * self.config.embedding_dim * 4
+        return mem["total"] / (fp32 + mem["optimizer_state"])
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"{c.num_embeddings}, {c.embedding_dim}, precision={c.stored_precision}, "
+            f"rounding={c.rounding}, slots={c.num_slots}, ways={c.ways}, policy={c.policy}, "
+            f"optimizer={c.optimizer}, lr={c.lr}, name={c.name!r}"
+        )
+
+    def get_extra_state(self) -> dict:
+        return self.config.to_dict()
+
+    def set_extra_state(self, state: dict) -> None:
+        mine = self.config.to_dict()
+        if state != mine:
+            diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+            raise ValueError(
+                f"table '{self.config.name}': checkpoint was saved with another configuration "
+                f"(field: (saved, current)) {diff}"
+            )
+
+
+def _with_total(parts: dict) -> dict:
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Forward through the C++ lookup; backward hands the deduplicated per-row gradient to
+    the module (for :meth:`CachedLowPrecisionEmbedding.step`) and returns the gradient of
+    the per-sample weights, if they require one."""
+
+    @staticmethod
+    def forward(ctx, module, indices, offsets, psw32, anchor, psw_in):
+        out, hits = module._lookup(indices, offsets, psw32)
+        if module.training:
+            module.stat_counters[1] += hits
+        ctx.module = module
+        ctx.save_for_backward(indices, offsets, psw32 if psw32 is not None else torch.empty(0))
+        ctx.has_psw = psw32 is not None
+        ctx.psw_dtype = psw_in.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        indices, offsets, psw = ctx.saved_tensors
+        psw = psw if ctx.has_psw else None
+        module = ctx.module
+        grad_output = grad_output.float().contiguous()
+        if ctx.needs_input_grad[4]:
+            module._store_gradient(indices, offsets, psw, grad_output)
+        grad_psw = None
+        if ctx.has_psw and ctx.needs_input_grad[5]:
+            # d out[b] / d w_l = value of lookup l: fetch each lookup as its own bag.
+            single = torch.arange(indices.numel() + 1, dtype=torch.int64)
+            values, _ = module._lookup(indices, single, None)
+            bag = torch.repeat_interleave(
+                torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1]
+            )
+            grad_psw = (grad_output[bag] * values).sum(dim=1).to(ctx.psw_dtype)
+        return None, None, None, None, None, grad_psw

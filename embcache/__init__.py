@@ -9,5 +9,14 @@ See SPEC §2-5 for the numerics. Public API:
 """
 from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding, EmbeddingUpdateError
+from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+from embcache.memory import compression_factor, memory_breakdown
 
-__all__ = ["TableConfig", "CachedLowPrecisionEmbedding", "EmbeddingUpdateError"]
+__all__ = [
+    "TableConfig",
+    "CachedLowPrecisionEmbedding",
+    "CachedLowPrecisionEmbeddingBagCollection",
+    "EmbeddingUpdateError",
+    "compression_factor",
+    "memory_breakdown",
+]

@@ -34,7 +34,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
     r"""An ``nn.EmbeddingBag`` whose rows are stored in FP16/INT8/INT4/INT2 and trained there,
     with the hottest rows kept in a small FP32 cache (LRU or LFU, direct-mapped or N-way).
 
-    Usage is ``nn.EmbeddingBag``'s, except that the update is applied by :meth:`step` (a
+    Usage is ``nn.EmbeddingBag``'s (``include_last_offset`` included), except that the update is applied by :meth:`step` (a
     fused sparse optimizer) rather than by a ``torch.optim`` optimizer::
 
         emb = CachedLowPrecisionEmbedding(10**6, 16, precision="int8", cache_ratio=0.05)
@@ -65,9 +65,11 @@ class CachedLowPrecisionEmbedding(nn.Module):
         embedding_dim: int,
         *,
         weight: Optional[torch.Tensor] = None,
+        include_last_offset: bool = False,
         **options,
     ) -> None:
         super().__init__()
+        self.include_last_offset = include_last_offset
         self.config = TableConfig(num_embeddings, embedding_dim, **options)
         cfg = self.config
         rows, dim = num_embeddings, embedding_dim
@@ -146,7 +148,14 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 raise bad("offsets are required when input is 1-D")
             if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) or offsets.dim() != 1:
                 raise bad("offsets must be a 1-D int64 or int32 tensor")
-            offsets = torch.cat([offsets.long(), torch.tensor([input.numel()])])
+            offsets = offsets.long()
+            if not self.include_last_offset:
+                offsets = torch.cat([offsets, torch.tensor([input.numel()])])
+            elif offsets.numel() == 0 or int(offsets[-1]) != input.numel():
+                raise bad(
+                    f"with include_last_offset the last offset must be len(input)="
+                    f"{input.numel()}, got {offsets[-1:].tolist()}"
+                )
         else:
             raise bad(f"input must be 1-D or 2-D, got {input.dim()}-D")
         indices = input.long().contiguous()
@@ -249,28 +258,48 @@ class CachedLowPrecisionEmbedding(nn.Module):
         Raises :class:`EmbeddingUpdateError` and changes nothing if the gradient or the
         updated values are not finite (or not storable in the table's format).
         """
+        prepared = self._prepare_step()
+        if prepared is not None:
+            self._commit_step(prepared)
+
+    def _prepare_step(self) -> Optional[tuple]:
+        """The optimizer's new values for the stored gradient, computed without changing any
+        state; raises :class:`EmbeddingUpdateError` if they cannot be applied."""
         pending = self._pending_gradient()
         if pending is None:
-            return
+            return None
         rows, grads, occ = pending
         cfg = self.config
         finite = torch.isfinite(grads).all(dim=1)
         if not bool(finite.all()):
-            row = int(rows[~finite][0])
             raise EmbeddingUpdateError(
-                f"table '{cfg.name}': non-finite gradient for row {row}; nothing was changed"
+                f"table '{cfg.name}': non-finite gradient for row {int(rows[~finite][0])}; "
+                "nothing was changed"
             )
         bits, qfp16 = self._format_args()
-        t = int(self.step_count) + 1
-        try:
-            counts = _ops.cache_update(
-                self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps,
-                self.counts, self.optimizer_state, rows, grads, occ, bits, qfp16,
-                cfg.rounding == "stochastic", self._lfu, cfg.optimizer_code, cfg.lr, cfg.eps,
-                cfg.seed, t, cfg.table_id, cfg.num_sets, cfg.ways,
+        fresh, fresh_state, slots, bad_row = _ops.update_prepare(
+            self.weights, self.cache_tags, self.cache_rows, self.optimizer_state, rows, grads,
+            bits, qfp16, cfg.optimizer_code, cfg.lr, cfg.eps, cfg.num_sets, cfg.ways,
+        )
+        if bad_row >= 0:
+            raise EmbeddingUpdateError(
+                f"table '{cfg.name}': the update of row {bad_row} gives a value that "
+                f"{cfg.stored_precision} cannot store (non-finite or out of range); "
+                "nothing was changed"
             )
-        except RuntimeError as e:
-            raise EmbeddingUpdateError(f"table '{cfg.name}': {e}") from None
+        return rows, fresh, fresh_state, slots, occ
+
+    def _commit_step(self, prepared: tuple) -> None:
+        rows, fresh, fresh_state, slots, occ = prepared
+        cfg = self.config
+        bits, qfp16 = self._format_args()
+        t = int(self.step_count) + 1
+        counts = _ops.update_commit(
+            self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps, self.counts,
+            self.optimizer_state, rows, fresh, fresh_state, slots, occ, bits, qfp16,
+            cfg.rounding == "stochastic", self._lfu, cfg.seed, t, cfg.table_id,
+            cfg.num_sets, cfg.ways,
+        )
         self.step_count.fill_(t)
         self.stat_counters[2] += 1
         self.stat_counters[3] += rows.numel()

@@ -268,159 +268,187 @@ int64_t optimizer_state_width(int64_t opt, int64_t dim) {
   return opt == kSGD ? 0 : opt == kRowwiseAdagrad ? 1 : dim;
 }
 
-/// Applies one training step's update to the table and its cache (SPEC §4 step 3).
-/// Returns [unique hits, unique misses, insertions, evictions, bypasses].
-at::Tensor cache_update(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor& cache_rows,
-                        at::Tensor& cache_timestamps, at::Tensor& counts,
-                        at::Tensor& optimizer_state, const at::Tensor& unique_rows,
-                        const at::Tensor& grads, const at::Tensor& occurrences, int64_t bits,
-                        bool qparams_fp16, bool stochastic, bool lfu, int64_t optimizer,
-                        double lr, double eps, int64_t seed, int64_t step, int64_t table,
-                        int64_t num_sets, int64_t ways) {
-  const int64_t dim = grads.dim() == 2 ? grads.size(1) : 0;
+/// First half of a training step's update (SPEC §4 step 3), changing nothing: for each
+/// unique row, its slot (-1 if not cached) and the optimizer's new value and state from
+/// the fetched value. Also returns the smallest row whose new value cannot be stored in
+/// the table's format (non-finite, or beyond its range), or -1.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
+    const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
+    const at::Tensor& optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
+    int64_t bits, bool qparams_fp16, int64_t optimizer, double lr, double eps,
+    int64_t num_sets, int64_t ways) {
+  check_tensor(grads, at::kFloat, "grads");
+  TORCH_CHECK(grads.dim() == 2, "embcache: grads must be [unique rows, dim]");
+  const int64_t dim = grads.size(1);
   const RowFormat f = make_format(bits, dim, qparams_fp16);
   check_table(weights, f);
-  Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
+  const Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
   check_tensor(unique_rows, at::kLong, "unique_rows");
-  check_tensor(grads, at::kFloat, "grads");
-  check_tensor(occurrences, at::kLong, "occurrences");
-  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
-  check_tensor(counts, at::kInt, "counts");
   check_tensor(optimizer_state, at::kFloat, "optimizer_state");
   TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdagrad, "embcache: unknown optimizer ",
               optimizer);
   const int64_t nu = unique_rows.numel(), num_rows = weights.size(0);
   const int64_t sw = optimizer_state_width(optimizer, dim);
-  TORCH_CHECK(grads.size(0) == nu && occurrences.numel() == nu,
-              "embcache: one gradient row and one count per unique row");
+  TORCH_CHECK(grads.size(0) == nu, "embcache: one gradient row per unique row");
   TORCH_CHECK(optimizer_state.numel() == num_rows * sw, "embcache: optimizer state size");
-  TORCH_CHECK(!lfu || counts.numel() == num_rows, "embcache: LFU needs a count per row");
-  TORCH_CHECK(lfu || cache_timestamps.numel() == num_sets * ways,
-              "embcache: LRU needs a timestamp per slot");
   const int64_t* rows = unique_rows.data_ptr<int64_t>();
   for (int64_t u = 0; u < nu; ++u)
     TORCH_CHECK(rows[u] >= 0 && rows[u] < num_rows && (u == 0 || rows[u] > rows[u - 1]),
                 "embcache: unique rows must be ascending and in range");
 
-  // Phase 1: new values and optimizer state, into scratch; nothing is changed yet.
+  at::Tensor fresh = at::empty({nu, dim}, grads.options());
+  at::Tensor fresh_state = at::empty({nu, sw}, grads.options());
+  at::Tensor slots = at::empty({nu}, unique_rows.options());
   const float* g = grads.data_ptr<float>();
-  const int64_t* occ = occurrences.data_ptr<int64_t>();
-  uint8_t* w = weights.data_ptr<uint8_t>();
-  float* st = optimizer_state.data_ptr<float>();
-  std::vector<float> fresh(nu * dim), fresh_state(nu * sw);
-  std::vector<int64_t> slot_of(nu);
+  const uint8_t* w = weights.data_ptr<uint8_t>();
+  const float* st = optimizer_state.data_ptr<float>();
+  float* fr = fresh.data_ptr<float>();
+  float* fs = fresh_state.data_ptr<float>();
+  int64_t* sl = slots.data_ptr<int64_t>();
   std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     std::vector<float> v(dim);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t row = rows[u];
-      slot_of[u] = cache.find(row);
-      if (slot_of[u] >= 0)
-        std::copy_n(cache.rows + slot_of[u] * dim, dim, v.data());
+      sl[u] = cache.find(row);
+      if (sl[u] >= 0)
+        std::copy_n(cache.rows + sl[u] * dim, dim, v.data());
       else
         dequantize_row(f, w + row * f.row_bytes(), v.data());
       optimizer_row(optimizer, (float)lr, (float)eps, dim, v.data(), g + u * dim,
-                    st + row * sw, fresh.data() + u * dim, fresh_state.data() + u * sw);
-      if (!row_is_storable(f, fresh.data() + u * dim)) {
+                    st + row * sw, fr + u * dim, fs + u * sw);
+      if (!row_is_storable(f, fr + u * dim)) {
         int64_t cur = first_bad.load();
         while (row < cur && !first_bad.compare_exchange_weak(cur, row)) {
         }
       }
     }
   });
-  TORCH_CHECK(first_bad.load() == std::numeric_limits<int64_t>::max(),
-              "embcache: the update of row ", first_bad.load(),
-              " gives a value the table cannot store (non-finite, or beyond the format's "
-              "range); nothing was changed");
+  const int64_t bad = first_bad.load();
+  return {fresh, fresh_state, slots, bad == std::numeric_limits<int64_t>::max() ? -1 : bad};
+}
 
-  // Phase 2: optimizer state and priorities.
+/// Second half: writes the prepared values (SPEC §4 step 3). LFU counts and LRU
+/// timestamps first; then per set, updated residents stay, candidates enter by strictly
+/// higher priority, the rest bypass into the table. Sets are independent and run in
+/// parallel. Returns [unique hits, unique misses, insertions, evictions, bypasses].
+at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor& cache_rows,
+                         at::Tensor& cache_timestamps, at::Tensor& counts,
+                         at::Tensor& optimizer_state, const at::Tensor& unique_rows,
+                         const at::Tensor& fresh, const at::Tensor& fresh_state,
+                         const at::Tensor& slots, const at::Tensor& occurrences, int64_t bits,
+                         bool qparams_fp16, bool stochastic, bool lfu, int64_t seed,
+                         int64_t step, int64_t table, int64_t num_sets, int64_t ways) {
+  check_tensor(fresh, at::kFloat, "fresh");
+  check_tensor(fresh_state, at::kFloat, "fresh_state");
+  check_tensor(slots, at::kLong, "slots");
+  check_tensor(occurrences, at::kLong, "occurrences");
+  check_tensor(unique_rows, at::kLong, "unique_rows");
+  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(counts, at::kInt, "counts");
+  check_tensor(optimizer_state, at::kFloat, "optimizer_state");
+  const int64_t dim = fresh.size(1), nu = unique_rows.numel();
+  const RowFormat f = make_format(bits, dim, qparams_fp16);
+  check_table(weights, f);
+  Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
+  const int64_t num_rows = weights.size(0), sw = fresh_state.size(1);
+  TORCH_CHECK(fresh.size(0) == nu && fresh_state.size(0) == nu && slots.numel() == nu &&
+                  occurrences.numel() == nu && optimizer_state.numel() == num_rows * sw,
+              "embcache: prepared update does not match the table");
+  TORCH_CHECK(!lfu || counts.numel() == num_rows, "embcache: LFU needs a count per row");
+  TORCH_CHECK(lfu || num_sets == 0 || cache_timestamps.numel() == num_sets * ways,
+              "embcache: LRU needs a timestamp per slot");
+  const int64_t* rows = unique_rows.data_ptr<int64_t>();
+  const int64_t* occ = occurrences.data_ptr<int64_t>();
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  const float* fr = fresh.data_ptr<float>();
+  const float* fs = fresh_state.data_ptr<float>();
+  uint8_t* w = weights.data_ptr<uint8_t>();
+  float* st = optimizer_state.data_ptr<float>();
   int32_t* cnt = counts.data_ptr<int32_t>();
   int32_t* ts = cache_timestamps.data_ptr<int32_t>();
+
   for (int64_t u = 0; u < nu; ++u) {
-    std::copy_n(fresh_state.data() + u * sw, sw, st + rows[u] * sw);
+    std::copy_n(fs + u * sw, sw, st + rows[u] * sw);
     if (lfu) {
       const int64_t c = (int64_t)cnt[rows[u]] + occ[u];
       cnt[rows[u]] = (int32_t)std::min<int64_t>(c, std::numeric_limits<int32_t>::max());
     }
   }
 
-  // Phase 3: per set, residents stay, candidates enter by strictly higher priority,
-  // the rest bypass. Sets are independent, so they run in parallel.
   const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
-  std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
   auto store = [&](int64_t row, const float* x) {
     quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes());
   };
   if (num_sets == 0) {
     at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) store(rows[u], fresh.data() + u * dim);
+      for (int64_t u = u0; u < u1; ++u) store(rows[u], fr + u * dim);
     });
-    n_bypass = nu;
-  } else {
-    std::vector<int64_t> set_of(nu), by_set(nu);
-    for (int64_t u = 0; u < nu; ++u) set_of[u] = set_of_row(rows[u], num_sets);
-    std::iota(by_set.begin(), by_set.end(), 0);
-    std::stable_sort(by_set.begin(), by_set.end(),
-                     [&](int64_t a, int64_t b) { return set_of[a] < set_of[b]; });
-    std::vector<int64_t> starts;
-    for (int64_t k = 0; k < nu; ++k)
-      if (k == 0 || set_of[by_set[k]] != set_of[by_set[k - 1]]) starts.push_back(k);
-    const int64_t ngroups = (int64_t)starts.size();
-    starts.push_back(nu);
-    const int64_t kEmpty = std::numeric_limits<int64_t>::min();
-    auto priority_of_row = [&](int64_t row) -> int64_t { return lfu ? cnt[row] : step; };
-    at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
-      std::vector<int64_t> cand, ways_order(ways), slot_prio(ways);
-      for (int64_t gi = g0; gi < g1; ++gi) {
-        cand.clear();
-        int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
-        for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
-          const int64_t u = by_set[k], slot = slot_of[u];
-          if (slot >= 0) {
-            std::copy_n(fresh.data() + u * dim, dim, cache.rows + slot * dim);
-            if (!lfu) ts[slot] = (int32_t)step;
-            ++hits;
-          } else {
-            cand.push_back(u);
-          }
-        }
-        std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) {
-          return priority_of_row(rows[a]) > priority_of_row(rows[b]);
-        });
-        const int64_t base = set_of[by_set[starts[gi]]] * ways;
-        for (int64_t way = 0; way < ways; ++way) {
-          const int32_t tag = cache.tags[base + way];
-          slot_prio[way] = tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
-        }
-        std::iota(ways_order.begin(), ways_order.end(), 0);
-        std::stable_sort(ways_order.begin(), ways_order.end(),
-                         [&](int64_t a, int64_t b) { return slot_prio[a] < slot_prio[b]; });
-        for (int64_t k = 0; k < (int64_t)cand.size(); ++k) {
-          const int64_t u = cand[k], row = rows[u];
-          const float* x = fresh.data() + u * dim;
-          if (k < ways && priority_of_row(row) > slot_prio[ways_order[k]]) {
-            const int64_t slot = base + ways_order[k];
-            const int32_t old = cache.tags[slot];
-            if (old >= 0) {
-              store(old, cache.rows + slot * dim);
-              ++evict;
-            }
-            cache.tags[slot] = (int32_t)row;
-            std::copy_n(x, dim, cache.rows + slot * dim);
-            if (!lfu) ts[slot] = (int32_t)step;
-            ++ins;
-          } else {
-            store(row, x);
-            ++bypass;
-          }
-        }
-        n_hits += hits;
-        n_ins += ins;
-        n_evict += evict;
-        n_bypass += bypass;
-      }
-    });
+    return at::tensor({int64_t(0), nu, int64_t(0), int64_t(0), nu}, at::kLong);
   }
+  std::vector<int64_t> set_of(nu), by_set(nu);
+  for (int64_t u = 0; u < nu; ++u) set_of[u] = set_of_row(rows[u], num_sets);
+  std::iota(by_set.begin(), by_set.end(), 0);
+  std::stable_sort(by_set.begin(), by_set.end(),
+                   [&](int64_t a, int64_t b) { return set_of[a] < set_of[b]; });
+  std::vector<int64_t> starts;
+  for (int64_t k = 0; k < nu; ++k)
+    if (k == 0 || set_of[by_set[k]] != set_of[by_set[k - 1]]) starts.push_back(k);
+  const int64_t ngroups = (int64_t)starts.size();
+  starts.push_back(nu);
+  const int64_t kEmpty = std::numeric_limits<int64_t>::min();
+  auto priority_of_row = [&](int64_t row) -> int64_t { return lfu ? cnt[row] : step; };
+  std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
+  at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<int64_t> cand, ways_order(ways), slot_prio(ways);
+    int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
+    for (int64_t gi = g0; gi < g1; ++gi) {
+      cand.clear();
+      for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
+        const int64_t u = by_set[k], slot = slot_of[u];
+        if (slot >= 0) {
+          std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
+          if (!lfu) ts[slot] = (int32_t)step;
+          ++hits;
+        } else {
+          cand.push_back(u);
+        }
+      }
+      std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) {
+        return priority_of_row(rows[a]) > priority_of_row(rows[b]);
+      });
+      const int64_t base = set_of[by_set[starts[gi]]] * ways;
+      for (int64_t way = 0; way < ways; ++way) {
+        const int32_t tag = cache.tags[base + way];
+        slot_prio[way] = tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
+      }
+      std::iota(ways_order.begin(), ways_order.end(), 0);
+      std::stable_sort(ways_order.begin(), ways_order.end(),
+                       [&](int64_t a, int64_t b) { return slot_prio[a] < slot_prio[b]; });
+      for (int64_t k = 0; k < (int64_t)cand.size(); ++k) {
+        const int64_t u = cand[k], row = rows[u];
+        if (k < ways && priority_of_row(row) > slot_prio[ways_order[k]]) {
+          const int64_t slot = base + ways_order[k];
+          const int32_t old = cache.tags[slot];
+          if (old >= 0) {
+            store(old, cache.rows + slot * dim);
+            ++evict;
+          }
+          cache.tags[slot] = (int32_t)row;
+          std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
+          if (!lfu) ts[slot] = (int32_t)step;
+          ++ins;
+        } else {
+          store(row, fr + u * dim);
+          ++bypass;
+        }
+      }
+    }
+    n_hits += hits;
+    n_ins += ins;
+    n_evict += evict;
+    n_bypass += bypass;
+  });
   return at::tensor({n_hits.load(), nu - n_hits.load(), n_ins.load(), n_evict.load(),
                      n_bypass.load()},
                     at::kLong);
@@ -469,11 +497,15 @@ TORCH_LIBRARY(embcache, m) {
         "bool qparams_fp16, int num_sets, int ways, bool mean) -> (Tensor, Tensor)");
   m.def("dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
         "Tensor grad_output, bool mean) -> (Tensor, Tensor, Tensor)");
-  m.def("cache_update(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
+  m.def("update_prepare(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
+        "Tensor optimizer_state, Tensor unique_rows, Tensor grads, int bits, "
+        "bool qparams_fp16, int optimizer, float lr, float eps, int num_sets, int ways) "
+        "-> (Tensor, Tensor, Tensor, int)");
+  m.def("update_commit(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
         "Tensor(d!) cache_timestamps, Tensor(e!) counts, Tensor(f!) optimizer_state, "
-        "Tensor unique_rows, Tensor grads, Tensor occurrences, int bits, bool qparams_fp16, "
-        "bool stochastic, bool lfu, int optimizer, float lr, float eps, int seed, int step, "
-        "int table, int num_sets, int ways) -> Tensor");
+        "Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
+        "Tensor occurrences, int bits, bool qparams_fp16, bool stochastic, bool lfu, "
+        "int seed, int step, int table, int num_sets, int ways) -> Tensor");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
         "Tensor(c!) cache_timestamps, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");
@@ -484,7 +516,8 @@ TORCH_LIBRARY_IMPL(embcache, CPU, m) {
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("lookup_forward", &lookup_forward);
   m.impl("dedup_backward", &dedup_backward);
-  m.impl("cache_update", &cache_update);
+  m.impl("update_prepare", &update_prepare);
+  m.impl("update_commit", &update_commit);
   m.impl("cache_flush", &cache_flush);
 }
 

@@ -1,0 +1,31 @@
+"""The paper's memory compression factor (Appendix A, SPEC §5), from the formula alone."""
+from __future__ import annotations
+
+from embcache.config import TableConfig
+
+
+def memory_breakdown(config: TableConfig) -> dict:
+    """Bytes by component that a table with this configuration allocates (SPEC §5):
+    table payload and qparams, FP32 cache rows, int32 tags, int32 LRU timestamps per slot
+    or int32 LFU counts per table row, FP32 optimizer accumulators for every row."""
+    rows, dim, slots = config.num_embeddings, config.embedding_dim, config.num_slots
+    lfu = config.policy == "lfu" and slots > 0
+    parts = {
+        "table_payload": rows * config.payload_bytes,
+        "table_qparams": rows * config.qparam_bytes,
+        "cache_rows": slots * dim * 4,
+        "cache_tags": slots * 4,
+        "cache_timestamps": 0 if config.policy == "lfu" else slots * 4,
+        "lfu_counts": rows * 4 if lfu else 0,
+        "optimizer_state": rows * config.optimizer_state_width * 4,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def compression_factor(config: TableConfig) -> float:
+    """(payload + qparams + cache rows + tags + priorities + optimizer state) /
+    (FP32 table + the same optimizer state). E.g. dim 128: fp16 0.5, int8 0.2656."""
+    parts = memory_breakdown(config)
+    fp32 = config.num_embeddings * config.embedding_dim * 4
+    return parts["total"] / (fp32 + parts["optimizer_state"])

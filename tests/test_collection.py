@@ -1,0 +1,98 @@
+"""The TorchRec drop-in: KeyedJaggedTensor in, KeyedTensor out, inside torchrec's DLRM."""
+import pytest
+import torch
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embcache import CachedLowPrecisionEmbeddingBagCollection, EmbeddingUpdateError
+
+CARDS = [5000, 3000, 40, 2000]
+
+
+def _tables(dim=8):
+    return [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(CARDS)
+    ]
+
+
+def _kjt(gen, batch, max_len=3):
+    lengths, values = [], []
+    for n in CARDS:
+        l = torch.randint(0, max_len + 1, (batch,), generator=gen)
+        lengths.append(l)
+        values.append((torch.rand(int(l.sum()), generator=gen) ** 2 * n).long())
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(len(CARDS))], values=torch.cat(values), lengths=torch.cat(lengths)
+    )
+
+
+def test_matches_torchrec_ebc_in_fp32():
+    tables = _tables()
+    ref = EmbeddingBagCollection(tables=tables)
+    ours = CachedLowPrecisionEmbeddingBagCollection(tables, precision="fp32", cache_ratio=0)
+    for name, t in ours.embedding_bags.items():
+        t.weights.copy_(ref.embedding_bags[name].weight.detach().contiguous().view(torch.uint8))
+    kjt = _kjt(torch.Generator().manual_seed(0), 16)
+    a, b = ref(kjt), ours(kjt)
+    assert a.keys() == b.keys() and a.length_per_key() == b.length_per_key()
+    torch.testing.assert_close(b.values(), a.values())
+
+
+def test_per_table_overrides_and_small_tables():
+    ours = CachedLowPrecisionEmbeddingBagCollection(
+        _tables(), precision="int8", cache_ratio=0.05, per_table={"t1": {"precision": "int4", "policy": "lru"}}
+    )
+    cfg = {n: t.config for n, t in ours.embedding_bags.items()}
+    assert cfg["t0"].stored_precision == "int8" and cfg["t1"].stored_precision == "int4"
+    assert cfg["t1"].policy == "lru"
+    assert cfg["t2"].stored_precision == "fp32" and cfg["t2"].num_slots == 0  # 40 rows < 1000
+    assert [c.table_id for c in cfg.values()] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="nope"):
+        CachedLowPrecisionEmbeddingBagCollection(_tables(), per_table={"nope": {}})
+
+
+def test_step_is_all_or_nothing_across_tables():
+    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="fp16", lr=1.0)
+    kjt = _kjt(torch.Generator().manual_seed(1), 8)
+    out = ours(kjt).values()
+    grad = torch.zeros_like(out)
+    grad[:, -8:] = 1e6  # only the last table gets an update fp16 cannot store
+    out.backward(grad)
+    before = {k: v.clone() for k, v in ours.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(EmbeddingUpdateError, match="t3"):
+        ours.step()
+    after = ours.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_torchrec_dlrm_trains_with_cached_int8_tables():
+    torch.manual_seed(0)
+    ebc = CachedLowPrecisionEmbeddingBagCollection(
+        _tables(), precision="int8", rounding="stochastic", cache_ratio=0.05, associativity=32,
+        policy="lfu", optimizer="rowwise_adagrad", lr=0.1,
+    )
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    kjt = _kjt(gen, 256)
+    dense = torch.randn(256, 4, generator=gen)
+    # A learnable target: depends on the sparse ids of the first feature and on the dense input.
+    ids0 = kjt["f0"].values()
+    first = torch.zeros(256)
+    first[kjt["f0"].lengths() > 0] = (ids0[kjt["f0"].offsets()[:-1][kjt["f0"].lengths() > 0]] % 2).float()
+    labels = ((first + (dense[:, 0] > 0).float()) >= 1).float()
+    losses = []
+    for _ in range(60):
+        logits = model(dense, kjt).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ebc.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    stats = ebc.stats()["t0"]
+    assert stats["hits"] > 0 and stats["insertions"] > 0

@@ -1,0 +1,257 @@
+"""CachedLowPrecisionEmbedding against independent oracles: nn.EmbeddingBag + torch.optim.SGD,
+FBGEMM's CPU TBE, its own state_dict, and the bad-input contract (SPEC §4-5)."""
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from embcache import CachedLowPrecisionEmbedding, EmbeddingUpdateError
+
+
+def _skewed_batch(gen, rows, bags, max_len):
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
+    n = int(lengths.sum())
+    indices = (torch.rand(n, generator=gen) ** 3 * rows).long()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    return indices, offsets
+
+
+def _state(m):
+    return {k: v.clone() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fp32_sgd_equals_embedding_bag(mode, weighted):
+    if weighted and mode == "mean":
+        pytest.skip("nn.EmbeddingBag supports per-sample weights with mode='sum' only")
+    gen = torch.Generator().manual_seed(1)
+    rows, dim = 300, 5
+    ref = nn.EmbeddingBag(rows, dim, mode=mode, sparse=True)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    ours = CachedLowPrecisionEmbedding(
+        rows, dim, precision="fp32", cache_ratio=0, mode=mode, lr=0.3,
+        weight=ref.weight.detach().clone(), min_rows_for_low_precision=0,
+    )
+    for _ in range(6):
+        indices, offsets = _skewed_batch(gen, rows, 32, 4)
+        psw = torch.rand(indices.numel(), generator=gen) if weighted else None
+        grad = torch.randn(32, dim, generator=gen)
+        out_ref = ref(indices, offsets, per_sample_weights=psw)
+        out = ours(indices, offsets, per_sample_weights=psw)
+        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=1e-6)
+        opt.zero_grad()
+        out_ref.backward(grad)
+        opt.step()
+        out.backward(grad)
+        ours.step()
+        torch.testing.assert_close(ours.current_weight(), ref.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_per_sample_weight_gradient_matches_embedding_bag():
+    gen = torch.Generator().manual_seed(2)
+    ref = nn.EmbeddingBag(100, 4, mode="sum")
+    ours = CachedLowPrecisionEmbedding(
+        100, 4, precision="fp32", cache_ratio=0, weight=ref.weight.detach().clone(),
+        min_rows_for_low_precision=0,
+    )
+    indices, offsets = _skewed_batch(gen, 100, 16, 5)
+    psw_a = torch.rand(indices.numel(), generator=gen, requires_grad=True)
+    psw_b = psw_a.detach().clone().requires_grad_()
+    grad = torch.randn(16, 4, generator=gen)
+    ref(indices, offsets, per_sample_weights=psw_a).backward(grad)
+    ours(indices, offsets, per_sample_weights=psw_b).backward(grad)
+    torch.testing.assert_close(psw_b.grad, psw_a.grad)
+
+
+def test_fp32_rowwise_adagrad_equals_fbgemm_tbe():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    rows, dim, bags = 2000, 8, 64
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
+    )
+    ours = CachedLowPrecisionEmbedding(
+        rows, dim, precision="fp32", cache_ratio=0, optimizer="rowwise_adagrad", lr=0.1,
+        eps=1e-8, weight=tbe.split_embedding_weights()[0].detach().clone(),
+    )
+    for _ in range(5):
+        indices, offsets = _skewed_batch(gen, rows, bags, 3)
+        grad = torch.randn(bags, dim, generator=gen)
+        tbe(indices, torch.cat([offsets, torch.tensor([indices.numel()])])).backward(grad)
+        ours(indices, offsets).backward(grad)
+        ours.step()
+    torch.testing.assert_close(
+        ours.current_weight(), tbe.split_embedding_weights()[0].detach(), rtol=0, atol=1e-6
+    )
+    fb_state = tbe.split_optimizer_states()[0][0].reshape(-1)
+    torch.testing.assert_close(ours.optimizer_state, fb_state, rtol=1e-6, atol=0)
+
+
+def _train(module, gen, steps, rows):
+    for _ in range(steps):
+        indices, offsets = _skewed_batch(gen, rows, 48, 4)
+        out = module(indices, offsets)
+        out.backward(torch.randn(out.shape, generator=gen) * 0.1)
+        module.step()
+
+
+@pytest.mark.parametrize("precision,policy", [("int8", "lfu"), ("int4", "lru"), ("fp16", "lfu")])
+def test_state_dict_resumes_bit_identically(precision, policy):
+    kw = dict(precision=precision, policy=policy, rounding="stochastic", cache_ratio=0.1,
+              associativity=4, optimizer="rowwise_adagrad", lr=0.05, seed=7)
+    a = CachedLowPrecisionEmbedding(2000, 6, **kw)
+    _train(a, torch.Generator().manual_seed(0), 5, 2000)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = CachedLowPrecisionEmbedding(2000, 6, **{**kw, "seed": 7})
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    _train(a, torch.Generator().manual_seed(1), 5, 2000)
+    _train(b, torch.Generator().manual_seed(1), 5, 2000)
+    _assert_same_state(_state(a), _state(b))
+
+
+def test_load_state_dict_from_another_configuration_is_refused():
+    a = CachedLowPrecisionEmbedding(2000, 6, precision="int8", lr=0.1)
+    b = CachedLowPrecisionEmbedding(2000, 6, precision="int8", lr=0.2)
+    before = _state(b)
+    with pytest.raises(ValueError, match="lr"):
+        b.load_state_dict(a.state_dict())
+    _assert_same_state(before, _state(b))
+
+
+def test_evaluation_forward_changes_nothing():
+    m = CachedLowPrecisionEmbedding(2000, 4, precision="int8", cache_ratio=0.1, associativity=2)
+    _train(m, torch.Generator().manual_seed(0), 3, 2000)
+    before = _state(m)
+    m.eval()
+    with torch.no_grad():
+        m(torch.randint(0, 2000, (50,)), torch.arange(0, 50, 5))
+    out = m(torch.randint(0, 2000, (50,)), torch.arange(0, 50, 5))
+    assert not out.requires_grad
+    m.step()
+    _assert_same_state(before, _state(m))
+
+
+def test_flush_puts_every_row_in_the_table():
+    m = CachedLowPrecisionEmbedding(
+        2000, 4, precision="fp32", cache_ratio=0.2, associativity=8, policy="lru", lr=0.1
+    )
+    _train(m, torch.Generator().manual_seed(0), 4, 2000)
+    resident = int((m.cache_tags >= 0).sum())
+    assert resident > 0
+    expected = m.current_weight()
+    assert m.flush() == resident
+    assert bool((m.cache_tags < 0).all())
+    table = m.weights.view(torch.float32).view(2000, 4)
+    assert torch.equal(table, expected)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_calls():
+    ok_idx, ok_off = torch.tensor([1, 2, 3]), torch.tensor([0, 1])
+    return {
+        "negative index": ((torch.tensor([1, -2, 3]), ok_off), "index -2"),
+        "index too large": ((torch.tensor([1, 2000, 3]), ok_off), "index 2000"),
+        "decreasing offsets": ((ok_idx, torch.tensor([0, 2, 1])), "offsets decrease"),
+        "offsets beyond input": ((ok_idx, torch.tensor([0, 4])), "offsets decrease"),
+        "offsets not at zero": ((ok_idx, torch.tensor([1, 2])), "start at 0"),
+        "float indices": ((torch.tensor([1.0, 2.0]), ok_off), "int64 or int32"),
+        "missing offsets": ((ok_idx, None), "offsets are required"),
+        "wrong weights": ((ok_idx, ok_off, torch.ones(2)), "per_sample_weights"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_is_refused_and_changes_nothing(case):
+    args, message = _bad_calls()[case]
+    m = CachedLowPrecisionEmbedding(2000, 4, precision="int8", cache_ratio=0.1, name="users")
+    _train(m, torch.Generator().manual_seed(0), 2, 2000)
+    before = _state(m)
+    with pytest.raises(ValueError, match=message) as err:
+        m(*args)
+    assert "users" in str(err.value)
+    _assert_same_state(before, _state(m))
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_non_finite_gradient_step_is_refused_and_changes_nothing(poison):
+    m = CachedLowPrecisionEmbedding(2000, 4, precision="int8", cache_ratio=0.1, name="ads")
+    gen = torch.Generator().manual_seed(0)
+    _train(m, gen, 2, 2000)
+    out = m(torch.tensor([3, 4, 5]), torch.tensor([0, 2]))
+    grad = torch.ones_like(out)
+    grad[1, 2] = poison
+    out.backward(grad)
+    before = _state(m)
+    assert m.has_nonfinite_grad()
+    with pytest.raises(EmbeddingUpdateError, match="ads.*row 5"):
+        m.step()
+    _assert_same_state(before, _state(m))
+    m.zero_grad()
+    m.step()
+    _assert_same_state(before, _state(m))
+
+
+def test_unstorable_update_is_refused_and_changes_nothing():
+    m = CachedLowPrecisionEmbedding(2000, 4, precision="fp16", cache_ratio=0.1, lr=1.0, name="t")
+    out = m(torch.tensor([7, 8]), torch.tensor([0, 1]))
+    out.backward(torch.tensor([[1.0, 0, 0, 0], [1e6, 0, 0, 0]]))
+    before = _state(m)
+    with pytest.raises(EmbeddingUpdateError, match="row 8.*fp16"):
+        m.step()
+    _assert_same_state(before, _state(m))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(cache_ratio=1.0), "cache_ratio=1.0"),
+        (dict(cache_ratio=-0.1), "cache_ratio=-0.1"),
+        (dict(associativity=3), "associativity=3"),
+        (dict(associativity=64), "associativity=64"),
+        (dict(precision="int3"), "precision='int3'"),
+        (dict(rounding="up"), "rounding='up'"),
+        (dict(policy="fifo"), "policy='fifo'"),
+        (dict(optimizer="adam"), "optimizer='adam'"),
+    ],
+)
+def test_invalid_configuration_names_table_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        CachedLowPrecisionEmbedding(2000, 4, name="items", **kwargs)
+    assert "items" in str(err.value)
+
+
+def test_small_tables_stay_fp32_without_cache():
+    m = CachedLowPrecisionEmbedding(999, 8, precision="int2", cache_ratio=0.5)
+    assert m.config.stored_precision == "fp32" and m.config.num_slots == 0
+    assert m.weights.shape == (999, 32)
+
+
+def test_deepcopy_and_independent_tables():
+    m = CachedLowPrecisionEmbedding(2000, 4, precision="int8")
+    c = copy.deepcopy(m)
+    _train(m, torch.Generator().manual_seed(0), 1, 2000)
+    assert not torch.equal(m.weights, c.weights)

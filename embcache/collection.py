@@ -8,7 +8,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from embcache.embedding import CachedLowPrecisionEmbedding
+from embcache.embedding import CachedLowPrecisionEmbedding, _ops
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -73,18 +73,71 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
     def tables(self) -> list[CachedLowPrecisionEmbedding]:
         return list(self.embedding_bags.values())
 
+    def _feature_layout(self) -> tuple[list[str], list[int], list[int]]:
+        """Feature names in output order, the table of each, and each table's dim."""
+        names, table_of = [], []
+        for i, config in enumerate(self._configs):
+            names += list(config.feature_names)
+            table_of += [i] * len(config.feature_names)
+        return names, table_of, [self._configs[t].embedding_dim for t in table_of]
+
+    def _check(self, features: KeyedJaggedTensor, names: list[str], table_of: list[int]) -> None:
+        """Every id in range for its table, no negative length: else a ValueError naming them."""
+        lengths = features.lengths()
+        if lengths.numel() and int(lengths.min()) < 0:
+            raise ValueError("KeyedJaggedTensor has a negative length")
+        values = features.values()
+        if values.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be int64 or int32, got {values.dtype}")
+        per_key = torch.tensor(features.length_per_key())
+        limits = torch.tensor([self._configs[t].num_embeddings for t in table_of])
+        limit = torch.repeat_interleave(limits, per_key)
+        bad = (values < 0) | (values >= limit)
+        if bool(bad.any()):
+            at = int(torch.nonzero(bad)[0])
+            f = int(torch.searchsorted(per_key.cumsum(0), at, right=True))
+            config = self._configs[table_of[f]]
+            raise ValueError(
+                f"table '{config.name}': feature '{names[f]}' has index {int(values[at])}, "
+                f"out of range [0, {config.num_embeddings})"
+            )
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        by_feature = features.to_dict()
-        keys, dims, pooled = [], [], []
-        for config, table in zip(self._configs, self.embedding_bags.values()):
-            for name in config.feature_names:
-                if name not in by_feature:
-                    raise ValueError(f"table '{config.name}': feature '{name}' is missing from the input")
-                f = by_feature[name]
-                pooled.append(table(f.values(), f.offsets(), f.weights_or_none()))
-                keys.append(name)
-                dims.append(config.embedding_dim)
-        return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(pooled, dim=1))
+        """Pooled embeddings of every feature, ``[batch, sum of dims]`` as a KeyedTensor.
+
+        All tables run in one table-batched C++ call (tables in parallel)."""
+        names, table_of, dims = self._feature_layout()
+        missing = [n for n in names if n not in features.keys()]
+        if missing:
+            raise ValueError(f"features {missing} are missing from the input")
+        if features.keys() != names:
+            features = features.permute([features.keys().index(n) for n in names])
+        if features.variable_stride_per_key():
+            raise ValueError("variable batch size per feature is not supported")
+        self._check(features, names, table_of)
+        tables = self.tables()
+        values = features.values().long().contiguous()
+        offsets = features.offsets().long().contiguous()
+        psw = features.weights_or_none()
+        psw = None if psw is None else psw.detach().float().contiguous()
+        batch = features.stride()
+        outs, hits = _ops.multi_lookup_forward(
+            [t.weights for t in tables], [t.cache_tags for t in tables],
+            [t.cache_rows for t in tables], values, offsets, psw, table_of,
+            [t.config.bits for t in tables], [t.config.embedding_dim for t in tables],
+            [int(t.config.qparams_fp16) for t in tables], [t.config.num_sets for t in tables],
+            [t.config.ways for t in tables], [int(t.config.mode == "mean") for t in tables], batch,
+        )
+        if self.training:
+            for f, (n, h) in enumerate(zip(features.length_per_key(), hits.tolist())):
+                stats = tables[table_of[f]]._stats
+                stats["lookups"] += n
+                stats["hits"] += h
+            anchor = tables[0]._grad_anchor
+        else:
+            anchor = tables[0]._grad_anchor.detach()
+        pooled = _FusedLookup.apply(self, values, offsets, psw, table_of, dims, batch, anchor, *outs)
+        return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
 
     # -------------------------------------------------------------- the sparse optimizer
 
@@ -96,13 +149,34 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             t.unscale_grad_(inv_scale)
 
     def step(self) -> None:
-        """Apply every table's stored gradient, all or nothing: if any table refuses its
-        update (non-finite or unstorable values), no table is changed and the
-        :class:`~embcache.EmbeddingUpdateError` names the table."""
-        prepared = [(t, t._prepare_step()) for t in self.tables()]
-        for t, p in prepared:
-            if p is not None:
-                t._commit_step(p)
+        """Apply every table's stored gradient in two table-batched calls, all or nothing:
+        if any table refuses its update (non-finite or unstorable values), no table is
+        changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
+        pending = [(t, t._pending_gradient()) for t in self.tables()]
+        pending = [(t, p) for t, p in pending if p is not None]
+        if not pending:
+            return
+        tables = [t for t, _ in pending]
+        rows = [p[0] for _, p in pending]
+        cfgs = [t.config for t in tables]
+        fresh, fresh_state, slots, bad = _ops.multi_update_prepare(
+            [t.weights for t in tables], [t.cache_tags for t in tables],
+            [t.cache_rows for t in tables], [t.optimizer_state for t in tables], rows,
+            [p[1] for _, p in pending], [c.bits for c in cfgs],
+            [int(c.qparams_fp16) for c in cfgs], [c.optimizer_code for c in cfgs],
+            [c.lr for c in cfgs], [c.eps for c in cfgs], [c.num_sets for c in cfgs],
+            [c.ways for c in cfgs],
+        )
+        for t, b in zip(tables, bad):
+            t._raise_if_bad(b)
+        state = list(zip(*(t._state_tensors() for t in tables)))
+        per_table = list(zip(*(t._commit_args() for t in tables)))
+        counts = _ops.multi_update_commit(
+            *[list(x) for x in state], rows, fresh, fresh_state, slots,
+            [p[2] for _, p in pending], *[[int(v) for v in x] for x in per_table],
+        )
+        for t, r, c in zip(tables, rows, counts.tolist()):
+            t._record_step(r.numel(), c)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for t in self.tables():
@@ -127,3 +201,30 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             total += mem["total"]
             fp32 += t.config.num_embeddings * t.config.embedding_dim * 4 + mem["optimizer_state"]
         return total / fp32
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Concatenates the per-feature outputs of the table-batched forward; backward
+    deduplicates every feature's gradient in one table-batched call and hands each to its
+    table for :meth:`CachedLowPrecisionEmbeddingBagCollection.step`."""
+
+    @staticmethod
+    def forward(ctx, collection, values, offsets, psw, table_of, dims, batch, anchor, *outs):
+        ctx.collection, ctx.table_of, ctx.dims, ctx.batch = collection, table_of, dims, batch
+        ctx.has_psw = psw is not None
+        ctx.save_for_backward(values, offsets, *(() if psw is None else (psw,)))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        values, offsets, *psw = ctx.saved_tensors
+        tables = ctx.collection.tables()
+        if ctx.needs_input_grad[7]:
+            grads = list(grad.float().split(ctx.dims, dim=1))
+            modes = [int(tables[t].config.mode == "mean") for t in ctx.table_of]
+            flat = _ops.multi_dedup_backward(
+                values, offsets, psw[0] if ctx.has_psw else None, grads, modes, ctx.batch
+            )
+            for f, t in enumerate(ctx.table_of):
+                tables[t]._pending.append(tuple(flat[3 * f : 3 * f + 3]))
+        return (None,) * (8 + len(ctx.dims))

@@ -54,8 +54,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
       LFU keeps ``counts`` (int32 per table row, saturating: lookups during training steps).
     * ``optimizer_state`` holds FP32 accumulators for every row (0, 1 or dim per row).
     * ``step_count`` is the number of applied updates. Stochastic rounding at update ``t`` is
-      keyed by ``(seed, t, table_id, row, element)``, so ``state_dict()`` alone resumes a run
-      bit-identically.
+      keyed by ``(seed, t, table_id, row, element)``, so ``state_dict()`` (tensors, plus the
+      configuration, step count and statistics as extra state) resumes a run bit-identically.
     * Evaluation forwards (``module.eval()``) and refused calls change no state at all.
     """
 
@@ -94,8 +94,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.register_buffer(
             "optimizer_state", torch.zeros(rows * cfg.optimizer_state_width, dtype=torch.float32)
         )
-        self.register_buffer("step_count", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("stat_counters", torch.zeros(len(_STAT_NAMES), dtype=torch.int64))
+        self.step_count = 0
+        self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._grad_anchor = torch.empty(0, requires_grad=True)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -211,7 +211,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         indices, offs, psw = self._bags(input, offsets, per_sample_weights)
         psw32 = None if psw is None else psw.detach().float().contiguous()
         if self.training:
-            self.stat_counters[0] += indices.numel()
+            self._stats["lookups"] += indices.numel()
         anchor = self._grad_anchor if self.training else self._grad_anchor.detach()
         psw_in = psw if psw is not None else torch.empty(0)
         return _PooledLookup.apply(self, indices, offs, psw32, anchor, psw_in)
@@ -270,40 +270,51 @@ class CachedLowPrecisionEmbedding(nn.Module):
             return None
         rows, grads, occ = pending
         cfg = self.config
-        finite = torch.isfinite(grads).all(dim=1)
-        if not bool(finite.all()):
-            raise EmbeddingUpdateError(
-                f"table '{cfg.name}': non-finite gradient for row {int(rows[~finite][0])}; "
-                "nothing was changed"
-            )
         bits, qfp16 = self._format_args()
         fresh, fresh_state, slots, bad_row = _ops.update_prepare(
             self.weights, self.cache_tags, self.cache_rows, self.optimizer_state, rows, grads,
             bits, qfp16, cfg.optimizer_code, cfg.lr, cfg.eps, cfg.num_sets, cfg.ways,
         )
-        if bad_row >= 0:
-            raise EmbeddingUpdateError(
-                f"table '{cfg.name}': the update of row {bad_row} gives a value that "
-                f"{cfg.stored_precision} cannot store (non-finite or out of range); "
-                "nothing was changed"
-            )
+        self._raise_if_bad(bad_row)
         return rows, fresh, fresh_state, slots, occ
 
-    def _commit_step(self, prepared: tuple) -> None:
-        rows, fresh, fresh_state, slots, occ = prepared
-        cfg = self.config
-        bits, qfp16 = self._format_args()
-        t = int(self.step_count) + 1
-        counts = _ops.update_commit(
-            self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps, self.counts,
-            self.optimizer_state, rows, fresh, fresh_state, slots, occ, bits, qfp16,
-            cfg.rounding == "stochastic", self._lfu, cfg.seed, t, cfg.table_id,
-            cfg.num_sets, cfg.ways,
+    def _raise_if_bad(self, bad_row: int) -> None:
+        if bad_row < 0:
+            return
+        rows, grads, _ = self._pending[0]
+        at = int(torch.searchsorted(rows, bad_row))
+        what = (
+            "non-finite gradient"
+            if not bool(torch.isfinite(grads[at]).all())
+            else f"new value that {self.config.stored_precision} cannot store (out of range)"
         )
-        self.step_count.fill_(t)
-        self.stat_counters[2] += 1
-        self.stat_counters[3] += rows.numel()
-        self.stat_counters[4:9] += counts
+        raise EmbeddingUpdateError(
+            f"table '{self.config.name}': {what} for row {bad_row}; nothing was changed"
+        )
+
+    def _commit_args(self) -> tuple:
+        """Per-table arguments of the commit op after the state tensors and prepared values."""
+        cfg = self.config
+        return (
+            cfg.bits, cfg.qparams_fp16, cfg.rounding == "stochastic", self._lfu, cfg.seed,
+            self.step_count + 1, cfg.table_id, cfg.num_sets, cfg.ways,
+        )
+
+    def _state_tensors(self) -> tuple:
+        return (self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps,
+                self.counts, self.optimizer_state)
+
+    def _commit_step(self, prepared: tuple) -> None:
+        counts = _ops.update_commit(*self._state_tensors(), *prepared, *self._commit_args())
+        self._record_step(prepared[0].numel(), counts.tolist())
+
+    def _record_step(self, unique_rows: int, counts: list) -> None:
+        self.step_count += 1
+        s = self._stats
+        s["steps"] += 1
+        s["unique_rows"] += unique_rows
+        for name, n in zip(("unique_hits", "unique_misses", "insertions", "evictions", "bypasses"), counts):
+            s[name] += n
         self._pending = []
 
     def flush(self) -> int:
@@ -315,10 +326,10 @@ class CachedLowPrecisionEmbedding(nn.Module):
         bits, qfp16 = self._format_args()
         n = _ops.cache_flush(
             self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps, bits, qfp16,
-            cfg.rounding == "stochastic", cfg.seed, int(self.step_count), cfg.table_id,
+            cfg.rounding == "stochastic", cfg.seed, self.step_count, cfg.table_id,
         )
         self.cache_rows.zero_()
-        self.stat_counters[9] += n
+        self._stats["flushed"] += n
         return n
 
     # ------------------------------------------------------------------ inspection
@@ -336,14 +347,14 @@ class CachedLowPrecisionEmbedding(nn.Module):
         ``hit_rate``: a hit is a training-forward lookup that finds its row cached) and per
         unique updated row (``unique_hits``/``unique_misses``, ``insertions``, ``evictions``,
         ``bypasses``), ``steps`` applied and rows ``flushed``."""
-        s = dict(zip(_STAT_NAMES, (int(v) for v in self.stat_counters)))
+        s = dict(self._stats)
         s["misses"] = s["lookups"] - s["hits"]
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
         return s
 
     def memory_bytes(self) -> dict:
         """Bytes of the module's state by component; ``total`` is their sum and equals the
-        bytes of all its tensors except the 2 scalars of bookkeeping (step, statistics)."""
+        bytes of all its tensors."""
         cfg = self.config
         rows = cfg.num_embeddings
         return _with_total(
@@ -374,16 +385,18 @@ class CachedLowPrecisionEmbedding(nn.Module):
         )
 
     def get_extra_state(self) -> dict:
-        return self.config.to_dict()
+        return {"config": self.config.to_dict(), "step_count": self.step_count, "stats": dict(self._stats)}
 
     def set_extra_state(self, state: dict) -> None:
-        mine = self.config.to_dict()
-        if state != mine:
-            diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        saved, mine = state["config"], self.config.to_dict()
+        if saved != mine:
+            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
             raise ValueError(
                 f"table '{self.config.name}': checkpoint was saved with another configuration "
                 f"(field: (saved, current)) {diff}"
             )
+        self.step_count = int(state["step_count"])
+        self._stats = dict(state["stats"])
 
 
 def _with_total(parts: dict) -> dict:
@@ -400,7 +413,7 @@ class _PooledLookup(torch.autograd.Function):
     def forward(ctx, module, indices, offsets, psw32, anchor, psw_in):
         out, hits = module._lookup(indices, offsets, psw32)
         if module.training:
-            module.stat_counters[1] += hits
+            module._stats["hits"] += hits
         ctx.module = module
         ctx.save_for_backward(indices, offsets, psw32 if psw32 is not None else torch.empty(0))
         ctx.has_psw = psw32 is not None

@@ -23,8 +23,11 @@ namespace {
 
 enum Optimizer : int64_t { kSGD = 0, kRowwiseAdagrad = 1, kAdagrad = 2 };
 
-constexpr int64_t kGrainBags = 64;
-constexpr int64_t kGrainRows = 32;
+// Work per parallel chunk: small batches run on one thread, since an OpenMP fork costs
+// more than a few thousand row operations (and much more on an oversubscribed machine).
+constexpr int64_t kGrainBags = 4096;
+constexpr int64_t kGrainRows = 2048;
+constexpr int64_t kGrainSets = 1024;
 
 RowFormat make_format(int64_t bits, int64_t dim, bool qparams_fp16) {
   TORCH_CHECK(bits == 32 || bits == 16 || bits == 8 || bits == 4 || bits == 2,
@@ -399,7 +402,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   const int64_t kEmpty = std::numeric_limits<int64_t>::min();
   auto priority_of_row = [&](int64_t row) -> int64_t { return lfu ? cnt[row] : step; };
   std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
-  at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
     std::vector<int64_t> cand, ways_order(ways), slot_prio(ways);
     int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
     for (int64_t gi = g0; gi < g1; ++gi) {
@@ -486,6 +489,133 @@ int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tenso
   return written.load();
 }
 
+// ---------------------------------------------------------------------------------------
+// Table-batched ops: one call for all tables of a collection, tables in parallel (the
+// per-table kernels above run single-threaded inside the parallel region). Feature f of a
+// KeyedJaggedTensor is bags [f * batch, (f + 1) * batch) of the global offsets and is looked
+// up in table feature_table[f]. Per-table settings come as parallel lists.
+// ---------------------------------------------------------------------------------------
+
+struct FeatureSlice {
+  at::Tensor indices, offsets;
+  c10::optional<at::Tensor> weights;
+};
+
+FeatureSlice feature_slice(const at::Tensor& indices, const at::Tensor& offsets,
+                           const c10::optional<at::Tensor>& psw, int64_t f, int64_t batch) {
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t start = off[f * batch], end = off[(f + 1) * batch];
+  FeatureSlice s{indices.narrow(0, start, end - start),
+                 offsets.narrow(0, f * batch, batch + 1) - start, c10::nullopt};
+  if (psw) s.weights = psw->narrow(0, start, end - start);
+  return s;
+}
+
+void check_features(const at::Tensor& indices, const at::Tensor& offsets, int64_t nf,
+                    int64_t batch) {
+  check_tensor(indices, at::kLong, "indices");
+  check_tensor(offsets, at::kLong, "offsets");
+  TORCH_CHECK(batch >= 0 && offsets.numel() == nf * batch + 1,
+              "embcache: offsets must have features * batch + 1 entries");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[nf * batch] == indices.numel(),
+              "embcache: offsets must start at 0 and end at len(indices)");
+  for (int64_t b = 0; b < nf * batch; ++b)
+    TORCH_CHECK(off[b] <= off[b + 1], "embcache: offsets decrease at bag ", b);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> multi_lookup_forward(
+    at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
+    const at::Tensor& indices, const at::Tensor& offsets,
+    const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
+    at::IntArrayRef bits, at::IntArrayRef dims, at::IntArrayRef qparams_fp16,
+    at::IntArrayRef num_sets, at::IntArrayRef ways, at::IntArrayRef mean, int64_t batch) {
+  const int64_t nf = (int64_t)feature_table.size();
+  check_features(indices, offsets, nf, batch);
+  std::vector<at::Tensor> outs(nf);
+  at::Tensor hits = at::zeros({nf}, indices.options());
+  int64_t* h = hits.data_ptr<int64_t>();
+  at::parallel_for(0, nf, 1, [&](int64_t f0, int64_t f1) {
+    for (int64_t f = f0; f < f1; ++f) {
+      const int64_t t = feature_table[f];
+      FeatureSlice s = feature_slice(indices, offsets, per_sample_weights, f, batch);
+      auto r = lookup_forward(weights[t], cache_tags[t], cache_rows[t], s.indices, s.offsets,
+                              s.weights, bits[t], dims[t], qparams_fp16[t] != 0, num_sets[t],
+                              ways[t], mean[t] != 0);
+      outs[f] = std::get<0>(r);
+      h[f] = std::get<1>(r).item<int64_t>();
+    }
+  });
+  return {outs, hits};
+}
+
+std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
+                                             const at::Tensor& offsets,
+                                             const c10::optional<at::Tensor>& per_sample_weights,
+                                             at::TensorList grad_outputs, at::IntArrayRef mean,
+                                             int64_t batch) {
+  const int64_t nf = (int64_t)grad_outputs.size();
+  check_features(indices, offsets, nf, batch);
+  std::vector<at::Tensor> out(3 * nf);
+  at::parallel_for(0, nf, 1, [&](int64_t f0, int64_t f1) {
+    for (int64_t f = f0; f < f1; ++f) {
+      FeatureSlice s = feature_slice(indices, offsets, per_sample_weights, f, batch);
+      auto r = dedup_backward(s.indices, s.offsets, s.weights, grad_outputs[f].contiguous(),
+                              mean[f] != 0);
+      out[3 * f] = std::get<0>(r);
+      out[3 * f + 1] = std::get<1>(r);
+      out[3 * f + 2] = std::get<2>(r);
+    }
+  });
+  return out;
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+           std::vector<int64_t>>
+multi_update_prepare(at::TensorList weights, at::TensorList cache_tags,
+                     at::TensorList cache_rows, at::TensorList optimizer_state,
+                     at::TensorList unique_rows, at::TensorList grads, at::IntArrayRef bits,
+                     at::IntArrayRef qparams_fp16, at::IntArrayRef optimizer,
+                     at::ArrayRef<double> lr, at::ArrayRef<double> eps,
+                     at::IntArrayRef num_sets, at::IntArrayRef ways) {
+  const int64_t nt = (int64_t)weights.size();
+  std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
+  std::vector<int64_t> bad(nt);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
+          weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t],
+          grads[t], bits[t], qparams_fp16[t] != 0, optimizer[t], lr[t], eps[t], num_sets[t],
+          ways[t]);
+    }
+  });
+  return {fresh, fresh_state, slots, bad};
+}
+
+at::Tensor multi_update_commit(at::TensorList weights, at::TensorList cache_tags,
+                               at::TensorList cache_rows, at::TensorList cache_timestamps,
+                               at::TensorList counts, at::TensorList optimizer_state,
+                               at::TensorList unique_rows, at::TensorList fresh,
+                               at::TensorList fresh_state, at::TensorList slots,
+                               at::TensorList occurrences, at::IntArrayRef bits,
+                               at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
+                               at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef steps, at::IntArrayRef table,
+                               at::IntArrayRef num_sets, at::IntArrayRef ways) {
+  const int64_t nt = (int64_t)weights.size();
+  at::Tensor stats = at::zeros({nt, 5}, at::kLong);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
+                 ts = cache_timestamps[t], cnt = counts[t], st = optimizer_state[t];
+      stats[t].copy_(update_commit(w, tags, rows, ts, cnt, st, unique_rows[t], fresh[t],
+                                   fresh_state[t], slots[t], occurrences[t], bits[t],
+                                   qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
+                                   seed[t], steps[t], table[t], num_sets[t], ways[t]));
+    }
+  });
+  return stats;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(embcache, m) {
@@ -506,6 +636,22 @@ TORCH_LIBRARY(embcache, m) {
         "Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
         "Tensor occurrences, int bits, bool qparams_fp16, bool stochastic, bool lfu, "
         "int seed, int step, int table, int num_sets, int ways) -> Tensor");
+  m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
+        "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
+        "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
+        "int batch) -> (Tensor[], Tensor)");
+  m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
+        "Tensor[] grad_outputs, int[] mean, int batch) -> Tensor[]");
+  m.def("multi_update_prepare(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
+        "Tensor[] optimizer_state, Tensor[] unique_rows, Tensor[] grads, int[] bits, "
+        "int[] qparams_fp16, int[] optimizer, float[] lr, float[] eps, int[] num_sets, "
+        "int[] ways) -> (Tensor[], Tensor[], Tensor[], int[])");
+  m.def("multi_update_commit(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, "
+        "Tensor(c!)[] cache_rows, Tensor(d!)[] cache_timestamps, Tensor(e!)[] counts, "
+        "Tensor(f!)[] optimizer_state, Tensor[] unique_rows, Tensor[] fresh, "
+        "Tensor[] fresh_state, Tensor[] slots, Tensor[] occurrences, int[] bits, "
+        "int[] qparams_fp16, int[] stochastic, int[] lfu, int[] seed, int[] steps, "
+        "int[] table, int[] num_sets, int[] ways) -> Tensor");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
         "Tensor(c!) cache_timestamps, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");
@@ -518,6 +664,10 @@ TORCH_LIBRARY_IMPL(embcache, CPU, m) {
   m.impl("dedup_backward", &dedup_backward);
   m.impl("update_prepare", &update_prepare);
   m.impl("update_commit", &update_commit);
+  m.impl("multi_lookup_forward", &multi_lookup_forward);
+  m.impl("multi_dedup_backward", &multi_dedup_backward);
+  m.impl("multi_update_prepare", &multi_update_prepare);
+  m.impl("multi_update_commit", &multi_update_commit);
   m.impl("cache_flush", &cache_flush);
 }
 

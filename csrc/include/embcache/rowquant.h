@@ -127,11 +127,18 @@ struct RoundingStream {
   uint32_t table;
 };
 
-/// The uniform number in [0, 1) of element `j` of row `row`: 24 random bits * 2^-24.
+/// The Philox block of elements [4 * block, 4 * block + 4) of row `row`.
+EMBCACHE_HD Philox4 stream_block(const RoundingStream& s, int64_t row, int64_t block) {
+  return philox4x32_10((uint32_t)block, (uint32_t)row, s.step, s.table, (uint32_t)s.seed,
+                       (uint32_t)(s.seed >> 32));
+}
+
+/// A 32-bit word as a uniform number in [0, 1): its top 24 bits * 2^-24.
+EMBCACHE_HD float word_uniform(uint32_t w) { return (float)(w >> 8) * 5.9604644775390625e-8f; }
+
+/// The uniform number in [0, 1) of element `j` of row `row`.
 EMBCACHE_HD float stream_uniform(const RoundingStream& s, int64_t row, int64_t j) {
-  const Philox4 r = philox4x32_10((uint32_t)(j >> 2), (uint32_t)row, s.step, s.table,
-                                  (uint32_t)s.seed, (uint32_t)(s.seed >> 32));
-  return (float)(r.v[j & 3] >> 8) * 5.9604644775390625e-8f;
+  return word_uniform(stream_block(s, row, j >> 2).v[j & 3]);
 }
 
 /// 64-bit MurmurHash3 finalizer: row -> set.
@@ -202,9 +209,13 @@ EMBCACHE_HD void load_qparams(const RowFormat& f, const uint8_t* row, float* sca
   }
 }
 
+/// log2 of the codes per byte: 0 (int8), 1 (int4), 2 (int2). Shifts, not divisions.
+EMBCACHE_HD int log2_codes_per_byte(int bits) { return bits == 8 ? 0 : bits == 4 ? 1 : 2; }
+
 EMBCACHE_HD int load_code(const RowFormat& f, const uint8_t* row, int j) {
-  const int per_byte = 8 / f.bits;
-  return (row[j / per_byte] >> ((j % per_byte) * f.bits)) & ((1 << f.bits) - 1);
+  const int lg = log2_codes_per_byte(f.bits);
+  const int shift = (j & ((1 << lg) - 1)) * f.bits;
+  return (row[j >> lg] >> shift) & ((1 << f.bits) - 1);
 }
 
 /// Element j of a stored row, as float32.
@@ -277,13 +288,15 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     for (int j = 0; j < f.dim; ++j) store_f32(row + 4 * j, x[j]);
     return;
   }
+  Philox4 block = {{0, 0, 0, 0}};  // the random words of elements j & ~3 .. (j & ~3) + 3
   if (f.bits == 16) {
     for (int j = 0; j < f.dim; ++j) {
       uint16_t h;
       if (stochastic) {
+        if ((j & 3) == 0) block = stream_block(stream, row_id, j >> 2);
         const uint32_t b = float_bits(x[j]);
         h = (uint16_t)((b >> 16) & 0x8000u) |
-            half_stochastic_magnitude(b & 0x7fffffffu, stream_uniform(stream, row_id, j));
+            half_stochastic_magnitude(b & 0x7fffffffu, word_uniform(block.v[j & 3]));
       } else {
         h = float_to_half_rn(x[j]);
       }
@@ -315,13 +328,14 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     store_f32(q, scale);
     store_f32(q + 4, bias);
   }
-  const int per_byte = 8 / f.bits;
+  const int lg = log2_codes_per_byte(f.bits);
   for (int b = 0; b < f.payload_bytes(); ++b) row[b] = 0;
   for (int j = 0; j < f.dim; ++j) {
     const float y = (x[j] - bias) * inv;
-    const float u = stochastic ? stream_uniform(stream, row_id, j) : 0.f;
+    if (stochastic && (j & 3) == 0) block = stream_block(stream, row_id, j >> 2);
+    const float u = stochastic ? word_uniform(block.v[j & 3]) : 0.f;
     const int code = round_code(y, stochastic, u, q_max);
-    row[j / per_byte] |= (uint8_t)(code << ((j % per_byte) * f.bits));
+    row[j >> lg] |= (uint8_t)(code << ((j & ((1 << lg) - 1)) * f.bits));
   }
 }
 

@@ -1,0 +1,545 @@
+"""Dense mixed precision (SPEC section 6): FP16 products, loss scalers and the training step.
+
+Three ideas, one public piece each:
+
+* **FP16 products.** :func:`linear`, :func:`bmm` and the :class:`Linear` module compute products
+  of FP16 tensors the way tensor cores do: FP16 operands, FP32 accumulation, one rounding of the
+  result to FP16. On CUDA that is the native FP16 kernel. On CPU it is emulated exactly by an
+  FP32 GEMM over the FP16-valued operands, rounded once (native CPU FP16 GEMM is ~20x slower).
+  The backward pass is FP16 as well: the gradient of an FP16 tensor is FP16, so gradients
+  underflow (below 2^-24) and overflow (above 65504) exactly where they would on a GPU.
+* **Loss scalers.** :class:`StaticScaler`, :class:`BackoffScaler` and :class:`LogMaxScaler`
+  (common base :class:`LossScaler`) choose the loss scale ``S`` of the next step from the
+  overflow decision and the largest gradient of the current one.
+* **The step.** :class:`MixedPrecisionTrainer` keeps FP16 dense weights with FP32 masters,
+  scales the FP32 loss, unscales every gradient in FP32, makes one overflow decision per step
+  for dense and embedding gradients together, and applies either all of the step or none of it.
+  Embedding collections that keep their own sparse update take part through the
+  :class:`MixedPrecisionEmbedding` protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "linear",
+    "bmm",
+    "Linear",
+    "MixedPrecisionEmbedding",
+    "LossScaler",
+    "StaticScaler",
+    "BackoffScaler",
+    "LogMaxScaler",
+    "make_scaler",
+    "ScalingReport",
+    "MixedPrecisionTrainer",
+    "MIN_SCALE",
+    "MAX_SCALE",
+]
+
+MIN_SCALE = 1.0
+MAX_SCALE = 2.0**24
+_FP16_MIN_SUBNORMAL = 2.0**-24
+
+
+# --------------------------------------------------------------------------- FP16 products
+
+
+def _emulated(t: Tensor) -> bool:
+    return t.dtype == torch.float16 and t.device.type == "cpu"
+
+
+def _check_same_dtype(*tensors: Optional[Tensor]) -> None:
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) > 1:
+        raise TypeError(f"operands must share one dtype, got {sorted(map(str, dtypes))}")
+
+
+class _EmulatedHalfLinear(torch.autograd.Function):
+    """``y = fp16(x @ W^T + b)`` with FP32 accumulation; backward likewise (see :func:`linear`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        y = x.float() @ weight.float().t()
+        if bias is not None:
+            y += bias.float()
+        return y.half()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad_y.float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.float()).half()
+        g2 = g.reshape(-1, g.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).half()
+        if ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).half()
+        return grad_x, grad_w, grad_b
+
+
+class _EmulatedHalfBmm(torch.autograd.Function):
+    """``c = fp16(a @ b)`` batched, with FP32 accumulation; backward likewise (see :func:`bmm`)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return torch.bmm(a.float(), b.float()).half()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_c: Tensor):
+        a, b = ctx.saved_tensors
+        g = grad_c.float()
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = torch.bmm(g, b.float().transpose(1, 2)).half()
+        if ctx.needs_input_grad[1]:
+            grad_b = torch.bmm(a.float().transpose(1, 2), g).half()
+        return grad_a, grad_b
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear`` whose FP16 version is what a tensor core computes, on CPU too.
+
+    For FP16 operands on CPU the result is ``fp16(fp32(x) @ fp32(W)^T + fp32(b))``: an FP32
+    GEMM over the FP16 values, the bias added in FP32 before the single rounding to FP16 (the
+    bias epilogue of a tensor-core GEMM). The backward pass computes
+    ``grad_x = fp16(g @ W)``, ``grad_W = fp16(g^T @ x)`` and ``grad_b = fp16(sum_rows g)``, each
+    accumulated in FP32 and rounded once, so all gradients are FP16. Everywhere else (FP32
+    operands, or CUDA, where FP16 is native) this is ``F.linear``. Operands must share a dtype.
+    (On CUDA, PyTorch lets cuBLAS use reduced-precision split-K reductions for FP16 by default;
+    set ``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False`` for strict
+    FP32 accumulation.)
+    """
+    _check_same_dtype(x, weight, bias)
+    if _emulated(weight):
+        return _EmulatedHalfLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.bmm`` whose FP16 version is what a tensor core computes, on CPU too.
+
+    For FP16 operands on CPU the result is ``fp16(bmm(fp32(a), fp32(b)))`` and the backward
+    pass returns ``fp16(g @ b^T)`` and ``fp16(a^T @ g)``, each accumulated in FP32 and rounded
+    once. Everywhere else this is ``torch.bmm``. Operands must share a dtype.
+    """
+    _check_same_dtype(a, b)
+    if _emulated(a):
+        return _EmulatedHalfBmm.apply(a, b)
+    return torch.bmm(a, b)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that computes with :func:`linear`: after ``.half()`` it is a tensor-core layer."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+@runtime_checkable
+class MixedPrecisionEmbedding(Protocol):
+    """An embedding collection that keeps its own (sparse) gradient and applies its own update.
+
+    The trainer drives such a collection through these four methods only; it never touches
+    its parameters (they are left out of the dense optimizer). Once per training step, after
+    ``backward``:
+
+    1. ``unscale_grad_(inv_scale)``: multiply the pending gradient by ``inv_scale = 1 / S``
+       in FP32;
+    2. ``has_nonfinite_grad()``: whether the pending gradient holds an inf or NaN; it takes
+       part in the step's single overflow decision;
+    3. exactly one of ``step()`` (the step is applied: apply the pending update, then clear
+       it) or ``zero_grad()`` (the step is skipped: discard the pending gradient and change no
+       other state -- no table, cache, count or timestamp change).
+
+    The collection owns its optimizer and learning rate: the trainer's LR schedule does not
+    reach it. Everything it needs to resume bit-identically must be in its ``state_dict``.
+    Its gradients are not part of the trainer's min/max |grad| figures (the protocol has no
+    accessor for them); they are part of the overflow decision.
+    """
+
+    def has_nonfinite_grad(self) -> bool: ...
+
+    def unscale_grad_(self, inv_scale: float) -> None: ...
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- loss scalers
+
+
+class LossScaler:
+    """Holds the loss scale ``S`` and updates it once per training step.
+
+    ``scale`` is the factor by which the next step's loss is multiplied. After that step's
+    overflow decision the trainer calls ``update(found_inf, max_abs_grad)`` exactly once, on
+    applied and skipped steps alike: ``found_inf`` is true iff a dense or embedding gradient was
+    non-finite, and ``max_abs_grad`` is the largest unscaled |gradient| (non-finite on overflow,
+    0 when every gradient is zero). The new ``scale`` is used from the next step on.
+    ``state_dict`` holds the mutable state only; the configuration comes from the constructor.
+    Scales are Python floats (double precision).
+    """
+
+    _state: tuple[str, ...] = ("scale",)
+
+    def __init__(self, scale: float) -> None:
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"loss scale must be finite and positive, got {scale}")
+        self.scale = float(scale)
+
+    def update(self, found_inf: bool, max_abs_grad: float) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self._state}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._state:
+            setattr(self, name, state[name])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(scale={self.scale})"
+
+
+class StaticScaler(LossScaler):
+    """A constant loss scale ``S``. Overflowing steps are still skipped; ``S`` never changes."""
+
+    def update(self, found_inf: bool, max_abs_grad: float) -> None:
+        pass
+
+
+class BackoffScaler(LossScaler):
+    """Dynamic loss scaling by backoff and growth (``torch.amp.GradScaler``'s rule).
+
+    Start at ``init_scale``. On a step with a non-finite gradient: ``S *= backoff_factor`` and the
+    count of clean steps restarts at 0. On a clean step the count grows by one; when it reaches
+    ``growth_interval``, ``S *= growth_factor`` and the count restarts at 0. With ``clamp`` the
+    result is then clamped to ``[MIN_SCALE, MAX_SCALE] = [1, 2^24]``. With ``clamp=False`` the
+    sequence of scales is ``torch.amp.GradScaler``'s for the same overflow pattern and
+    arguments, as long as the scale stays within the float32 range (GradScaler keeps its scale
+    as a float32 tensor and refuses a growth to inf; here scales are doubles).
+    """
+
+    _state = ("scale", "growth_tracker")
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        clamp: bool = True,
+    ) -> None:
+        super().__init__(init_scale)
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1):
+            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.clamp = clamp
+        self.growth_tracker = 0
+
+    def update(self, found_inf: bool, max_abs_grad: float) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+        if self.clamp:
+            self.scale = min(max(self.scale, MIN_SCALE), MAX_SCALE)
+
+
+class LogMaxScaler(LossScaler):
+    """OpenSeq2Seq's ``LogMaxScaler``: aim the largest scaled gradient at ``2^log_max``.
+
+    Each step ``t = 1, 2, ...`` observes ``x_t = log2(max_abs_grad)`` of the unscaled gradients,
+    with two special cases: a non-finite step counts as ``x_t = log_max`` (16); a step whose
+    gradients are all zero (every one underflowed in FP16) counts as
+    ``x_t = log2(2^-24 / S_t)``, the bound below which the scaled gradients vanish (OpenSeq2Seq
+    would take ``log2(0)`` and poison its statistics). Then, with statistics initialised to 0::
+
+        m1  = beta1 * m1 + (1 - beta1) * x_t          mu    = m1 / (1 - beta1^t)
+        m1s = beta2 * m1s + (1 - beta2) * x_t         mu_s  = m1s / (1 - beta2^t)
+        m2  = beta2 * m2 + (1 - beta2) * x_t^2        sigma = sqrt(max(m2 / (1 - beta2^t) - mu_s^2, 0))
+        S_{t+1} = clamp(2^(log_max - (mu + overflow_std_dev * sigma)), MIN_SCALE, MAX_SCALE)
+
+    i.e. the mean ``mu`` is the fast (``beta1``) bias-corrected average and ``sigma`` the standard
+    deviation under the slow (``beta2``) average, as OpenSeq2Seq computes it. Step ``t``'s own
+    ``x_t`` is included in the statistics that set the scale of step ``t + 1``. The scale of the
+    first step is ``init_scale`` (OpenSeq2Seq: 1). The scale is not rounded to a power of two,
+    so scaling and unscaling are not exact (they are for the other scalers' powers of two).
+    Arithmetic is in double precision (OpenSeq2Seq: float32).
+    """
+
+    _state = ("scale", "t", "m1", "m1s", "m2")
+
+    def __init__(
+        self,
+        init_scale: float = 1.0,
+        beta1: float = 0.99,
+        beta2: float = 0.999,
+        overflow_std_dev: float = 3.09,
+        log_max: float = 16.0,
+    ) -> None:
+        super().__init__(init_scale)
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.overflow_std_dev = overflow_std_dev
+        self.log_max = log_max
+        self.t = 0
+        self.m1 = self.m1s = self.m2 = 0.0
+
+    def update(self, found_inf: bool, max_abs_grad: float) -> None:
+        if found_inf or not math.isfinite(max_abs_grad):
+            x = self.log_max
+        elif max_abs_grad == 0.0:
+            x = math.log2(_FP16_MIN_SUBNORMAL / self.scale)
+        else:
+            x = math.log2(max_abs_grad)
+        b1, b2 = self.beta1, self.beta2
+        self.t += 1
+        self.m1 = b1 * self.m1 + (1 - b1) * x
+        self.m1s = b2 * self.m1s + (1 - b2) * x
+        self.m2 = b2 * self.m2 + (1 - b2) * x * x
+        mu = self.m1 / (1 - b1**self.t)
+        mu_s = self.m1s / (1 - b2**self.t)
+        sigma = math.sqrt(max(self.m2 / (1 - b2**self.t) - mu_s * mu_s, 0.0))
+        log_scale = self.log_max - (mu + self.overflow_std_dev * sigma)
+        self.scale = 2.0 ** min(max(log_scale, math.log2(MIN_SCALE)), math.log2(MAX_SCALE))  # clamp(2^log_scale)
+
+
+_SCALERS = {"static": StaticScaler, "backoff": BackoffScaler, "logmax": LogMaxScaler}
+
+
+def make_scaler(kind: str, **kwargs) -> LossScaler:
+    """Build a scaler by name: ``"static"`` (needs ``scale=``), ``"backoff"`` or ``"logmax"``."""
+    try:
+        cls = _SCALERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown loss scaler {kind!r}; choose from {sorted(_SCALERS)}") from None
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- the training step
+
+
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}
+
+
+@dataclasses.dataclass
+class ScalingReport:
+    """What loss scaling did over a run (SPEC section 6, "report per run").
+
+    * ``steps``: training steps taken (applied + skipped); ``skipped``: steps skipped because a
+      gradient was non-finite (the overflow count).
+    * ``scale_trace``: ``(step, scale)`` pairs, one per change of scale, starting with
+      ``(0, initial scale)``; ``(s, S)`` means steps ``s, s+1, ...`` (counted from 0) used ``S``.
+    * ``min_abs_grad`` / ``max_abs_grad``: the smallest non-zero / the largest unscaled
+      |gradient| over all applied steps (``inf`` / ``0`` while there is none).
+    """
+
+    steps: int = 0
+    skipped: int = 0
+    scale_trace: list = dataclasses.field(default_factory=list)
+    min_abs_grad: float = math.inf
+    max_abs_grad: float = 0.0
+
+
+def _abs_range(grads: list[Tensor]) -> tuple[float, float]:
+    """(max |g|, min non-zero |g|) over all tensors; NaN propagates into both."""
+    if not grads:
+        return 0.0, math.inf
+    max_abs = torch.stack([g.abs().amax() for g in grads]).amax()
+    min_abs = torch.stack([torch.where(g != 0, g.abs(), math.inf).amin() for g in grads]).amin()
+    return max_abs.item(), min_abs.item()
+
+
+class MixedPrecisionTrainer:
+    """Trains a CTR model whose dense part runs in FP16 (or FP32), one step at a time.
+
+    ``model`` is called as ``model(dense, sparse) -> logits`` (shape ``[B]`` or ``[B, 1]``) and
+    has an attribute ``embedding_collection`` (a module, or None). Its *dense parameters* are all
+    its parameters outside ``embedding_collection``. Construction changes the model in place:
+    with ``precision="fp16"`` every dense parameter becomes FP16 (the model's forward must
+    follow the dtype of its parameters, as :class:`dlrm.model.DLRM` does).
+
+    Invariants:
+
+    * fp16: ``masters[i]`` is the FP32 master of ``dense_params[i]``; the optimizer updates the
+      masters, and after every applied step each FP16 parameter is its master rounded to
+      nearest. fp32: the parameters are their own masters and ``masters`` is empty.
+    * An embedding collection implementing :class:`MixedPrecisionEmbedding` is driven through
+      that protocol only. Any other collection (e.g. TorchRec's ``EmbeddingBagCollection``)
+      must hold FP32 parameters with ordinary ``.grad``; they are unscaled, checked and updated
+      with the same optimizer as the masters (they need no master copy).
+    * The optimizer (``"sgd"``, ``"adam"`` or ``"adagrad"`` with ``lr`` and ``optimizer_kwargs``,
+      e.g. ``weight_decay``) sees only FP32 tensors and only unscaled gradients.
+    * One overflow decision per step: the step is applied entirely (dense update, embedding
+      update, one LR-schedule step) or, if any gradient is non-finite, not at all -- the only
+      state a skipped step changes is the scaler's and the report's.
+
+    One :meth:`train_step`: ``loss = BCEWithLogits(fp32(logits), labels)`` (mean over the
+    batch) in FP32; ``backward(loss * S)`` (FP16 gradients inside the FP16 dense part); every
+    gradient converted to FP32 and multiplied by ``1/S``; overflow decision; update or skip;
+    ``scaler.update``. There is no gradient clipping; any added later belongs after unscaling.
+
+    ``lr_scheduler`` is a factory ``optimizer -> LRScheduler`` (the optimizer is built here);
+    it is stepped once per applied step. ``state_dict`` holds the model (FP16 copies and
+    embedding state), masters, optimizer, scaler, scheduler and report: loading it into a
+    trainer built the same way continues the run bit-identically.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        precision: str = "fp16",
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        optimizer_kwargs: Optional[dict] = None,
+        scaler: Optional[LossScaler] = None,
+        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]] = None,
+    ) -> None:
+        if precision not in ("fp32", "fp16"):
+            raise ValueError(f"precision must be 'fp32' or 'fp16', got {precision!r}")
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(_OPTIMIZERS)}")
+        self.model = model
+        self.precision = precision
+        embeddings = model.embedding_collection
+        self.protocol_embedding = embeddings if isinstance(embeddings, MixedPrecisionEmbedding) else None
+        embedding_params = list(embeddings.parameters()) if embeddings is not None else []
+        embedding_ids = {id(p) for p in embedding_params}
+        self.dense_params = [p for p in model.parameters() if id(p) not in embedding_ids]
+
+        if precision == "fp16":
+            self.masters = [p.detach().float().clone() for p in self.dense_params]
+            for p in self.dense_params:
+                p.data = p.data.half()  # in place, as Module.half() does: the Parameter stays the same object
+            pairs = list(zip(self.dense_params, self.masters))
+        else:
+            self.masters = []
+            pairs = [(p, p) for p in self.dense_params]
+        if self.protocol_embedding is None:
+            for p in embedding_params:
+                if p.dtype != torch.float32:
+                    raise TypeError("a non-protocol embedding collection must hold FP32 parameters")
+            pairs += [(p, p) for p in embedding_params]
+        self._pairs = pairs  # (model parameter, FP32 tensor the optimizer updates)
+
+        self.optimizer = _OPTIMIZERS[optimizer]([m for _, m in pairs], lr=lr, **(optimizer_kwargs or {}))
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.scaler = scaler if scaler is not None else (BackoffScaler() if precision == "fp16" else StaticScaler(1.0))
+        self.report = ScalingReport(scale_trace=[(0, self.scaler.scale)])
+
+    def train_step(self, dense: Tensor, sparse, labels: Tensor) -> dict:
+        """One training step. Returns ``loss`` (the unscaled FP32 loss), ``skipped``, ``scale``
+        (the S this step used), ``max_abs_grad`` and ``min_abs_nonzero_grad`` (over the unscaled
+        dense and FP32-embedding gradients; ``inf`` when none is non-zero, and on a skipped step
+        possibly inf or NaN)."""
+        scale = self.scaler.scale
+        logits = self.model(dense, sparse)
+        loss = F.binary_cross_entropy_with_logits(logits.float().reshape(-1), labels.float().reshape(-1))
+        (loss * scale).backward()
+
+        grads = self._unscale_grads(1.0 / scale)
+        max_abs, min_abs = _abs_range(grads)
+        found_inf = not math.isfinite(max_abs) or (
+            self.protocol_embedding is not None and self.protocol_embedding.has_nonfinite_grad()
+        )
+        if found_inf:
+            if self.protocol_embedding is not None:
+                self.protocol_embedding.zero_grad()
+        else:
+            self._apply_update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update(found_inf, max_abs)
+        self._record(found_inf, max_abs, min_abs)
+        return {
+            "loss": loss.item(),
+            "skipped": found_inf,
+            "scale": scale,
+            "max_abs_grad": max_abs,
+            "min_abs_nonzero_grad": min_abs,
+        }
+
+    def _unscale_grads(self, inv_scale: float) -> list[Tensor]:
+        """Move every model gradient to its FP32 tensor, multiplied by ``inv_scale`` in FP32."""
+        grads = []
+        for param, master in self._pairs:
+            if param.grad is None:
+                continue
+            grad = param.grad.to(torch.float32).mul_(inv_scale)  # a new tensor for FP16 params
+            param.grad = None
+            master.grad = grad
+            grads.append(grad)
+        if self.protocol_embedding is not None:
+            self.protocol_embedding.unscale_grad_(inv_scale)
+        return grads
+
+    def _apply_update(self) -> None:
+        with torch.no_grad():
+            self.optimizer.step()
+            for param, master in self._pairs:
+                if param is not master:
+                    param.copy_(master)
+        if self.protocol_embedding is not None:
+            self.protocol_embedding.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _record(self, skipped: bool, max_abs: float, min_abs: float) -> None:
+        report = self.report
+        report.steps += 1
+        if skipped:
+            report.skipped += 1
+        else:
+            report.max_abs_grad = max(report.max_abs_grad, max_abs)
+            report.min_abs_grad = min(report.min_abs_grad, min_abs)
+        if self.scaler.scale != report.scale_trace[-1][1]:
+            report.scale_trace.append((report.steps, self.scaler.scale))
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "masters": list(self.masters),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "report": dataclasses.asdict(self.report),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["masters"]) != len(self.masters):
+            raise ValueError("state has a different number of master tensors (precision or model differ)")
+        self.model.load_state_dict(state["model"])
+        with torch.no_grad():
+            for master, saved in zip(self.masters, state["masters"]):
+                master.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.report = ScalingReport(**state["report"])

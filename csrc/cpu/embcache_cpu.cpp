@@ -153,6 +153,9 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
   at::Tensor out = at::zeros({nb, dim}, cache_rows.options());
   float* o = out.data_ptr<float>();
   std::atomic<int64_t> hits{0};
+  for (int64_t l = 0; l < indices.numel(); ++l)
+    TORCH_CHECK(idx[l] >= 0 && idx[l] < num_rows, "embcache: index ", idx[l],
+                " out of range [0, ", num_rows, ")");
   at::parallel_for(0, nb, kGrainBags, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(dim);
     int64_t local_hits = 0;
@@ -160,7 +163,6 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
       float* acc = o + b * dim;
       for (int64_t l = off[b]; l < off[b + 1]; ++l) {
         const int64_t row = idx[l];
-        TORCH_CHECK(row >= 0 && row < num_rows, "embcache: index ", row, " out of range");
         const int64_t slot = cache.find(row);
         const float* v;
         if (slot >= 0) {
@@ -204,16 +206,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
   const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
   const float* g = grad_output.data_ptr<float>();
 
+  TORCH_CHECK(n < (int64_t(1) << 32), "embcache: at most 2^32 lookups per call");
   std::vector<int64_t> bag_of(n);
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t l = off[b]; l < off[b + 1]; ++l) bag_of[l] = b;
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
-  std::vector<int64_t> starts;
-  for (int64_t k = 0; k < n; ++k)
-    if (k == 0 || idx[order[k]] != idx[order[k - 1]]) starts.push_back(k);
+  // Sort (row, position) pairs packed in one key: rows ascending, positions in order.
+  std::vector<uint64_t> keys(n);
+  for (int64_t l = 0; l < n; ++l) {
+    TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31), "embcache: index ", idx[l], " out of range");
+    keys[l] = ((uint64_t)idx[l] << 32) | (uint64_t)l;
+  }
+  std::sort(keys.begin(), keys.end());
+  std::vector<int64_t> order(n), starts;
+  for (int64_t k = 0; k < n; ++k) {
+    order[k] = (int64_t)(keys[k] & 0xffffffffu);
+    if (k == 0 || (keys[k] >> 32) != (keys[k - 1] >> 32)) starts.push_back(k);
+  }
   const int64_t nu = (int64_t)starts.size();
   starts.push_back(n);
 
@@ -389,11 +397,15 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
     });
     return at::tensor({int64_t(0), nu, int64_t(0), int64_t(0), nu}, at::kLong);
   }
+  // Group the unique rows by set: sort (set, u) packed in one key; u ascending = rows ascending.
   std::vector<int64_t> set_of(nu), by_set(nu);
-  for (int64_t u = 0; u < nu; ++u) set_of[u] = set_of_row(rows[u], num_sets);
-  std::iota(by_set.begin(), by_set.end(), 0);
-  std::stable_sort(by_set.begin(), by_set.end(),
-                   [&](int64_t a, int64_t b) { return set_of[a] < set_of[b]; });
+  std::vector<uint64_t> keys(nu);
+  for (int64_t u = 0; u < nu; ++u) {
+    set_of[u] = set_of_row(rows[u], num_sets);
+    keys[u] = ((uint64_t)set_of[u] << 32) | (uint64_t)u;
+  }
+  std::sort(keys.begin(), keys.end());
+  for (int64_t k = 0; k < nu; ++k) by_set[k] = (int64_t)(keys[k] & 0xffffffffu);
   std::vector<int64_t> starts;
   for (int64_t k = 0; k < nu; ++k)
     if (k == 0 || set_of[by_set[k]] != set_of[by_set[k - 1]]) starts.push_back(k);

@@ -1,7 +1,8 @@
 // Row formats, rounding and random numbers of SPEC §2-4, written once for C++ and CUDA.
 //
 // Everything here is plain arithmetic on plain pointers: no torch, no STL, no <cmath>
-// functions whose results could differ between host and device. Every function is
+// functions whose results could differ between host and device. Stored rows are
+// little-endian (every target of this project is). Every function is
 // EMBCACHE_HD (__host__ __device__ under nvcc), so the CPU kernels and the CUDA kernels
 // produce bit-identical table bytes for the same seed, stochastic rounding included.
 //
@@ -11,6 +12,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__CUDACC__)
 #define EMBCACHE_HD __host__ __device__ __forceinline__
@@ -175,26 +177,22 @@ struct RowFormat {
   EMBCACHE_HD int row_bytes() const { return payload_bytes() + qparam_bytes(); }
 };
 
+// Unaligned little-endian loads and stores (rows of odd byte lengths are not aligned).
 EMBCACHE_HD float load_f32(const uint8_t* p) {
-  uint32_t u = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-               ((uint32_t)p[3] << 24);
-  return bits_float(u);
+  float f;
+  memcpy(&f, p, 4);
+  return f;
 }
 
-EMBCACHE_HD void store_f32(uint8_t* p, float f) {
-  const uint32_t u = float_bits(f);
-  p[0] = (uint8_t)u;
-  p[1] = (uint8_t)(u >> 8);
-  p[2] = (uint8_t)(u >> 16);
-  p[3] = (uint8_t)(u >> 24);
+EMBCACHE_HD void store_f32(uint8_t* p, float f) { memcpy(p, &f, 4); }
+
+EMBCACHE_HD uint16_t load_u16(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return h;
 }
 
-EMBCACHE_HD uint16_t load_u16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
-EMBCACHE_HD void store_u16(uint8_t* p, uint16_t h) {
-  p[0] = (uint8_t)h;
-  p[1] = (uint8_t)(h >> 8);
-}
+EMBCACHE_HD void store_u16(uint8_t* p, uint16_t h) { memcpy(p, &h, 2); }
 
 /// The row's scale and bias as floats.
 EMBCACHE_HD void load_qparams(const RowFormat& f, const uint8_t* row, float* scale,

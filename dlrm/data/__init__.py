@@ -1,0 +1,1 @@
+"""Criteo-Kaggle data: preprocessing (criteo), synthetic data (synthetic), batches (batches)."""

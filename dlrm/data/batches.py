@@ -1,0 +1,120 @@
+"""Mini-batches from a preprocessed directory (the layout of ``dlrm.data.criteo``, also written
+by ``dlrm.data.synthetic``): ``dense.npy``, ``sparse.npy``, ``labels.npy`` (memory-mapped,
+read-only) and ``meta.json`` (cardinalities, split row ranges).
+
+A batch is ``Batch(dense, sparse, labels)``: dense float32 [B, 13], sparse a TorchRec
+``KeyedJaggedTensor`` with keys ``cat_0`` .. ``cat_25`` and exactly one int64 id per sample
+per key (lengths all 1), labels float32 [B]. Batch b of an epoch holds the rows
+``order[b * B:(b + 1) * B]`` of the split, where ``order`` is the split's rows in file order,
+or, with ``shuffle``, a permutation drawn from ``numpy.random.default_rng([seed, epoch])``
+(the rows inside a shuffled batch are then sorted, for locality in the memory map).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm.data.criteo import FILES, NUM_DENSE, NUM_SPARSE, DataError
+
+SPLITS = ("train", "val", "test")
+KEYS = [f"cat_{i}" for i in range(NUM_SPARSE)]
+
+
+class Batch(NamedTuple):
+    dense: torch.Tensor  # float32 [B, 13]
+    sparse: KeyedJaggedTensor  # keys KEYS, one int64 id per sample per key
+    labels: torch.Tensor  # float32 [B]
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A preprocessed directory: read-only memory maps and its metadata."""
+
+    dense: np.ndarray
+    sparse: np.ndarray
+    labels: np.ndarray
+    meta: dict
+
+    def split(self, name: str) -> tuple[int, int]:
+        """The half-open row range of split ``name`` (one of SPLITS)."""
+        if name not in SPLITS:
+            raise ValueError(f"unknown split {name!r}, expected one of {SPLITS}")
+        start, stop = self.meta["splits"][name]
+        return start, stop
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """``meta.json`` of the preprocessed directory ``path``; ``DataError`` if there is none."""
+    meta_file = Path(path) / "meta.json"
+    try:
+        return json.loads(meta_file.read_text())
+    except FileNotFoundError as e:
+        raise DataError(f"{meta_file}: no such file: {path} is not a complete preprocessed "
+                        "directory (run the preprocessing or the synthetic generator)") from e
+    except (OSError, ValueError) as e:
+        raise DataError(f"{meta_file}: cannot read: {e}") from e
+
+
+def cardinalities(path: str | os.PathLike) -> list[int]:
+    """The number of ids of each of the 26 categorical features, from ``meta.json``."""
+    return list(read_meta(path)["cardinalities"])
+
+
+def load(path: str | os.PathLike) -> Dataset:
+    """Memory-map the preprocessed directory ``path`` (checked against its ``meta.json``)."""
+    meta = read_meta(path)
+    rows = meta["rows"]
+    arrays = []
+    for name, shape in zip(FILES, [(rows, NUM_DENSE), (rows, NUM_SPARSE), (rows,)]):
+        try:
+            a = np.load(Path(path) / name, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(f"{Path(path) / name}: cannot read: {e}") from e
+        if a.shape != shape:
+            raise DataError(f"{Path(path) / name}: shape {a.shape}, meta.json says {shape}")
+        arrays.append(a)
+    return Dataset(*arrays, meta)
+
+
+def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Batch:
+    """A ``Batch`` (copies) from numpy rows: dense [B, 13], sparse ids [B, 26], labels [B]."""
+    batch_size = len(labels)
+    kjt = KeyedJaggedTensor(
+        keys=KEYS,
+        values=torch.from_numpy(np.array(sparse, dtype=np.int64).T.reshape(-1)),
+        lengths=torch.ones(batch_size * NUM_SPARSE, dtype=torch.int32),
+        stride=batch_size,
+    )
+    return Batch(torch.from_numpy(np.array(dense, dtype=np.float32)), kjt,
+                 torch.from_numpy(np.array(labels, dtype=np.float32)))
+
+
+def num_batches(num_rows: int, batch_size: int, drop_last: bool = False) -> int:
+    """Batches per epoch of a split of ``num_rows`` rows."""
+    return num_rows // batch_size if drop_last else -(-num_rows // batch_size)
+
+
+def iterate_batches(data: str | os.PathLike | Dataset, split: str, batch_size: int, *,
+                    shuffle: bool = False, seed: int = 0, epoch: int = 0,
+                    drop_last: bool = False, start_batch: int = 0) -> Iterator[Batch]:
+    """The batches ``start_batch, start_batch + 1, ...`` of one epoch over ``split``.
+
+    ``data``: a directory or a ``load``-ed ``Dataset``. ``drop_last`` drops a last batch of
+    fewer than ``batch_size`` rows. The order is a function of (``seed``, ``epoch``) only, so
+    a resumed run that passes the same values and ``start_batch`` continues exactly.
+    """
+    ds = data if isinstance(data, Dataset) else load(data)
+    start, stop = ds.split(split)
+    order = (start + np.random.default_rng([seed, epoch]).permutation(stop - start)
+             if shuffle else None)
+    for b in range(start_batch, num_batches(stop - start, batch_size, drop_last)):
+        lo, hi = b * batch_size, min((b + 1) * batch_size, stop - start)
+        rows = slice(start + lo, start + hi) if order is None else np.sort(order[lo:hi])
+        yield make_batch(ds.dense[rows], ds.sparse[rows], ds.labels[rows])

@@ -1,0 +1,331 @@
+"""Training and evaluation runs of DLRM: model construction, the training loop, evaluation,
+checkpoints that resume bit-identically, and the JSON report (SPEC §6-7).
+
+A run lives in one directory: ``checkpoint.pt`` (written atomically every
+``checkpoint_every`` steps and at the end) and ``report.json``. A run is described by a
+:class:`RunConfig`; resuming checks that the checkpoint was made by the same configuration
+(everything but the step budget and the bookkeeping fields may not change).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dlrm import metrics
+from dlrm.data import batches as data_batches
+from dlrm.data.criteo import DataError
+from dlrm.data.synthetic import SyntheticCriteo
+from dlrm.mixed_precision import MixedPrecisionTrainer, make_scaler
+from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
+
+
+class RunError(Exception):
+    """A user error (bad data, checkpoint, configuration or output): one clear message."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything that defines a run. Table options apply to every table unless ``tables``
+    overrides them per table (``{"t_2": {"precision": "int4"}}``)."""
+
+    data: str = "synthetic"  # a preprocessed directory, or "synthetic"
+    synthetic_rows: int = 600_000
+    synthetic_scale: float = 0.001
+    preset: str = "kaggle"
+    embeddings: str = "embcache"  # or "torchrec" (FP32 baseline)
+    precision: str = "int8"
+    rounding: str = "stochastic"
+    cache_ratio: float = 0.05
+    associativity: int = 32
+    policy: str = "lfu"
+    emb_optimizer: str = "sgd"
+    emb_lr: float = 0.1
+    qparams: str = "fp32"
+    min_rows_for_low_precision: int = 1000
+    tables: dict = dataclasses.field(default_factory=dict)
+    dense_precision: str = "fp16"
+    loss_scaler: str = "backoff"
+    static_scale: float = 1024.0
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    batch_size: int = 2048
+    epochs: int = 1
+    steps: Optional[int] = None  # None: whole epochs
+    eval_every: int = 100
+    eval_batches: int = 20
+    seed: int = 0
+    # bookkeeping: may differ between a run and its resumption
+    threads: Optional[int] = None
+    checkpoint_every: int = 100
+    stop_after: Optional[int] = None  # stop (as if interrupted) after this many steps of this invocation
+    progress: bool = True
+
+    BOOKKEEPING = ("steps", "threads", "checkpoint_every", "stop_after", "progress", "eval_every")
+
+    def identity(self) -> dict:
+        """The fields a resumed run must share with the checkpoint."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.BOOKKEEPING}
+
+
+# --------------------------------------------------------------------------- construction
+
+
+def resolve_data(cfg: RunConfig, root: Path) -> Path:
+    """The preprocessed directory of the run; the synthetic default is generated once into
+    ``root/data/...`` (deterministic for the seed)."""
+    if cfg.data != "synthetic":
+        path = Path(cfg.data)
+        data_batches.read_meta(path)  # DataError if not a preprocessed directory
+        return path
+    path = root / "data" / f"synthetic-scale{cfg.synthetic_scale}-rows{cfg.synthetic_rows}-seed{cfg.seed}"
+    if not (path / "meta.json").exists():
+        SyntheticCriteo(scale=cfg.synthetic_scale, seed=cfg.seed).write(path, cfg.synthetic_rows)
+    return path
+
+
+def build_model(cfg: RunConfig, cardinalities: list[int]) -> DLRM:
+    torch.manual_seed(cfg.seed)
+    dim = PRESETS[cfg.preset].embedding_dim
+    if cfg.embeddings == "torchrec":
+        collection = make_torchrec_ebc(cardinalities, dim)
+    elif cfg.embeddings == "embcache":
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+        from embcache import CachedLowPrecisionEmbeddingBagCollection
+
+        tables = [
+            EmbeddingBagConfig(name=f"t_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[key])
+            for i, (n, key) in enumerate(zip(cardinalities, SPARSE_KEYS))
+        ]
+        collection = CachedLowPrecisionEmbeddingBagCollection(
+            tables, per_table=cfg.tables, precision=cfg.precision, rounding=cfg.rounding,
+            cache_ratio=cfg.cache_ratio, associativity=cfg.associativity, policy=cfg.policy,
+            optimizer=cfg.emb_optimizer, lr=cfg.emb_lr, qparams=cfg.qparams, seed=cfg.seed,
+            min_rows_for_low_precision=cfg.min_rows_for_low_precision,
+        )
+    else:
+        raise RunError(f"--embeddings must be 'embcache' or 'torchrec', got {cfg.embeddings!r}")
+    return DLRM.from_preset(cfg.preset, collection)
+
+
+def build_trainer(cfg: RunConfig, model: DLRM) -> MixedPrecisionTrainer:
+    kwargs = {"scale": cfg.static_scale} if cfg.loss_scaler == "static" else {}
+    return MixedPrecisionTrainer(
+        model, precision=cfg.dense_precision, optimizer=cfg.optimizer, lr=cfg.lr,
+        scaler=make_scaler(cfg.loss_scaler, **kwargs),
+    )
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate(model: DLRM, dataset, split: str, batch_size: int, max_batches: Optional[int] = None) -> dict:
+    """Metrics of ``model`` on ``split`` (all of it, or its first ``max_batches`` batches).
+    Changes no state: the model is put in eval mode and gradients are off."""
+    was_training = model.training
+    model.eval()
+    labels, logits = [], []
+    with torch.no_grad():
+        for i, batch in enumerate(data_batches.iterate_batches(dataset, split, batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            logits.append(model(batch.dense, batch.sparse).float())
+            labels.append(batch.labels)
+    model.train(was_training)
+    if not labels:
+        raise RunError(f"the {split} split is empty: more rows are needed")
+    return metrics.evaluate(torch.cat(labels).numpy(), torch.cat(logits).numpy())
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def save_checkpoint(path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, progress: dict) -> None:
+    state = {"config": cfg.identity(), "trainer": trainer.state_dict(), "progress": progress}
+    _atomic_write(path, lambda p: torch.save(state, p))
+
+
+def load_checkpoint(path: Path, cfg: RunConfig) -> dict:
+    try:
+        state = torch.load(path, weights_only=False)
+    except FileNotFoundError:
+        raise RunError(f"{path}: no checkpoint to resume from") from None
+    except Exception as e:  # a truncated or foreign file
+        raise RunError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "config" not in state:
+        raise RunError(f"{path}: not a dlrm checkpoint")
+    saved, mine = state["config"], cfg.identity()
+    diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+    if diff:
+        fields = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise RunError(f"{path} was written by another configuration ({fields})")
+    return state
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _embedding_report(model: DLRM) -> dict:
+    collection = model.embedding_collection
+    if not hasattr(collection, "stats"):
+        fp32 = sum(p.nbytes for p in collection.parameters())
+        return {"memory_bytes": fp32, "compression_factor": 1.0}
+    stats, memory = collection.stats(), collection.memory_bytes()
+    lookups = sum(s["lookups"] for s in stats.values())
+    return {
+        "hit_rate": sum(s["hits"] for s in stats.values()) / lookups if lookups else 0.0,
+        "memory_bytes": sum(m["total"] for m in memory.values()),
+        "compression_factor": collection.compression_factor(),
+        "tables": {
+            name: {
+                "precision": t.config.stored_precision,
+                "rows": t.config.num_embeddings,
+                "cache_slots": t.config.num_slots,
+                "hit_rate": stats[name]["hit_rate"],
+                "memory_bytes": memory[name]["total"],
+            }
+            for name, t in collection.embedding_bags.items()
+        },
+    }
+
+
+def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
+    """Train (or resume) a run in ``out_dir``; returns the report (also in report.json)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create the output directory {out_dir}: {e.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise RunError(f"the output directory {out_dir} is not writable")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        data_dir = resolve_data(cfg, out_dir.parent if out_dir.parent != out_dir else out_dir)
+        dataset = data_batches.load(data_dir)
+    except DataError as e:
+        raise RunError(str(e)) from None
+    cards = list(dataset.meta["cardinalities"])
+    model = build_model(cfg, cards)
+    trainer = build_trainer(cfg, model)
+    ckpt_path = out_dir / "checkpoint.pt"
+    progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}
+    if resume:
+        state = load_checkpoint(ckpt_path, cfg)
+        trainer.load_state_dict(state["trainer"])
+        progress = state["progress"]
+
+    train_rows = dataset.split("train")[1] - dataset.split("train")[0]
+    per_epoch = data_batches.num_batches(train_rows, cfg.batch_size, drop_last=True)
+    if per_epoch == 0:
+        raise RunError(f"the train split has {train_rows} rows, fewer than one batch of {cfg.batch_size}")
+    total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+    this_run = 0
+    bar = tqdm(total=total, initial=progress["step"], desc="train", unit="step", disable=not cfg.progress)
+    start = time.perf_counter()
+    losses = []
+    while progress["step"] < total:
+        batches = data_batches.iterate_batches(
+            dataset, "train", cfg.batch_size, shuffle=True, seed=cfg.seed,
+            epoch=progress["epoch"], drop_last=True, start_batch=progress["batch"],
+        )
+        for batch in batches:
+            out = trainer.train_step(batch.dense, batch.sparse, batch.labels)
+            losses.append(out["loss"])
+            progress["step"] += 1
+            progress["batch"] += 1
+            progress["samples"] += len(batch.labels)
+            this_run += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{out['loss']:.4f}", scale=f"{out['scale']:g}")
+            step = progress["step"]
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches)
+                progress["evals"].append({"step": step, **m})
+                bar.write(f"step {step}: val auc {m['auc']:.4f} logloss {m['log_loss']:.4f}")
+            done = step >= total or (cfg.stop_after is not None and this_run >= cfg.stop_after)
+            if done or step % cfg.checkpoint_every == 0:
+                progress["train_seconds"] += time.perf_counter() - start
+                start = time.perf_counter()
+                save_checkpoint(ckpt_path, cfg, trainer, progress)
+            if done:
+                break
+        else:
+            progress["epoch"] += 1
+            progress["batch"] = 0
+            continue
+        break
+    bar.close()
+    if progress["step"] < total:
+        return {"stopped_at_step": progress["step"]}
+
+    test = evaluate(model, dataset, "test", cfg.batch_size)
+    scaling = trainer.report
+    report = {
+        "config": dataclasses.asdict(cfg),
+        "data": {"dir": str(data_dir), "rows": dataset.meta["rows"], "cardinalities": cards,
+                 "bayes_auc": dataset.meta.get("bayes_auc")},
+        "steps": progress["step"],
+        "evals": progress["evals"],
+        "test": test,
+        "samples_per_second": progress["samples"] / max(progress["train_seconds"], 1e-9),
+        "loss_scale": {
+            "final": trainer.scaler.scale,
+            "changes": len(scaling.scale_trace) - 1,
+            "trace": scaling.scale_trace[-50:],
+            "min": min(s for _, s in scaling.scale_trace),
+            "max": max(s for _, s in scaling.scale_trace),
+        },
+        "skipped_steps": scaling.skipped,
+        "grad_abs": {"min": scaling.min_abs_grad, "max": scaling.max_abs_grad},
+        "embeddings": _embedding_report(model),
+    }
+    _atomic_write(out_dir / "report.json", lambda p: p.write_text(json.dumps(report, indent=2, default=_json_default)))
+    return report
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    raise TypeError(type(x))
+
+
+def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
+    """Metrics of the checkpoint in ``out_dir`` on ``split``, with the run's own config."""
+    state_path = out_dir / "checkpoint.pt"
+    try:
+        saved = torch.load(state_path, weights_only=False)["config"]
+    except FileNotFoundError:
+        raise RunError(f"{state_path}: no checkpoint") from None
+    except Exception as e:
+        raise RunError(f"{state_path}: not a readable checkpoint ({e})") from None
+    cfg = dataclasses.replace(cfg, **saved)
+    try:
+        data_dir = resolve_data(cfg, out_dir.parent if out_dir.parent != out_dir else out_dir)
+        dataset = data_batches.load(data_dir)
+    except DataError as e:
+        raise RunError(str(e)) from None
+    model = build_model(cfg, list(dataset.meta["cardinalities"]))
+    trainer = build_trainer(cfg, model)
+    trainer.load_state_dict(load_checkpoint(state_path, cfg)["trainer"])
+    return evaluate(model, dataset, split, cfg.batch_size)

@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 
-from dlrm.train import RunConfig, RunError
+# torch.fx warns at import time about an API change that concerns neither us nor the user.
+logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+from dlrm.train import RunConfig, RunError  # noqa: E402
 
 _DEFAULTS = RunConfig()
 

@@ -1,0 +1,77 @@
+"""The `dlrm` command end to end: a short run, an interrupted-and-resumed run that ends exactly
+like an uninterrupted one, and user errors that print one line and exit 2."""
+import json
+
+import pytest
+import torch
+
+from dlrm.cli import main
+
+SMALL = ["--synthetic-rows", "30000", "--batch-size", "256", "--eval-every", "5",
+         "--eval-batches", "2", "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+def _train(out, *extra):
+    return main(["train", "--out", str(out), *SMALL, *extra])
+
+
+def test_train_writes_report(workdir, capsys):
+    assert _train(workdir / "a", "--steps", "12") == 0
+    report = json.loads((workdir / "a" / "report.json").read_text())
+    assert report["steps"] == 12
+    assert set(report["test"]) >= {"auc", "accuracy", "log_loss", "normalized_entropy"}
+    assert [e["step"] for e in report["evals"]] == [5, 10]
+    emb = report["embeddings"]
+    assert 0 < emb["compression_factor"] < 1 and 0 <= emb["hit_rate"] <= 1
+    assert report["data"]["bayes_auc"] > 0.7
+    assert report["loss_scale"]["final"] > 0 and report["skipped_steps"] >= 0
+    assert "test: auc" in capsys.readouterr().out
+
+
+def test_interrupted_run_resumes_to_the_same_result(workdir):
+    assert _train(workdir / "full", "--steps", "14", "--checkpoint-every", "4") == 0
+    assert _train(workdir / "cut", "--steps", "14", "--checkpoint-every", "4", "--stop-after", "6") == 0
+    assert not (workdir / "cut" / "report.json").exists()
+    assert _train(workdir / "cut", "--steps", "14", "--checkpoint-every", "4", "--resume") == 0
+    full = json.loads((workdir / "full" / "report.json").read_text())
+    cut = json.loads((workdir / "cut" / "report.json").read_text())
+    assert full["test"] == cut["test"]
+    assert full["evals"] == cut["evals"]
+    a = torch.load(workdir / "full" / "checkpoint.pt", weights_only=False)["trainer"]["model"]
+    b = torch.load(workdir / "cut" / "checkpoint.pt", weights_only=False)["trainer"]["model"]
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, b[k]), k
+
+
+def test_evaluate_checkpoint(workdir, capsys):
+    assert _train(workdir / "e", "--steps", "3") == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--out", str(workdir / "e"), *SMALL]) == 0
+    assert "auc" in json.loads(capsys.readouterr().out)
+
+
+def _fails(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_user_errors_are_one_line(workdir, tmp_path, capsys):
+    _fails(capsys, ["train", "--out", str(tmp_path / "x"), "--data", str(tmp_path / "nope"), *SMALL], "meta.json")
+    _fails(capsys, ["train", "--out", str(tmp_path / "y"), "--resume", *SMALL], "no checkpoint")
+    assert _train(workdir / "cfg", "--steps", "2") == 0
+    _fails(capsys, ["train", "--out", str(workdir / "cfg"), "--resume", "--precision", "int4", *SMALL], "precision")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    _fails(capsys, ["train", "--out", str(tmp_path / "bad"), "--resume", *SMALL], "not a readable checkpoint")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _fails(capsys, ["train", "--out", str(blocker / "sub"), *SMALL], "cannot create")
+    _fails(capsys, ["train", "--out", str(tmp_path / "z"), "--cache-ratio", "1.5", *SMALL], "cache_ratio")
+    _fails(capsys, ["preprocess", str(tmp_path / "missing.tsv"), str(tmp_path / "out")], "missing.tsv")

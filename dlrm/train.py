@@ -38,7 +38,7 @@ class RunConfig:
     overrides them per table (``{"t_2": {"precision": "int4"}}``)."""
 
     data: str = "synthetic"  # a preprocessed directory, or "synthetic"
-    synthetic_rows: int = 400_000
+    synthetic_rows: int = 700_000
     synthetic_scale: float = 0.001
     preset: str = "kaggle"
     embeddings: str = "embcache"  # or "torchrec" (FP32 baseline)

@@ -163,7 +163,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             [t.weights for t in tables], [t.cache_tags for t in tables],
             [t.cache_rows for t in tables], [t.optimizer_state for t in tables], rows,
             [p[1] for _, p in pending], [c.bits for c in cfgs],
-            [int(c.qparams_fp16) for c in cfgs], [c.optimizer_code for c in cfgs],
+            [int(c.qparams_fp16) for c in cfgs], [int(c.rounding == "stochastic") for c in cfgs],
+            [c.optimizer_code for c in cfgs],
             [c.lr for c in cfgs], [c.eps for c in cfgs], [c.num_sets for c in cfgs],
             [c.ways for c in cfgs],
         )

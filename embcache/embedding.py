@@ -273,7 +273,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         bits, qfp16 = self._format_args()
         fresh, fresh_state, slots, bad_row = _ops.update_prepare(
             self.weights, self.cache_tags, self.cache_rows, self.optimizer_state, rows, grads,
-            bits, qfp16, cfg.optimizer_code, cfg.lr, cfg.eps, cfg.num_sets, cfg.ways,
+            bits, qfp16, cfg.rounding == "stochastic", cfg.optimizer_code, cfg.lr, cfg.eps,
+            cfg.num_sets, cfg.ways,
         )
         self._raise_if_bad(bad_row)
         return rows, fresh, fresh_state, slots, occ

@@ -11,10 +11,20 @@ later, the CUDA kernels) compute for one table:
   :class:`ReferenceTable`, which holds the same state tensors, under the same names, as
   :class:`embcache.CachedLowPrecisionEmbedding`.
 
-It is written for clarity, not speed: one row at a time, the SPEC formulas as written, every
-float32 operation a separate, rounded torch operation (a multiply followed by an add is never
-fused), sums whose order matters as explicit sequential loops. The tests require the kernels
-to agree with it bit for bit (``tests/test_reference_vs_kernels.py``, ``tests/test_rounding.py``).
+It is written for clarity, not speed: the SPEC formulas as written, vectorized over rows only
+where the order does not matter; every float32 operation a separate, rounded torch operation
+(a multiply followed by an add is never fused); sums whose order matters (pooling, gradient
+deduplication, row-wise AdaGrad's sum of squares) as explicit sequential loops; the float32
+square root computed correctly rounded (:func:`sqrt_f32`, not ``torch.sqrt``). It shares no
+code with the kernels. The tests require the kernels to agree with it bit for bit
+(``tests/test_reference_vs_kernels.py``, ``tests/test_rounding.py``); a CUDA backend is to be
+held to the same tests.
+
+Where the SPEC is explicit the reference follows it: fp16 nearest rounding is
+``tensor.half()`` for every finite result (65504 < |x| < 65520 rounds to 65504); only values
+whose stored form could be non-finite are refused. A row whose scale is 0 gets codes 0; with
+fp32 qparams the scale 0 is stored, with fp16 qparams 1.0 is stored (FBGEMM's SBHalf layout
+does so, and the SPEC asks for its bytes); the dequantized values are the same.
 
 Conventions the SPEC leaves open, as chosen for the project (see the module docstrings):
 
@@ -283,6 +293,8 @@ def quantize_rows(values: torch.Tensor, row_ids, precision: str, qparams: str = 
     y = (x - bias[:, None]) * inv[:, None]
     codes = round_codes(y, 2**bits - 1, rounding, u if stochastic else None)
     qdtype = torch.float16 if qparams == "fp16" else F32
+    if qparams == "fp16":  # a zero scale is stored as 1.0, as FBGEMM does (codes stay 0)
+        scale = torch.where(scale == 0, f32(1.0), scale)
     tail = torch.stack([scale, bias], dim=1).to(qdtype).contiguous().view(torch.uint8)
     return torch.cat([pack_codes(codes, bits), tail], dim=1)
 

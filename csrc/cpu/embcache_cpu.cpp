@@ -9,6 +9,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -28,6 +32,8 @@ enum Optimizer : int64_t { kSGD = 0, kRowwiseAdagrad = 1, kAdagrad = 2 };
 constexpr int64_t kGrainBags = 4096;
 constexpr int64_t kGrainRows = 2048;
 constexpr int64_t kGrainSets = 1024;
+// How many random rows ahead to prefetch.
+constexpr int64_t kPrefetch = 8;
 
 RowFormat make_format(int64_t bits, int64_t dim, bool qparams_fp16) {
   TORCH_CHECK(bits == 32 || bits == 16 || bits == 8 || bits == 4 || bits == 2,
@@ -56,13 +62,31 @@ struct Cache {
   int64_t num_sets;
   int64_t ways;
 
-  /// The slot that holds `row`, or -1.
-  int64_t find(int64_t row) const {
-    if (num_sets == 0) return -1;
-    const int64_t base = set_of_row(row, num_sets) * ways;
-    for (int64_t w = 0; w < ways; ++w)
-      if (tags[base + w] == row) return base + w;
+  int64_t set_of(int64_t row) const { return num_sets == 0 ? -1 : set_of_row(row, num_sets); }
+
+  /// The slot of set `set` that holds `row`, or -1 (a row is in at most one slot).
+  int64_t find_in_set(int64_t set, int64_t row) const {
+    if (set < 0) return -1;
+    const int32_t* t = tags + set * ways;
+    int64_t w = 0;
+#if defined(__SSE2__)
+    const __m128i key = _mm_set1_epi32((int32_t)row);
+    for (; w + 4 <= ways; w += 4) {
+      const __m128i eq = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i*)(t + w)), key);
+      const int mask = _mm_movemask_ps(_mm_castsi128_ps(eq));
+      if (mask) return set * ways + w + __builtin_ctz(mask);
+    }
+#endif
+    for (; w < ways; ++w)
+      if (t[w] == row) return set * ways + w;
     return -1;
+  }
+
+  /// The slot that holds `row`, or -1.
+  int64_t find(int64_t row) const { return find_in_set(set_of(row), row); }
+
+  void prefetch_set(int64_t set) const {
+    if (set >= 0) __builtin_prefetch(tags + set * ways);
   }
 };
 
@@ -108,7 +132,7 @@ at::Tensor quantize_rows(const at::Tensor& values, const at::Tensor& row_ids, in
   const float* x = values.data_ptr<float>();
   const int64_t* ids = row_ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(row_is_storable(f, x + r * f.dim), "embcache: row ", ids[r],
+    TORCH_CHECK(row_is_storable(f, x + r * f.dim, stochastic), "embcache: row ", ids[r],
                 " cannot be stored in ", bits, " bits: non-finite or out of range");
   at::Tensor out = at::empty({n, (int64_t)f.row_bytes()}, values.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -156,6 +180,11 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
   for (int64_t l = 0; l < indices.numel(); ++l)
     TORCH_CHECK(idx[l] >= 0 && idx[l] < num_rows, "embcache: index ", idx[l],
                 " out of range [0, ", num_rows, ")");
+  // Random rows are memory-latency bound: hash every lookup first, then prefetch the tags and
+  // the table row of the lookup kPrefetch ahead while working on this one.
+  const int64_t n = indices.numel();
+  std::vector<int64_t> set_of(n);
+  for (int64_t l = 0; l < n; ++l) set_of[l] = cache.set_of(idx[l]);
   at::parallel_for(0, nb, kGrainBags, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(dim);
     int64_t local_hits = 0;
@@ -163,7 +192,11 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
       float* acc = o + b * dim;
       for (int64_t l = off[b]; l < off[b + 1]; ++l) {
         const int64_t row = idx[l];
-        const int64_t slot = cache.find(row);
+        if (l + kPrefetch < off[b1]) {
+          cache.prefetch_set(set_of[l + kPrefetch]);
+          __builtin_prefetch(w + idx[l + kPrefetch] * f.row_bytes());
+        }
+        const int64_t slot = cache.find_in_set(set_of[l], row);
         const float* v;
         if (slot >= 0) {
           v = cache.rows + slot * dim;
@@ -179,9 +212,9 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
           for (int64_t j = 0; j < dim; ++j) acc[j] += v[j];
         }
       }
-      const int64_t n = off[b + 1] - off[b];
-      if (mean && n > 0)
-        for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)n;
+      const int64_t len = off[b + 1] - off[b];
+      if (mean && len > 0)
+        for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)len;
     }
     hits += local_hits;
   });
@@ -279,6 +312,17 @@ int64_t optimizer_state_width(int64_t opt, int64_t dim) {
   return opt == kSGD ? 0 : opt == kRowwiseAdagrad ? 1 : dim;
 }
 
+/// Stable sort for the short lists of one set (ways <= 32, a few candidates): no allocation.
+template <typename Less>
+void stable_insertion_sort(std::vector<int64_t>& v, Less less) {
+  for (size_t i = 1; i < v.size(); ++i) {
+    const int64_t x = v[i];
+    size_t j = i;
+    for (; j > 0 && less(x, v[j - 1]); --j) v[j] = v[j - 1];
+    v[j] = x;
+  }
+}
+
 /// First half of a training step's update (SPEC §4 step 3), changing nothing: for each
 /// unique row, its slot (-1 if not cached) and the optimizer's new value and state from
 /// the fetched value. Also returns the smallest row whose new value cannot be stored in
@@ -286,7 +330,7 @@ int64_t optimizer_state_width(int64_t opt, int64_t dim) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
     const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
     const at::Tensor& optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
-    int64_t bits, bool qparams_fp16, int64_t optimizer, double lr, double eps,
+    int64_t bits, bool qparams_fp16, bool stochastic, int64_t optimizer, double lr, double eps,
     int64_t num_sets, int64_t ways) {
   check_tensor(grads, at::kFloat, "grads");
   TORCH_CHECK(grads.dim() == 2, "embcache: grads must be [unique rows, dim]");
@@ -321,6 +365,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
     std::vector<float> v(dim);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t row = rows[u];
+      if (u + kPrefetch < u1) {
+        __builtin_prefetch(w + rows[u + kPrefetch] * f.row_bytes());
+        __builtin_prefetch(st + rows[u + kPrefetch] * sw);
+      }
       sl[u] = cache.find(row);
       if (sl[u] >= 0)
         std::copy_n(cache.rows + sl[u] * dim, dim, v.data());
@@ -328,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
         dequantize_row(f, w + row * f.row_bytes(), v.data());
       optimizer_row(optimizer, (float)lr, (float)eps, dim, v.data(), g + u * dim,
                     st + row * sw, fr + u * dim, fs + u * sw);
-      if (!row_is_storable(f, fr + u * dim)) {
+      if (!row_is_storable(f, fr + u * dim, stochastic)) {
         int64_t cur = first_bad.load();
         while (row < cur && !first_bad.compare_exchange_weak(cur, row)) {
         }
@@ -397,6 +445,9 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
     });
     return at::tensor({int64_t(0), nu, int64_t(0), int64_t(0), nu}, at::kLong);
   }
+  // The table rows that bypass are written at random places: bring them in first.
+  for (int64_t u = 0; u < nu; ++u)
+    if (slot_of[u] < 0) __builtin_prefetch(w + rows[u] * f.row_bytes(), 1);
   // Group the unique rows by set: sort (set, u) packed in one key; u ascending = rows ascending.
   std::vector<int64_t> set_of(nu), by_set(nu);
   std::vector<uint64_t> keys(nu);
@@ -429,7 +480,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
           cand.push_back(u);
         }
       }
-      std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) {
+      stable_insertion_sort(cand, [&](int64_t a, int64_t b) {
         return priority_of_row(rows[a]) > priority_of_row(rows[b]);
       });
       const int64_t base = set_of[by_set[starts[gi]]] * ways;
@@ -438,8 +489,8 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
         slot_prio[way] = tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
       }
       std::iota(ways_order.begin(), ways_order.end(), 0);
-      std::stable_sort(ways_order.begin(), ways_order.end(),
-                       [&](int64_t a, int64_t b) { return slot_prio[a] < slot_prio[b]; });
+      stable_insertion_sort(ways_order,
+                            [&](int64_t a, int64_t b) { return slot_prio[a] < slot_prio[b]; });
       for (int64_t k = 0; k < (int64_t)cand.size(); ++k) {
         const int64_t u = cand[k], row = rows[u];
         if (k < ways && priority_of_row(row) > slot_prio[ways_order[k]]) {
@@ -587,7 +638,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Ten
 multi_update_prepare(at::TensorList weights, at::TensorList cache_tags,
                      at::TensorList cache_rows, at::TensorList optimizer_state,
                      at::TensorList unique_rows, at::TensorList grads, at::IntArrayRef bits,
-                     at::IntArrayRef qparams_fp16, at::IntArrayRef optimizer,
+                     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
+                     at::IntArrayRef optimizer,
                      at::ArrayRef<double> lr, at::ArrayRef<double> eps,
                      at::IntArrayRef num_sets, at::IntArrayRef ways) {
   const int64_t nt = (int64_t)weights.size();
@@ -597,8 +649,8 @@ multi_update_prepare(at::TensorList weights, at::TensorList cache_tags,
     for (int64_t t = t0; t < t1; ++t) {
       std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
           weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t],
-          grads[t], bits[t], qparams_fp16[t] != 0, optimizer[t], lr[t], eps[t], num_sets[t],
-          ways[t]);
+          grads[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t],
+          eps[t], num_sets[t], ways[t]);
     }
   });
   return {fresh, fresh_state, slots, bad};
@@ -641,7 +693,8 @@ TORCH_LIBRARY(embcache, m) {
         "Tensor grad_output, bool mean) -> (Tensor, Tensor, Tensor)");
   m.def("update_prepare(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
         "Tensor optimizer_state, Tensor unique_rows, Tensor grads, int bits, "
-        "bool qparams_fp16, int optimizer, float lr, float eps, int num_sets, int ways) "
+        "bool qparams_fp16, bool stochastic, int optimizer, float lr, float eps, "
+        "int num_sets, int ways) "
         "-> (Tensor, Tensor, Tensor, int)");
   m.def("update_commit(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
         "Tensor(d!) cache_timestamps, Tensor(e!) counts, Tensor(f!) optimizer_state, "
@@ -656,8 +709,8 @@ TORCH_LIBRARY(embcache, m) {
         "Tensor[] grad_outputs, int[] mean, int batch) -> Tensor[]");
   m.def("multi_update_prepare(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
         "Tensor[] optimizer_state, Tensor[] unique_rows, Tensor[] grads, int[] bits, "
-        "int[] qparams_fp16, int[] optimizer, float[] lr, float[] eps, int[] num_sets, "
-        "int[] ways) -> (Tensor[], Tensor[], Tensor[], int[])");
+        "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
+        "int[] num_sets, int[] ways) -> (Tensor[], Tensor[], Tensor[], int[])");
   m.def("multi_update_commit(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, "
         "Tensor(c!)[] cache_rows, Tensor(d!)[] cache_timestamps, Tensor(e!)[] counts, "
         "Tensor(f!)[] optimizer_state, Tensor[] unique_rows, Tensor[] fresh, "

@@ -224,20 +224,35 @@ EMBCACHE_HD float dequantize_element(const RowFormat& f, const uint8_t* row, int
   return (float)load_code(f, row, j) * scale + bias;
 }
 
-/// out[0..dim) = the stored row as float32.
+/// out[0..dim) = the stored row as float32 (the format's branch taken once per row).
 EMBCACHE_HD void dequantize_row(const RowFormat& f, const uint8_t* row, float* out) {
-  float scale = 0.f, bias = 0.f;
-  if (f.is_int()) load_qparams(f, row, &scale, &bias);
-  for (int j = 0; j < f.dim; ++j) out[j] = dequantize_element(f, row, j, scale, bias);
+  if (f.bits == 32) {
+    memcpy(out, row, 4 * (size_t)f.dim);
+    return;
+  }
+  if (f.bits == 16) {
+    for (int j = 0; j < f.dim; ++j) out[j] = half_to_float(load_u16(row + 2 * j));
+    return;
+  }
+  float scale, bias;
+  load_qparams(f, row, &scale, &bias);
+  if (f.bits == 8) {
+    for (int j = 0; j < f.dim; ++j) out[j] = (float)row[j] * scale + bias;
+    return;
+  }
+  for (int j = 0; j < f.dim; ++j) out[j] = (float)load_code(f, row, j) * scale + bias;
 }
 
 /// Whether a float32 row can be stored in format f: every value finite and, for fp16,
-/// no value beyond the largest finite half (65504), for integer rows a finite range.
-EMBCACHE_HD bool row_is_storable(const RowFormat& f, const float* x) {
+/// finite after rounding (nearest: |x| < 65520, what `tensor.half()` keeps finite;
+/// stochastic: |x| <= 65504, since a value above could round up to infinity); for integer
+/// rows a finite range and, with fp16 qparams, a finite binary16 bias and scale.
+EMBCACHE_HD bool row_is_storable(const RowFormat& f, const float* x, bool stochastic) {
+  const float fp16_limit = stochastic ? 65504.f : 65519.996f;  // largest float below 65520
   float mn = x[0], mx = x[0];
   for (int j = 0; j < f.dim; ++j) {
     if (!is_finite(x[j])) return false;
-    if (f.bits == 16 && (x[j] > 65504.f || x[j] < -65504.f)) return false;
+    if (f.bits == 16 && (x[j] > fp16_limit || x[j] < -fp16_limit)) return false;
     mn = x[j] < mn ? x[j] : mn;
     mx = x[j] > mx ? x[j] : mx;
   }
@@ -266,20 +281,22 @@ EMBCACHE_HD uint16_t half_stochastic_magnitude(uint32_t abs_bits, float u) {
 }
 
 /// Round y to an integer code in [0, q_max]: nearest-even, or stochastic with uniform u.
+/// Written as selects, not branches: stochastic decisions are coin flips to a predictor.
 EMBCACHE_HD int round_code(float y, bool stochastic, float u, int q_max) {
   float r;
   if (stochastic) {
     const float lo = floorf(y);
-    r = u < (y - lo) ? lo + 1.f : lo;
+    r = lo + (u < y - lo ? 1.f : 0.f);
   } else {
     r = rintf(y);
   }
-  if (!(r > 0.f)) return 0;  // also maps NaN to 0
-  return r > (float)q_max ? q_max : (int)r;
+  r = r > 0.f ? r : 0.f;  // also maps NaN to 0
+  r = r < (float)q_max ? r : (float)q_max;
+  return (int)r;
 }
 
 /// Store the float32 row x into `row` in format f, rounding as asked. Requires
-/// row_is_storable(f, x). `row_id` and `stream` key the stochastic rounding (SPEC §3).
+/// row_is_storable(f, x, stochastic). `row_id` and `stream` key the stochastic rounding (SPEC §3).
 EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochastic,
                               const RoundingStream& stream, int64_t row_id, uint8_t* row) {
   if (f.bits == 32) {
@@ -316,7 +333,9 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     const uint16_t scale_h = float_to_half_rn((mx - bias) / (float)q_max);
     scale = half_to_float(scale_h);
     inv = scale == 0.f ? 0.f : 1.f / scale;
-    store_u16(q, scale_h);
+    // A zero scale (constant row, or a range below the smallest half) gives all codes 0,
+    // and is stored as 1.0, as FBGEMM's SBHalf layout does; the values are the same.
+    store_u16(q, scale == 0.f ? (uint16_t)0x3c00u : scale_h);
     store_u16(q + 2, bias_h);
   } else {
     const float range = mx - mn;
@@ -326,13 +345,20 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     store_f32(q, scale);
     store_f32(q + 4, bias);
   }
+  if (f.bits == 8) {  // one code per byte: no packing
+    for (int j = 0; j < f.dim; ++j) {
+      if (stochastic && (j & 3) == 0) block = stream_block(stream, row_id, j >> 2);
+      const float u = stochastic ? word_uniform(block.v[j & 3]) : 0.f;
+      row[j] = (uint8_t)round_code((x[j] - bias) * inv, stochastic, u, q_max);
+    }
+    return;
+  }
   const int lg = log2_codes_per_byte(f.bits);
   for (int b = 0; b < f.payload_bytes(); ++b) row[b] = 0;
   for (int j = 0; j < f.dim; ++j) {
-    const float y = (x[j] - bias) * inv;
     if (stochastic && (j & 3) == 0) block = stream_block(stream, row_id, j >> 2);
     const float u = stochastic ? word_uniform(block.v[j & 3]) : 0.f;
-    const int code = round_code(y, stochastic, u, q_max);
+    const int code = round_code((x[j] - bias) * inv, stochastic, u, q_max);
     row[j >> lg] |= (uint8_t)(code << ((j & ((1 << lg) - 1)) * f.bits));
   }
 }

@@ -1,0 +1,368 @@
+"""The C++ kernels (through CachedLowPrecisionEmbedding) against the pure-PyTorch reference.
+
+Over random training steps (skewed indices with duplicates, multi-hot and empty bags,
+optional per-sample weights) the module and :class:`embcache.reference.ReferenceTable` must
+agree BIT FOR BIT after every step: pooled outputs, deduplicated gradients, table bytes, cache
+tags / rows / timestamps, LFU counts, optimizer state, step count and statistics; and after a
+final flush. The cache invariants of SPEC §4 are checked on the module's state as well.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from embcache import CachedLowPrecisionEmbedding
+from embcache import reference as ref
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
+ASSOCIATIVITIES = (1, 2, 4, 8, 16, 32)
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so that equality also distinguishes -0.0 from 0.0 (and compares NaNs)."""
+    if t.dtype == torch.float32:
+        return t.contiguous().view(torch.int32)
+    return t
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype} {tuple(got.shape)} vs reference {want.dtype} {tuple(want.shape)}"
+    )
+    if not torch.equal(bits_of(got), bits_of(want)):
+        diff = (bits_of(got) != bits_of(want))
+        where = torch.nonzero(diff)[:5].tolist()
+        raise AssertionError(f"{what}: {int(diff.sum())} elements differ, first at {where}")
+
+
+STATE = ("weights", "cache_tags", "cache_rows", "cache_timestamps", "counts", "optimizer_state")
+
+
+def assert_same_state(module, table: ref.ReferenceTable, when: str) -> None:
+    for name in STATE:
+        assert_bits_equal(getattr(module, name), getattr(table, name), f"{when}: {name}")
+    assert int(module.step_count) == table.step_count, f"{when}: step_count"
+    assert module.stats() == table.stats(), f"{when}: stats"
+
+
+def check_cache_invariants(module, when: str) -> None:
+    cfg = module.config
+    tags = module.cache_tags.tolist()
+    resident = [t for t in tags if t >= 0]
+    assert len(resident) == len(set(resident)), f"{when}: a row is resident twice"
+    for slot, tag in enumerate(tags):
+        if tag >= 0:
+            assert 0 <= tag < cfg.num_embeddings
+            assert ref.set_of_row(tag, cfg.num_sets) == slot // cfg.ways, (
+                f"{when}: row {tag} sits in set {slot // cfg.ways}, "
+                f"belongs to set {ref.set_of_row(tag, cfg.num_sets)}"
+            )
+    if cfg.policy == "lru" and cfg.num_slots:
+        ts = module.cache_timestamps.tolist()
+        for slot, tag in enumerate(tags):
+            if tag >= 0:
+                assert 1 <= ts[slot] <= int(module.step_count), f"{when}: timestamp of slot {slot}"
+            else:
+                assert ts[slot] == 0, f"{when}: empty slot {slot} has a timestamp"
+
+
+def make_batch(gen: torch.Generator, rows: int, perm: torch.Tensor, bags: int = 32,
+               max_len: int = 8, with_psw: bool = False):
+    """Skewed multi-hot bags (duplicates, empty bags), nn.EmbeddingBag offsets."""
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
+    lengths[torch.randint(0, bags, (2,), generator=gen)] = 0  # a few empty bags for sure
+    n = int(lengths.sum())
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    indices = perm[(u**3 * rows).long().clamp(max=rows - 1)]  # hot rows spread over the sets
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    psw = (torch.randn(n, generator=gen) * 0.75 + 0.5) if with_psw else None
+    return indices, offsets, psw
+
+
+def cache_ratio_for(rows: int, ways: int, sets: int) -> float:
+    return (sets * ways + 0.5) / rows
+
+
+def run_training(steps: int = 8, rows: int = 300, dim: int = 5, sets: int = 3, lr: float = 0.05,
+                 psw: bool = False, seed: int = 0, flush_at_end: bool = True,
+                 bags: int = 32, max_len: int = 8, **options) -> tuple:
+    ways = options.setdefault("associativity", 4)
+    if "cache_ratio" not in options:
+        options["cache_ratio"] = cache_ratio_for(rows, ways, sets)
+    options.setdefault("min_rows_for_low_precision", 0)
+    options.setdefault("seed", (seed * 2654435761 + 12345) % 2**62 + 2**33)  # both key words
+    options.setdefault("table_id", seed % 5 + 1)
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, dim, generator=gen) * 0.5
+    module = CachedLowPrecisionEmbedding(rows, dim, weight=weight, lr=lr, **options)
+    table = ref.ReferenceTable(module.config, module.weights.clone())
+    # the initial rows are rounded to nearest, as the reference would
+    assert_bits_equal(module.weights, ref.quantize_rows(weight, range(rows), table.precision,
+                                                        table.qparams), "initial weights")
+    assert_same_state(module, table, "initial")
+    perm = torch.randperm(rows, generator=gen)
+    grad_scale = 1.0 / math.sqrt(8)
+    for s in range(steps):
+        when = f"step {s + 1}"
+        indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, with_psw=psw)
+        out = module(indices, offsets, w)
+        want, _ = table.forward(indices, offsets, w)
+        assert_bits_equal(out.detach(), want, f"{when}: forward output")
+        grad_out = torch.randn(out.shape, generator=gen) * grad_scale
+        out.backward(grad_out)
+        table.backward(grad_out)
+        if hasattr(module, "_pending") and len(module._pending) == 1:
+            for got, exp, name in zip(module._pending[0], table.pending, ("rows", "grads", "occurrences")):
+                assert_bits_equal(got, exp, f"{when}: deduplicated {name}")
+        module.step()
+        table.step()
+        assert_same_state(module, table, when)
+        check_cache_invariants(module, when)
+        if s % 2 == 1:  # an evaluation forward changes no state at all
+            indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, with_psw=psw)
+            module.eval()
+            with torch.no_grad():
+                out = module(indices, offsets, w)
+            module.train()
+            want, _ = table.forward(indices, offsets, w, training=False)
+            assert_bits_equal(out, want, f"{when}: evaluation forward")
+            assert_same_state(module, table, f"{when}: after an evaluation forward")
+    if flush_at_end:
+        before = module.current_weight()
+        assert_bits_equal(before, table.current_weight(), "current_weight before flush")
+        resident = module.cache_tags[module.cache_tags >= 0].long()
+        assert module.flush() == table.flush() == resident.numel()
+        assert_same_state(module, table, "after flush")
+        assert bool((module.cache_tags == -1).all())
+        after = ref.dequantize_rows(module.weights, table.precision, dim, table.qparams)
+        assert_bits_equal(module.current_weight(), after, "current_weight after flush")
+        check_flush_rounding(before, after, resident, table)
+        # training goes on after a flush: the emptied cache fills again
+        for s in range(2):
+            indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, with_psw=psw)
+            out = module(indices, offsets, w)
+            assert_bits_equal(out.detach(), table.forward(indices, offsets, w)[0], "forward after flush")
+            grad_out = torch.randn(out.shape, generator=gen) * grad_scale
+            out.backward(grad_out)
+            table.backward(grad_out)
+            module.step()
+            table.step()
+            assert_same_state(module, table, f"step {s + 1} after flush")
+            check_cache_invariants(module, f"step {s + 1} after flush")
+    return module, table
+
+
+def check_flush_rounding(before, after, resident, table) -> None:
+    """After flush the table alone holds every row: rows that were not cached are unchanged,
+    cached rows changed only by their rounding into the table's format (FP32: exactly)."""
+    dim = before.shape[1]
+    cached = torch.zeros(before.shape[0], dtype=torch.bool)
+    cached[resident] = True
+    assert_bits_equal(after[~cached], before[~cached], "rows not cached are unchanged by flush")
+    if table.precision == "fp32":
+        assert_bits_equal(after, before, "fp32 flush is exact")
+        return
+    x, y = before[cached], after[cached]
+    if table.precision == "fp16":
+        tol = x.abs() * 2.0**-10 + 2.0**-24  # one binary16 ulp (subnormals included)
+    else:
+        bits = ref.PRECISION_BITS[table.precision]
+        rng = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True))
+        step = rng / (2**bits - 1)
+        if table.qparams == "fp16":
+            step = step * (1 + 2.0**-10) + x.abs().amax(1, keepdim=True) * 2.0**-10
+        tol = step * (1.0 if table.rounding == "stochastic" else 0.5) + 1e-6 * (1 + x.abs())
+    assert bool(((y - x).abs() <= tol).all()), "a flushed row moved by more than its rounding"
+    assert dim == x.shape[1]
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+MATRIX = [
+    (precision, rounding, policy, ways)
+    for precision in PRECISIONS
+    for rounding in ("nearest", "stochastic")
+    for policy in ("lru", "lfu")
+    for ways in ASSOCIATIVITIES
+]
+
+
+@pytest.mark.parametrize("precision,rounding,policy,ways", MATRIX)
+def test_training_matches_reference(precision, rounding, policy, ways):
+    i = MATRIX.index((precision, rounding, policy, ways))
+    dims = (3, 5, 8, 7, 4, 6)
+    run_training(
+        steps=10, rows=200 + 37 * (i % 9), dim=dims[i % len(dims)], seed=1000 + i,
+        sets=max(2, 24 // ways), psw=(i % 3 == 0),
+        precision=precision, rounding=rounding, policy=policy, associativity=ways,
+    )
+
+
+EXTRA = [
+    # optimizers, on formats with and without qparams
+    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, optimizer="rowwise_adagrad"),
+    dict(precision="int4", rounding="nearest", policy="lru", associativity=8, optimizer="rowwise_adagrad"),
+    dict(precision="fp16", rounding="stochastic", policy="lru", associativity=2, optimizer="rowwise_adagrad"),
+    dict(precision="fp32", rounding="nearest", policy="lfu", associativity=1, optimizer="rowwise_adagrad"),
+    dict(precision="int8", rounding="nearest", policy="lru", associativity=16, optimizer="adagrad"),
+    dict(precision="int2", rounding="stochastic", policy="lfu", associativity=32, optimizer="adagrad"),
+    dict(precision="fp16", rounding="nearest", policy="lfu", associativity=4, optimizer="adagrad"),
+    dict(precision="fp32", rounding="stochastic", policy="lru", associativity=8, optimizer="adagrad"),
+    # qparams fp16
+    dict(precision="int8", rounding="nearest", policy="lfu", associativity=2, qparams="fp16"),
+    dict(precision="int8", rounding="stochastic", policy="lru", associativity=8, qparams="fp16"),
+    dict(precision="int4", rounding="stochastic", policy="lfu", associativity=4, qparams="fp16"),
+    dict(precision="int4", rounding="nearest", policy="lru", associativity=32, qparams="fp16"),
+    dict(precision="int2", rounding="stochastic", policy="lru", associativity=1, qparams="fp16"),
+    dict(precision="int2", rounding="nearest", policy="lfu", associativity=16, qparams="fp16",
+         optimizer="rowwise_adagrad"),
+    # mode mean
+    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=8, mode="mean"),
+    dict(precision="fp16", rounding="stochastic", policy="lru", associativity=4, mode="mean"),
+    dict(precision="int4", rounding="nearest", policy="lfu", associativity=1, mode="mean",
+         optimizer="adagrad"),
+    dict(precision="int2", rounding="stochastic", policy="lru", associativity=32, mode="mean",
+         qparams="fp16"),
+    # no cache at all (every row bypasses), and a table small enough to stay FP32 uncached
+    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, cache_ratio=0.0),
+    dict(precision="fp16", rounding="nearest", policy="lru", associativity=32, cache_ratio=0.0),
+    dict(precision="int4", rounding="stochastic", policy="lfu", associativity=8,
+         min_rows_for_low_precision=1000),
+]
+
+
+@pytest.mark.parametrize("options", EXTRA, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_training_matches_reference_options(options):
+    i = EXTRA.index(options)
+    options = dict(options)
+    mean = options.get("mode") == "mean"
+    ways = options["associativity"]
+    run_training(steps=10, rows=211 + 29 * i, dim=(3, 8, 5, 6)[i % 4], seed=5000 + i,
+                 sets=max(2, 24 // ways), psw=not mean and i % 2 == 0, **options)
+
+
+@pytest.mark.parametrize("options", [
+    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, optimizer="rowwise_adagrad"),
+    dict(precision="fp16", rounding="stochastic", policy="lru", associativity=2, mode="mean"),
+], ids=("int8-lfu", "fp16-lru-mean"))
+def test_large_batches_parallel_paths(options):
+    """Batches big enough that the kernels split bags, unique rows and sets over threads
+    (more than 4096 bags, 2048 unique rows, 1024 sets touched per step)."""
+    module, _ = run_training(steps=3, rows=30000, dim=4, sets=2500, bags=6000, max_len=4,
+                             seed=21, psw=options.get("mode") != "mean", **options)
+    s = module.stats()
+    assert s["unique_rows"] / s["steps"] > 2048 and s["evictions"] > 0 and s["bypasses"] > 0
+
+
+def test_stats_and_state_actually_exercised():
+    """The training configuration above does make sets overflow: hits, insertions,
+    evictions and bypasses all happen, for LRU and LFU (else the comparison proves little)."""
+    for policy in ("lru", "lfu"):
+        for ways in (1, 8, 32):
+            module, table = run_training(steps=6, rows=256, dim=4, seed=7, sets=max(2, 24 // ways),
+                                         precision="int8", rounding="stochastic", policy=policy,
+                                         associativity=ways, flush_at_end=False)
+            s = module.stats()
+            for key in ("unique_hits", "insertions", "evictions", "bypasses"):
+                assert s[key] > 0, (policy, ways, key, s)
+            assert s["hits"] > 0
+
+
+def test_lfu_counts_saturate():
+    module = CachedLowPrecisionEmbedding(64, 4, precision="int8", cache_ratio=0.5, associativity=4,
+                                         policy="lfu", min_rows_for_low_precision=0)
+    table = ref.ReferenceTable(module.config, module.weights.clone())
+    module.counts[5] = 2**31 - 3
+    table.counts[5] = 2**31 - 3
+    indices = torch.tensor([5, 5, 5, 5, 5, 9])
+    offsets = torch.tensor([0, 3])
+    out = module(indices, offsets)
+    table.forward(indices, offsets)
+    g = torch.ones_like(out)
+    out.backward(g)
+    table.backward(g)
+    module.step()
+    table.step()
+    assert int(module.counts[5]) == 2**31 - 1
+    assert_same_state(module, table, "saturated counts")
+
+
+@pytest.mark.parametrize("precision,bad", [("fp16", 1e7), ("int8", math.inf), ("fp32", math.nan)])
+def test_refused_update_changes_nothing(precision, bad):
+    """An update whose result cannot be stored (beyond fp16, or a non-finite gradient) is
+    refused by both, with every piece of state unchanged."""
+    module, table = run_training(steps=3, rows=200, dim=4, seed=11, precision=precision,
+                                 rounding="stochastic", policy="lfu", associativity=4,
+                                 optimizer="rowwise_adagrad" if precision == "int8" else "sgd",
+                                 flush_at_end=False)
+    snapshot = {name: getattr(module, name).clone() for name in STATE}
+    indices, offsets = torch.tensor([1, 2, 3, 2]), torch.tensor([0, 2])
+    out = module(indices, offsets)
+    table.forward(indices, offsets)
+    grad = torch.ones_like(out)
+    grad[1, 0] = bad
+    out.backward(grad)
+    table.backward(grad)
+    with pytest.raises(ValueError):  # EmbeddingUpdateError
+        module.step()
+    with pytest.raises(ValueError):  # NotStorableError
+        table.step()
+    for name in STATE:
+        assert_bits_equal(getattr(module, name), snapshot[name], f"refused step: {name}")
+    table.pending = None
+    assert int(module.step_count) == table.step_count == 3
+    for name in STATE:
+        assert_bits_equal(getattr(module, name), getattr(table, name), f"refused step: {name}")
+
+
+def test_step_with_only_empty_bags():
+    """A batch of empty bags: zero outputs, no updated row, but the update still counts."""
+    module, table = run_training(steps=2, rows=200, dim=3, seed=13, precision="int4",
+                                 rounding="stochastic", policy="lru", associativity=2,
+                                 flush_at_end=False)
+    indices, offsets = torch.zeros(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    out = module(indices, offsets)
+    want, _ = table.forward(indices, offsets)
+    assert_bits_equal(out.detach(), want, "empty bags")
+    assert not bool(want.any())
+    out.backward(torch.ones_like(out))
+    table.backward(torch.ones_like(out))
+    module.step()
+    table.step()
+    assert_same_state(module, table, "after a step of empty bags")
+
+
+def test_hand_made_lru_set_overflow():
+    """A direct small example of §4 step 3 with LRU, checked against numbers worked out by
+    hand (not only against the reference): one set of 2 ways, 3 new rows in one step."""
+    module = CachedLowPrecisionEmbedding(64, 2, precision="fp32", cache_ratio=2 / 64, associativity=2,
+                                         policy="lru", min_rows_for_low_precision=0)
+    assert module.config.num_sets == 1
+    out = module(torch.tensor([10, 3, 7, 3]), torch.tensor([0]))
+    out.backward(torch.ones_like(out))
+    module.step()
+    # all priorities equal (t = 1): smaller row ids first, so 3 and 7 enter, 10 bypasses
+    assert sorted(module.cache_tags.tolist()) == [3, 7]
+    s = module.stats()
+    assert (s["insertions"], s["bypasses"], s["evictions"], s["unique_misses"]) == (2, 1, 0, 3)
+    assert module.cache_timestamps.tolist() == [1, 1]
+    out = module(torch.tensor([20]), torch.tensor([0]))
+    out.backward(torch.ones_like(out))
+    module.step()
+    # t = 2 > 1: row 20 evicts the resident of the lower way (ties: lower way first)
+    assert module.cache_tags.tolist()[0] == 20 and module.cache_timestamps.tolist() == [2, 1]
+    assert module.stats()["evictions"] == 1
+
+
+def test_reference_can_fail(monkeypatch):
+    """The comparison is sharp: a reference with one float32 operation rounded differently
+    (SGD as a fused multiply-add, computed in float64) is caught."""
+    def fused_sgd(self, v, g, state):
+        return (v.double() - self.config.lr * g.double()).float(), state
+
+    monkeypatch.setattr(ref.ReferenceTable, "_optimize", fused_sgd)
+    with pytest.raises(AssertionError):
+        run_training(steps=4, rows=200, dim=5, seed=3, precision="fp32", rounding="nearest",
+                     policy="lru", associativity=4, lr=0.0123)

@@ -323,6 +323,59 @@ void stable_insertion_sort(std::vector<int64_t>& v, Less less) {
   }
 }
 
+constexpr int64_t kEmpty = std::numeric_limits<int64_t>::min();  // an empty way's priority
+
+/// Unique rows (ascending) grouped by cache set: group g is by_set[starts[g] .. starts[g+1]),
+/// rows ascending within a group; set_of[u] is the set of row u.
+struct SetGroups {
+  std::vector<int64_t> set_of, by_set, starts;
+};
+
+SetGroups group_by_set(const int64_t* rows, int64_t nu, int64_t num_sets) {
+  SetGroups g{std::vector<int64_t>(nu), std::vector<int64_t>(nu), {}};
+  std::vector<uint64_t> keys(nu);  // (set, u) packed: one sort, u ascending within a set
+  for (int64_t u = 0; u < nu; ++u) {
+    g.set_of[u] = set_of_row(rows[u], num_sets);
+    keys[u] = ((uint64_t)g.set_of[u] << 32) | (uint64_t)u;
+  }
+  std::sort(keys.begin(), keys.end());
+  for (int64_t k = 0; k < nu; ++k) {
+    g.by_set[k] = (int64_t)(keys[k] & 0xffffffffu);
+    if (k == 0 || g.set_of[g.by_set[k]] != g.set_of[g.by_set[k - 1]]) g.starts.push_back(k);
+  }
+  g.starts.push_back(nu);
+  return g;
+}
+
+/// The insert/evict/bypass rule of SPEC §4 for one set, given its non-resident updated rows
+/// `cand` (reordered here by priority descending, ties by smaller row, i.e. original order)
+/// and the priorities of its ways (empty = INT64_MIN). Candidate k meets the way of k-th
+/// lowest priority (ties: lower way) and enters iff its priority is strictly higher; once one
+/// fails, every later one would too (candidates descend, ways ascend), so the k-th way is
+/// found by selection on demand rather than by sorting all ways.
+template <typename CandPrio, typename WayPrio, typename Enter, typename Bypass>
+void apply_set_rule(std::vector<int64_t>& cand, CandPrio cand_prio, WayPrio way_prio,
+                    int64_t ways, std::vector<int64_t>& slot_prio,
+                    Enter enter, Bypass bypass) {
+  auto higher = [&](int64_t a, int64_t b) { return cand_prio(a) > cand_prio(b); };
+  if (cand.size() <= 32)
+    stable_insertion_sort(cand, higher);
+  else
+    std::stable_sort(cand.begin(), cand.end(), higher);
+  for (int64_t way = 0; way < ways; ++way) slot_prio[way] = way_prio(way);
+  uint64_t taken = 0;
+  size_t k = 0;
+  for (; k < cand.size() && (int64_t)k < ways; ++k) {
+    int64_t best = -1;
+    for (int64_t way = 0; way < ways; ++way)
+      if (!(taken >> way & 1) && (best < 0 || slot_prio[way] < slot_prio[best])) best = way;
+    if (!(cand_prio(cand[k]) > slot_prio[best])) break;
+    taken |= uint64_t(1) << best;
+    enter(cand[k], best);
+  }
+  for (; k < cand.size(); ++k) bypass(cand[k]);
+}
+
 /// First half of a training step's update (SPEC §4 step 3), changing nothing: for each
 /// unique row, its slot (-1 if not cached) and the optimizer's new value and state from
 /// the fetched value. Also returns the smallest row whose new value cannot be stored in
@@ -448,25 +501,14 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   // The table rows that bypass are written at random places: bring them in first.
   for (int64_t u = 0; u < nu; ++u)
     if (slot_of[u] < 0) __builtin_prefetch(w + rows[u] * f.row_bytes(), 1);
-  // Group the unique rows by set: sort (set, u) packed in one key; u ascending = rows ascending.
-  std::vector<int64_t> set_of(nu), by_set(nu);
-  std::vector<uint64_t> keys(nu);
-  for (int64_t u = 0; u < nu; ++u) {
-    set_of[u] = set_of_row(rows[u], num_sets);
-    keys[u] = ((uint64_t)set_of[u] << 32) | (uint64_t)u;
-  }
-  std::sort(keys.begin(), keys.end());
-  for (int64_t k = 0; k < nu; ++k) by_set[k] = (int64_t)(keys[k] & 0xffffffffu);
-  std::vector<int64_t> starts;
-  for (int64_t k = 0; k < nu; ++k)
-    if (k == 0 || set_of[by_set[k]] != set_of[by_set[k - 1]]) starts.push_back(k);
-  const int64_t ngroups = (int64_t)starts.size();
-  starts.push_back(nu);
-  const int64_t kEmpty = std::numeric_limits<int64_t>::min();
+  const SetGroups groups = group_by_set(rows, nu, num_sets);
+  const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
+                            &starts = groups.starts;
+  const int64_t ngroups = (int64_t)starts.size() - 1;
   auto priority_of_row = [&](int64_t row) -> int64_t { return lfu ? cnt[row] : step; };
   std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
   at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
-    std::vector<int64_t> cand, ways_order(ways), slot_prio(ways);
+    std::vector<int64_t> cand, slot_prio(ways);
     int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
     for (int64_t gi = g0; gi < g1; ++gi) {
       cand.clear();
@@ -480,35 +522,30 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
           cand.push_back(u);
         }
       }
-      stable_insertion_sort(cand, [&](int64_t a, int64_t b) {
-        return priority_of_row(rows[a]) > priority_of_row(rows[b]);
-      });
       const int64_t base = set_of[by_set[starts[gi]]] * ways;
-      for (int64_t way = 0; way < ways; ++way) {
-        const int32_t tag = cache.tags[base + way];
-        slot_prio[way] = tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
-      }
-      std::iota(ways_order.begin(), ways_order.end(), 0);
-      stable_insertion_sort(ways_order,
-                            [&](int64_t a, int64_t b) { return slot_prio[a] < slot_prio[b]; });
-      for (int64_t k = 0; k < (int64_t)cand.size(); ++k) {
-        const int64_t u = cand[k], row = rows[u];
-        if (k < ways && priority_of_row(row) > slot_prio[ways_order[k]]) {
-          const int64_t slot = base + ways_order[k];
-          const int32_t old = cache.tags[slot];
-          if (old >= 0) {
-            store(old, cache.rows + slot * dim);
-            ++evict;
-          }
-          cache.tags[slot] = (int32_t)row;
-          std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
-          if (!lfu) ts[slot] = (int32_t)step;
-          ++ins;
-        } else {
-          store(row, fr + u * dim);
-          ++bypass;
-        }
-      }
+      apply_set_rule(
+          cand, [&](int64_t u) { return priority_of_row(rows[u]); },
+          [&](int64_t way) -> int64_t {
+            const int32_t tag = cache.tags[base + way];
+            return tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
+          },
+          ways, slot_prio,
+          [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
+            const int64_t slot = base + way;
+            const int32_t old = cache.tags[slot];
+            if (old >= 0) {
+              store(old, cache.rows + slot * dim);
+              ++evict;
+            }
+            cache.tags[slot] = (int32_t)rows[u];
+            std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
+            if (!lfu) ts[slot] = (int32_t)step;
+            ++ins;
+          },
+          [&](int64_t u) {
+            store(rows[u], fr + u * dim);
+            ++bypass;
+          });
     }
     n_hits += hits;
     n_ins += ins;
@@ -550,6 +587,95 @@ int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tenso
   });
   cache_timestamps.zero_();
   return written.load();
+}
+
+/// Replays a stream of training steps through the cache alone, with the rule of
+/// update_commit and no row values (the hit-rate benchmark). Step s looks up
+/// indices[step_offsets[s] .. step_offsets[s+1]); its lookups count as hits when their row
+/// is cached before the step's update, as in a training forward. Steps are numbered from
+/// first_step. Returns [lookups, hits, unique rows, unique hits, insertions, evictions,
+/// bypasses].
+at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at::Tensor& counts,
+                        const at::Tensor& indices, const at::Tensor& step_offsets, bool lfu,
+                        int64_t num_sets, int64_t ways, int64_t first_step) {
+  check_tensor(cache_tags, at::kInt, "cache_tags");
+  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(counts, at::kInt, "counts");
+  check_tensor(indices, at::kLong, "indices");
+  check_tensor(step_offsets, at::kLong, "step_offsets");
+  TORCH_CHECK(num_sets > 0 && cache_tags.numel() == num_sets * ways,
+              "embcache: cache_tags must hold num_sets * ways slots");
+  TORCH_CHECK(lfu || cache_timestamps.numel() == num_sets * ways,
+              "embcache: LRU needs a timestamp per slot");
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const int64_t* so = step_offsets.data_ptr<int64_t>();
+  const int64_t nsteps = step_offsets.numel() - 1;
+  TORCH_CHECK(nsteps >= 0 && so[0] == 0 && so[nsteps] == indices.numel(),
+              "embcache: step_offsets must run from 0 to len(indices)");
+  for (int64_t l = 0; l < indices.numel(); ++l)
+    TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31) && (!lfu || idx[l] < counts.numel()),
+                "embcache: index ", idx[l], " out of range");
+  int32_t* tags = cache_tags.data_ptr<int32_t>();
+  int32_t* ts = cache_timestamps.data_ptr<int32_t>();
+  int32_t* cnt = counts.data_ptr<int32_t>();
+  Cache cache{tags, nullptr, num_sets, ways};
+  int64_t hits = 0, unique = 0, unique_hits = 0, ins = 0, evict = 0, bypass = 0;
+  std::vector<uint64_t> keys;
+  std::vector<int64_t> rows, occ, cand, slot_prio(ways);
+  for (int64_t s = 0; s < nsteps; ++s) {
+    const int64_t step = first_step + s;
+    keys.clear();
+    for (int64_t l = so[s]; l < so[s + 1]; ++l) {
+      hits += cache.find(idx[l]) >= 0;
+      keys.push_back((uint64_t)idx[l]);
+    }
+    std::sort(keys.begin(), keys.end());
+    rows.clear();
+    occ.clear();
+    for (size_t k = 0; k < keys.size(); ++k) {
+      if (k == 0 || keys[k] != keys[k - 1]) {
+        rows.push_back((int64_t)keys[k]);
+        occ.push_back(0);
+      }
+      ++occ.back();
+    }
+    const int64_t nu = (int64_t)rows.size();
+    unique += nu;
+    if (lfu)
+      for (int64_t u = 0; u < nu; ++u)
+        cnt[rows[u]] = (int32_t)std::min<int64_t>((int64_t)cnt[rows[u]] + occ[u],
+                                                  std::numeric_limits<int32_t>::max());
+    const SetGroups groups = group_by_set(rows.data(), nu, num_sets);
+    for (size_t gi = 0; gi + 1 < groups.starts.size(); ++gi) {
+      const int64_t base = groups.set_of[groups.by_set[groups.starts[gi]]] * ways;
+      cand.clear();
+      for (int64_t k = groups.starts[gi]; k < groups.starts[gi + 1]; ++k) {
+        const int64_t u = groups.by_set[k];
+        const int64_t slot = cache.find_in_set(base / ways, rows[u]);
+        if (slot >= 0) {
+          if (!lfu) ts[slot] = (int32_t)step;
+          ++unique_hits;
+        } else {
+          cand.push_back(u);
+        }
+      }
+      apply_set_rule(
+          cand, [&](int64_t u) -> int64_t { return lfu ? cnt[rows[u]] : step; },
+          [&](int64_t way) -> int64_t {
+            const int32_t tag = tags[base + way];
+            return tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
+          },
+          ways, slot_prio,
+          [&](int64_t u, int64_t way) {
+            evict += tags[base + way] >= 0;
+            tags[base + way] = (int32_t)rows[u];
+            if (!lfu) ts[base + way] = (int32_t)step;
+            ++ins;
+          },
+          [&](int64_t) { ++bypass; });
+    }
+  }
+  return at::tensor({indices.numel(), hits, unique, unique_hits, ins, evict, bypass}, at::kLong);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -717,6 +843,9 @@ TORCH_LIBRARY(embcache, m) {
         "Tensor[] fresh_state, Tensor[] slots, Tensor[] occurrences, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] lfu, int[] seed, int[] steps, "
         "int[] table, int[] num_sets, int[] ways) -> Tensor");
+  m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_timestamps, Tensor(c!) counts, "
+        "Tensor indices, Tensor step_offsets, bool lfu, int num_sets, int ways, "
+        "int first_step) -> Tensor");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
         "Tensor(c!) cache_timestamps, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");
@@ -733,6 +862,7 @@ TORCH_LIBRARY_IMPL(embcache, CPU, m) {
   m.impl("multi_dedup_backward", &multi_dedup_backward);
   m.impl("multi_update_prepare", &multi_update_prepare);
   m.impl("multi_update_commit", &multi_update_commit);
+  m.impl("cache_replay", &cache_replay);
   m.impl("cache_flush", &cache_flush);
 }
 

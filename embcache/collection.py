@@ -121,7 +121,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         psw = features.weights_or_none()
         psw = None if psw is None else psw.detach().float().contiguous()
         batch = features.stride()
-        outs, hits = _ops.multi_lookup_forward(
+        pooled, hits = _ops.multi_lookup_forward(
             [t.weights for t in tables], [t.cache_tags for t in tables],
             [t.cache_rows for t in tables], values, offsets, psw, table_of,
             [t.config.bits for t in tables], [t.config.embedding_dim for t in tables],
@@ -136,7 +136,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             anchor = tables[0]._grad_anchor
         else:
             anchor = tables[0]._grad_anchor.detach()
-        pooled = _FusedLookup.apply(self, values, offsets, psw, table_of, dims, batch, anchor, *outs)
+        pooled = _FusedLookup.apply(self, values, offsets, psw, table_of, dims, batch, anchor, pooled)
         return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
 
     # -------------------------------------------------------------- the sparse optimizer
@@ -205,27 +205,27 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
 
 class _FusedLookup(torch.autograd.Function):
-    """Concatenates the per-feature outputs of the table-batched forward; backward
-    deduplicates every feature's gradient in one table-batched call and hands each to its
-    table for :meth:`CachedLowPrecisionEmbeddingBagCollection.step`."""
+    """Passes the table-batched forward's output through; backward deduplicates every
+    feature's gradient in one table-batched call and hands each to its table for
+    :meth:`CachedLowPrecisionEmbeddingBagCollection.step`."""
 
     @staticmethod
-    def forward(ctx, collection, values, offsets, psw, table_of, dims, batch, anchor, *outs):
+    def forward(ctx, collection, values, offsets, psw, table_of, dims, batch, anchor, pooled):
         ctx.collection, ctx.table_of, ctx.dims, ctx.batch = collection, table_of, dims, batch
         ctx.has_psw = psw is not None
         ctx.save_for_backward(values, offsets, *(() if psw is None else (psw,)))
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].clone()
+        return pooled
 
     @staticmethod
     def backward(ctx, grad):
         values, offsets, *psw = ctx.saved_tensors
         tables = ctx.collection.tables()
         if ctx.needs_input_grad[7]:
-            grads = list(grad.float().split(ctx.dims, dim=1))
             modes = [int(tables[t].config.mode == "mean") for t in ctx.table_of]
             flat = _ops.multi_dedup_backward(
-                values, offsets, psw[0] if ctx.has_psw else None, grads, modes, ctx.batch
+                values, offsets, psw[0] if ctx.has_psw else None,
+                grad.float().contiguous(), ctx.dims, modes, ctx.batch,
             )
             for f, t in enumerate(ctx.table_of):
                 tables[t]._pending.append(tuple(flat[3 * f : 3 * f + 3]))
-        return (None,) * (8 + len(ctx.dims))
+        return (None,) * 9

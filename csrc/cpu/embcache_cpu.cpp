@@ -158,55 +158,63 @@ at::Tensor dequantize_rows(const at::Tensor& weights, int64_t bits, int64_t dim,
   return out;
 }
 
-/// Pooled lookups (SPEC §4 step 1) and the number of lookups that found their row cached.
-std::tuple<at::Tensor, at::Tensor> lookup_forward(
-    const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
-    const at::Tensor& indices, const at::Tensor& offsets,
-    const c10::optional<at::Tensor>& per_sample_weights, int64_t bits, int64_t dim,
-    bool qparams_fp16, int64_t num_sets, int64_t ways, bool mean) {
-  const RowFormat f = make_format(bits, dim, qparams_fp16);
-  check_table(weights, f);
-  const Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
-  check_bags(indices, offsets, per_sample_weights);
-  const int64_t nb = offsets.numel() - 1;
-  const int64_t num_rows = weights.size(0);
-  const int64_t* idx = indices.data_ptr<int64_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
-  const uint8_t* w = weights.data_ptr<uint8_t>();
-  at::Tensor out = at::zeros({nb, dim}, cache_rows.options());
-  float* o = out.data_ptr<float>();
-  std::atomic<int64_t> hits{0};
-  for (int64_t l = 0; l < indices.numel(); ++l)
-    TORCH_CHECK(idx[l] >= 0 && idx[l] < num_rows, "embcache: index ", idx[l],
+/// Bags of lookups over global arrays: bag b covers positions [off[b], off[b+1]) of idx
+/// (and psw, if any). A feature of a KeyedJaggedTensor is such a view into its arrays.
+struct Bags {
+  const int64_t* idx;
+  const int64_t* off;
+  int64_t count;
+  const float* psw;
+
+  int64_t first() const { return off[0]; }
+  int64_t end() const { return off[count]; }
+};
+
+Bags bags_of(const at::Tensor& indices, const at::Tensor& offsets,
+             const c10::optional<at::Tensor>& psw) {
+  check_bags(indices, offsets, psw);
+  return Bags{indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), offsets.numel() - 1,
+              psw ? psw->data_ptr<float>() : nullptr};
+}
+
+/// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j]; returns the number of
+/// lookups that found their row cached. Throws before writing if an index is out of range.
+int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, int64_t num_rows,
+                    const Bags& bags, bool mean, float* out, int64_t out_stride) {
+  const int64_t dim = f.dim;
+  for (int64_t l = bags.first(); l < bags.end(); ++l)
+    TORCH_CHECK(bags.idx[l] >= 0 && bags.idx[l] < num_rows, "embcache: index ", bags.idx[l],
                 " out of range [0, ", num_rows, ")");
   // Random rows are memory-latency bound: hash every lookup first, then prefetch the tags and
   // the table row of the lookup kPrefetch ahead while working on this one.
-  const int64_t n = indices.numel();
-  std::vector<int64_t> set_of(n);
-  for (int64_t l = 0; l < n; ++l) set_of[l] = cache.set_of(idx[l]);
-  at::parallel_for(0, nb, kGrainBags, [&](int64_t b0, int64_t b1) {
+  const int64_t* idx = bags.idx;
+  const int64_t* off = bags.off;
+  std::vector<int64_t> set_of(bags.end() - bags.first());
+  const int64_t base = bags.first();
+  for (int64_t l = base; l < bags.end(); ++l) set_of[l - base] = cache.set_of(idx[l]);
+  std::atomic<int64_t> hits{0};
+  at::parallel_for(0, bags.count, kGrainBags, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(dim);
     int64_t local_hits = 0;
     for (int64_t b = b0; b < b1; ++b) {
-      float* acc = o + b * dim;
+      float* acc = out + b * out_stride;
+      std::fill_n(acc, dim, 0.f);
       for (int64_t l = off[b]; l < off[b + 1]; ++l) {
-        const int64_t row = idx[l];
         if (l + kPrefetch < off[b1]) {
-          cache.prefetch_set(set_of[l + kPrefetch]);
+          cache.prefetch_set(set_of[l + kPrefetch - base]);
           __builtin_prefetch(w + idx[l + kPrefetch] * f.row_bytes());
         }
-        const int64_t slot = cache.find_in_set(set_of[l], row);
+        const int64_t slot = cache.find_in_set(set_of[l - base], idx[l]);
         const float* v;
         if (slot >= 0) {
           v = cache.rows + slot * dim;
           ++local_hits;
         } else {
-          dequantize_row(f, w + row * f.row_bytes(), buf.data());
+          dequantize_row(f, w + idx[l] * f.row_bytes(), buf.data());
           v = buf.data();
         }
-        if (psw) {
-          const float s = psw[l];
+        if (bags.psw) {
+          const float s = bags.psw[l];
           for (int64_t j = 0; j < dim; ++j) acc[j] += s * v[j];
         } else {
           for (int64_t j = 0; j < dim; ++j) acc[j] += v[j];
@@ -218,36 +226,43 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
     }
     hits += local_hits;
   });
-  return {out, at::scalar_tensor(hits.load(), at::kLong)};
+  return hits.load();
 }
 
-/// Gradient per unique row (SPEC §4 step 2): rows ascending, each row's contributions
-/// summed in lookup order; also how often each row occurs in the batch.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
+std::tuple<at::Tensor, at::Tensor> lookup_forward(
+    const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
     const at::Tensor& indices, const at::Tensor& offsets,
-    const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
-    bool mean) {
-  check_bags(indices, offsets, per_sample_weights);
-  check_tensor(grad_output, at::kFloat, "grad_output");
-  const int64_t nb = offsets.numel() - 1;
-  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == nb,
-              "embcache: grad_output must be [bags, dim]");
-  const int64_t dim = grad_output.size(1);
-  const int64_t n = indices.numel();
-  const int64_t* idx = indices.data_ptr<int64_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
-  const float* g = grad_output.data_ptr<float>();
+    const c10::optional<at::Tensor>& per_sample_weights, int64_t bits, int64_t dim,
+    bool qparams_fp16, int64_t num_sets, int64_t ways, bool mean) {
+  const RowFormat f = make_format(bits, dim, qparams_fp16);
+  check_table(weights, f);
+  const Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
+  const Bags bags = bags_of(indices, offsets, per_sample_weights);
+  at::Tensor out = at::empty({bags.count, dim}, cache_rows.options());
+  const int64_t hits = lookup_core(f, cache, weights.data_ptr<uint8_t>(), weights.size(0), bags,
+                                   mean, out.data_ptr<float>(), dim);
+  return {out, at::scalar_tensor(hits, at::kLong)};
+}
 
-  TORCH_CHECK(n < (int64_t(1) << 32), "embcache: at most 2^32 lookups per call");
+/// Gradient per unique row (SPEC §4 step 2) from grad_output[b * g_stride + j]: rows
+/// ascending, each row's contributions summed in lookup order; also how often each row
+/// occurs in the bags.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, const float* g,
+                                                          int64_t g_stride, int64_t dim,
+                                                          bool mean) {
+  const int64_t* idx = bags.idx;
+  const int64_t* off = bags.off;
+  const int64_t base = bags.first(), n = bags.end() - base;
+  TORCH_CHECK(bags.end() < (int64_t(1) << 32), "embcache: at most 2^32 lookups per call");
   std::vector<int64_t> bag_of(n);
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t l = off[b]; l < off[b + 1]; ++l) bag_of[l] = b;
+  for (int64_t b = 0; b < bags.count; ++b)
+    for (int64_t l = off[b]; l < off[b + 1]; ++l) bag_of[l - base] = b;
   // Sort (row, position) pairs packed in one key: rows ascending, positions in order.
   std::vector<uint64_t> keys(n);
-  for (int64_t l = 0; l < n; ++l) {
-    TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31), "embcache: index ", idx[l], " out of range");
-    keys[l] = ((uint64_t)idx[l] << 32) | (uint64_t)l;
+  for (int64_t l = base; l < bags.end(); ++l) {
+    TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31), "embcache: index ", idx[l],
+                " out of range");
+    keys[l - base] = ((uint64_t)idx[l] << 32) | (uint64_t)l;
   }
   std::sort(keys.begin(), keys.end());
   std::vector<int64_t> order(n), starts;
@@ -258,9 +273,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
   const int64_t nu = (int64_t)starts.size();
   starts.push_back(n);
 
-  at::Tensor rows = at::empty({nu}, indices.options());
-  at::Tensor grads = at::zeros({nu, dim}, grad_output.options());
-  at::Tensor occ = at::empty({nu}, indices.options());
+  at::Tensor rows = at::empty({nu}, at::kLong);
+  at::Tensor grads = at::zeros({nu, dim}, at::kFloat);
+  at::Tensor occ = at::empty({nu}, at::kLong);
   int64_t* r = rows.data_ptr<int64_t>();
   float* gr = grads.data_ptr<float>();
   int64_t* oc = occ.data_ptr<int64_t>();
@@ -270,10 +285,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
       oc[u] = starts[u + 1] - starts[u];
       float* acc = gr + u * dim;
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
-        const int64_t l = order[k], b = bag_of[l];
-        const float* gb = g + b * dim;
-        if (psw) {
-          for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] * psw[l];
+        const int64_t l = order[k], b = bag_of[l - base];
+        const float* gb = g + b * g_stride;
+        if (bags.psw) {
+          for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] * bags.psw[l];
         } else if (mean) {
           const float len = (float)(off[b + 1] - off[b]);
           for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] / len;
@@ -284,6 +299,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
     }
   });
   return {rows, grads, occ};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
+    const at::Tensor& indices, const at::Tensor& offsets,
+    const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
+    bool mean) {
+  const Bags bags = bags_of(indices, offsets, per_sample_weights);
+  check_tensor(grad_output, at::kFloat, "grad_output");
+  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == bags.count,
+              "embcache: grad_output must be [bags, dim]");
+  const int64_t dim = grad_output.size(1);
+  return dedup_core(bags, grad_output.data_ptr<float>(), dim, dim, mean);
 }
 
 /// The optimizer step of one row: new value and new state from the fetched value v and
@@ -685,75 +712,72 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at
 // up in table feature_table[f]. Per-table settings come as parallel lists.
 // ---------------------------------------------------------------------------------------
 
-struct FeatureSlice {
-  at::Tensor indices, offsets;
-  c10::optional<at::Tensor> weights;
-};
-
-FeatureSlice feature_slice(const at::Tensor& indices, const at::Tensor& offsets,
-                           const c10::optional<at::Tensor>& psw, int64_t f, int64_t batch) {
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  const int64_t start = off[f * batch], end = off[(f + 1) * batch];
-  FeatureSlice s{indices.narrow(0, start, end - start),
-                 offsets.narrow(0, f * batch, batch + 1) - start, c10::nullopt};
-  if (psw) s.weights = psw->narrow(0, start, end - start);
-  return s;
-}
-
-void check_features(const at::Tensor& indices, const at::Tensor& offsets, int64_t nf,
-                    int64_t batch) {
-  check_tensor(indices, at::kLong, "indices");
-  check_tensor(offsets, at::kLong, "offsets");
+void check_features(const at::Tensor& indices, const at::Tensor& offsets,
+                    const c10::optional<at::Tensor>& psw, int64_t nf, int64_t batch) {
+  check_bags(indices, offsets, psw);
   TORCH_CHECK(batch >= 0 && offsets.numel() == nf * batch + 1,
               "embcache: offsets must have features * batch + 1 entries");
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[nf * batch] == indices.numel(),
-              "embcache: offsets must start at 0 and end at len(indices)");
-  for (int64_t b = 0; b < nf * batch; ++b)
-    TORCH_CHECK(off[b] <= off[b + 1], "embcache: offsets decrease at bag ", b);
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor> multi_lookup_forward(
+/// Column offsets of the features in the [batch, sum of dims] output.
+std::vector<int64_t> column_offsets(at::IntArrayRef dims) {
+  std::vector<int64_t> col(dims.size() + 1, 0);
+  for (size_t f = 0; f < dims.size(); ++f) col[f + 1] = col[f] + dims[f];
+  return col;
+}
+
+/// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, and
+/// the number of cached lookups per feature.
+std::tuple<at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
     at::IntArrayRef bits, at::IntArrayRef dims, at::IntArrayRef qparams_fp16,
     at::IntArrayRef num_sets, at::IntArrayRef ways, at::IntArrayRef mean, int64_t batch) {
   const int64_t nf = (int64_t)feature_table.size();
-  check_features(indices, offsets, nf, batch);
-  std::vector<at::Tensor> outs(nf);
-  at::Tensor hits = at::zeros({nf}, indices.options());
+  check_features(indices, offsets, per_sample_weights, nf, batch);
+  std::vector<int64_t> feature_dims(nf);
+  for (int64_t f = 0; f < nf; ++f) feature_dims[f] = dims[feature_table[f]];
+  const std::vector<int64_t> col = column_offsets(feature_dims);
+  at::Tensor out = at::empty({batch, col[nf]}, at::kFloat);
+  at::Tensor hits = at::zeros({nf}, at::kLong);
   int64_t* h = hits.data_ptr<int64_t>();
+  const Bags all = bags_of(indices, offsets, per_sample_weights);
   at::parallel_for(0, nf, 1, [&](int64_t f0, int64_t f1) {
     for (int64_t f = f0; f < f1; ++f) {
       const int64_t t = feature_table[f];
-      FeatureSlice s = feature_slice(indices, offsets, per_sample_weights, f, batch);
-      auto r = lookup_forward(weights[t], cache_tags[t], cache_rows[t], s.indices, s.offsets,
-                              s.weights, bits[t], dims[t], qparams_fp16[t] != 0, num_sets[t],
-                              ways[t], mean[t] != 0);
-      outs[f] = std::get<0>(r);
-      h[f] = std::get<1>(r).item<int64_t>();
+      const RowFormat fmt = make_format(bits[t], dims[t], qparams_fp16[t] != 0);
+      check_table(weights[t], fmt);
+      const Cache cache = make_cache(cache_tags[t], cache_rows[t], num_sets[t], ways[t], dims[t]);
+      const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
+      h[f] = lookup_core(fmt, cache, weights[t].data_ptr<uint8_t>(), weights[t].size(0), bags,
+                         mean[t] != 0, out.data_ptr<float>() + col[f], col[nf]);
     }
   });
-  return {outs, hits};
+  return {out, hits};
 }
 
+/// Per feature, the deduplicated gradient (rows, grads, occurrences, flattened) from the
+/// gradient of multi_lookup_forward's output, [batch, sum of dims].
 std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
                                              const at::Tensor& offsets,
                                              const c10::optional<at::Tensor>& per_sample_weights,
-                                             at::TensorList grad_outputs, at::IntArrayRef mean,
-                                             int64_t batch) {
-  const int64_t nf = (int64_t)grad_outputs.size();
-  check_features(indices, offsets, nf, batch);
+                                             const at::Tensor& grad_output, at::IntArrayRef dims,
+                                             at::IntArrayRef mean, int64_t batch) {
+  const int64_t nf = (int64_t)dims.size();
+  check_features(indices, offsets, per_sample_weights, nf, batch);
+  const std::vector<int64_t> col = column_offsets(dims);
+  check_tensor(grad_output, at::kFloat, "grad_output");
+  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == batch &&
+                  grad_output.size(1) == col[nf],
+              "embcache: grad_output must be [batch, sum of dims]");
+  const Bags all = bags_of(indices, offsets, per_sample_weights);
   std::vector<at::Tensor> out(3 * nf);
   at::parallel_for(0, nf, 1, [&](int64_t f0, int64_t f1) {
     for (int64_t f = f0; f < f1; ++f) {
-      FeatureSlice s = feature_slice(indices, offsets, per_sample_weights, f, batch);
-      auto r = dedup_backward(s.indices, s.offsets, s.weights, grad_outputs[f].contiguous(),
-                              mean[f] != 0);
-      out[3 * f] = std::get<0>(r);
-      out[3 * f + 1] = std::get<1>(r);
-      out[3 * f + 2] = std::get<2>(r);
+      const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
+      std::tie(out[3 * f], out[3 * f + 1], out[3 * f + 2]) = dedup_core(
+          bags, grad_output.data_ptr<float>() + col[f], col[nf], dims[f], mean[f] != 0);
     }
   });
   return out;
@@ -830,9 +854,9 @@ TORCH_LIBRARY(embcache, m) {
   m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
         "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
         "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
-        "int batch) -> (Tensor[], Tensor)");
+        "int batch) -> (Tensor, Tensor)");
   m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
-        "Tensor[] grad_outputs, int[] mean, int batch) -> Tensor[]");
+        "Tensor grad_output, int[] dims, int[] mean, int batch) -> Tensor[]");
   m.def("multi_update_prepare(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
         "Tensor[] optimizer_state, Tensor[] unique_rows, Tensor[] grads, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "

@@ -75,3 +75,29 @@ def test_user_errors_are_one_line(workdir, tmp_path, capsys):
     _fails(capsys, ["train", "--out", str(blocker / "sub"), *SMALL], "cannot create")
     _fails(capsys, ["train", "--out", str(tmp_path / "z"), "--cache-ratio", "1.5", *SMALL], "cache_ratio")
     _fails(capsys, ["preprocess", str(tmp_path / "missing.tsv"), str(tmp_path / "out")], "missing.tsv")
+
+
+def test_killed_process_resumes_to_the_same_result(workdir):
+    """A real SIGKILL mid-run: --resume from the last (atomic) checkpoint ends exactly like an
+    uninterrupted run, whenever the kill lands."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["--steps", "40", "--checkpoint-every", "3", "--eval-every", "0"]
+    assert _train(workdir / "whole", *args) == 0
+    out = workdir / "killed"
+    cmd = [sys.executable, "-m", "dlrm.cli", "train", "--out", str(out), *SMALL, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "checkpoint.pt").exists()
+    assert _train(out, *args, "--resume") == 0
+    whole = json.loads((workdir / "whole" / "report.json").read_text())
+    resumed = json.loads((out / "report.json").read_text())
+    assert whole["test"] == resumed["test"] and whole["steps"] == resumed["steps"] == 40

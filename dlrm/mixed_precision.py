@@ -171,8 +171,9 @@ class MixedPrecisionEmbedding(Protocol):
 
     The collection owns its optimizer and learning rate: the trainer's LR schedule does not
     reach it. Everything it needs to resume bit-identically must be in its ``state_dict``.
-    Its gradients are not part of the trainer's min/max |grad| figures (the protocol has no
-    accessor for them); they are part of the overflow decision.
+    Optionally it offers ``pending_grads() -> list[Tensor]`` (its unscaled FP32 gradient
+    tensors); then they count in the trainer's min/max |grad| figures, which the ``logmax``
+    scaler feeds on. Either way they are part of the overflow decision.
     """
 
     def has_nonfinite_grad(self) -> bool: ...
@@ -465,7 +466,8 @@ class MixedPrecisionTrainer:
         (loss * scale).backward()
 
         grads = self._unscale_grads(1.0 / scale)
-        max_abs, min_abs = _abs_range(grads)
+        pending = getattr(self.protocol_embedding, "pending_grads", None)
+        max_abs, min_abs = _abs_range(grads + (pending() if pending else []))
         found_inf = not math.isfinite(max_abs) or (
             self.protocol_embedding is not None and self.protocol_embedding.has_nonfinite_grad()
         )

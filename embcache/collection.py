@@ -144,6 +144,9 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
     def has_nonfinite_grad(self) -> bool:
         return any(t.has_nonfinite_grad() for t in self.tables())
 
+    def pending_grads(self) -> list[torch.Tensor]:
+        return [g for t in self.tables() for g in t.pending_grads()]
+
     def unscale_grad_(self, inv_scale: float) -> None:
         for t in self.tables():
             t.unscale_grad_(inv_scale)

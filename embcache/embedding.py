@@ -243,6 +243,10 @@ class CachedLowPrecisionEmbedding(nn.Module):
         """Whether the stored gradient holds an inf or NaN (the overflow check of SPEC §6)."""
         return any(not bool(torch.isfinite(p[1]).all()) for p in self._pending)
 
+    def pending_grads(self) -> list[torch.Tensor]:
+        """The stored FP32 gradient tensors (rows of unique ids), for gradient statistics."""
+        return [p[1] for p in self._pending]
+
     def unscale_grad_(self, inv_scale: float) -> None:
         """Multiply the stored gradient by ``inv_scale`` (in FP32), e.g. ``1 / loss_scale``."""
         for p in self._pending:

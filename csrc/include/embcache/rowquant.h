@@ -285,13 +285,14 @@ EMBCACHE_HD uint16_t half_stochastic_magnitude(uint32_t abs_bits, float u) {
 EMBCACHE_HD int round_code(float y, bool stochastic, float u, int q_max) {
   float r;
   if (stochastic) {
-    const float lo = floorf(y);
-    r = lo + (u < y - lo ? 1.f : 0.f);
+    const float near = rintf(y);
+    const float lo = near - (float)(near > y);  // floor(y), in a form compilers vectorize
+    r = lo + (float)(u < y - lo);
   } else {
     r = rintf(y);
   }
-  r = r > 0.f ? r : 0.f;  // also maps NaN to 0
-  r = r < (float)q_max ? r : (float)q_max;
+  r = r > 0.f ? r : 0.f;  // also maps NaN to 0 (maxss)
+  r = r < (float)q_max ? r : (float)q_max;  // (minss)
   return (int)r;
 }
 
@@ -345,21 +346,32 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     store_f32(q, scale);
     store_f32(q + 4, bias);
   }
-  if (f.bits == 8) {  // one code per byte: no packing
-    for (int j = 0; j < f.dim; ++j) {
-      if (stochastic && (j & 3) == 0) block = stream_block(stream, row_id, j >> 2);
-      const float u = stochastic ? word_uniform(block.v[j & 3]) : 0.f;
-      row[j] = (uint8_t)round_code((x[j] - bias) * inv, stochastic, u, q_max);
-    }
-    return;
-  }
+  // 16 elements at a time: their uniforms first (4 Philox blocks), then a loop the compiler
+  // can vectorize.
   const int lg = log2_codes_per_byte(f.bits);
-  for (int b = 0; b < f.payload_bytes(); ++b) row[b] = 0;
-  for (int j = 0; j < f.dim; ++j) {
-    if (stochastic && (j & 3) == 0) block = stream_block(stream, row_id, j >> 2);
-    const float u = stochastic ? word_uniform(block.v[j & 3]) : 0.f;
-    const int code = round_code((x[j] - bias) * inv, stochastic, u, q_max);
-    row[j >> lg] |= (uint8_t)(code << ((j & ((1 << lg) - 1)) * f.bits));
+  if (lg > 0)
+    for (int b = 0; b < f.payload_bytes(); ++b) row[b] = 0;
+  float u[16] = {0.f};
+  int code[16];
+  for (int j0 = 0; j0 < f.dim; j0 += 16) {
+    const int m = f.dim - j0 < 16 ? f.dim - j0 : 16;
+    if (stochastic) {
+      for (int b = 0; 4 * b < m; ++b) {
+        const Philox4 block4 = stream_block(stream, row_id, (j0 >> 2) + b);
+        for (int i = 0; i < 4; ++i) u[4 * b + i] = word_uniform(block4.v[i]);
+      }
+      for (int i = 0; i < m; ++i) code[i] = round_code((x[j0 + i] - bias) * inv, true, u[i], q_max);
+    } else {
+      for (int i = 0; i < m; ++i) code[i] = round_code((x[j0 + i] - bias) * inv, false, 0.f, q_max);
+    }
+    if (lg == 0) {
+      for (int i = 0; i < m; ++i) row[j0 + i] = (uint8_t)code[i];
+    } else {
+      for (int i = 0; i < m; ++i) {
+        const int j = j0 + i;
+        row[j >> lg] |= (uint8_t)(code[i] << ((j & ((1 << lg) - 1)) * f.bits));
+      }
+    }
   }
 }
 

@@ -158,6 +158,27 @@ at::Tensor dequantize_rows(const at::Tensor& weights, int64_t bits, int64_t dim,
   return out;
 }
 
+/// Sorts keys (a value below 2^bits in the high 32 bits, a position in the low 32) by
+/// value, stably: an LSD radix sort over the value's bits only, 8 bits a pass (positions are
+/// already ascending, so they stay ascending among equal values).
+void radix_sort_high(std::vector<uint64_t>& keys, int bits) {
+  std::vector<uint64_t> tmp(keys.size());
+  for (int shift = 32; shift < 32 + bits; shift += 8) {
+    size_t count[257] = {0};
+    for (uint64_t k : keys) ++count[((k >> shift) & 0xff) + 1];
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (uint64_t k : keys) tmp[count[(k >> shift) & 0xff]++] = k;
+    keys.swap(tmp);
+  }
+}
+
+/// The number of bits needed for values below n.
+int bits_for(int64_t n) {
+  int b = 0;
+  while (b < 63 && (int64_t(1) << b) < n) ++b;
+  return b;
+}
+
 /// Bags of lookups over global arrays: bag b covers positions [off[b], off[b+1]) of idx
 /// (and psw, if any). A feature of a KeyedJaggedTensor is such a view into its arrays.
 struct Bags {
@@ -259,12 +280,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, cons
     for (int64_t l = off[b]; l < off[b + 1]; ++l) bag_of[l - base] = b;
   // Sort (row, position) pairs packed in one key: rows ascending, positions in order.
   std::vector<uint64_t> keys(n);
+  int64_t max_row = 0;
   for (int64_t l = base; l < bags.end(); ++l) {
     TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31), "embcache: index ", idx[l],
                 " out of range");
     keys[l - base] = ((uint64_t)idx[l] << 32) | (uint64_t)l;
+    max_row = std::max(max_row, idx[l]);
   }
-  std::sort(keys.begin(), keys.end());
+  radix_sort_high(keys, bits_for(max_row + 1));
   std::vector<int64_t> order(n), starts;
   for (int64_t k = 0; k < n; ++k) {
     order[k] = (int64_t)(keys[k] & 0xffffffffu);
@@ -365,7 +388,7 @@ SetGroups group_by_set(const int64_t* rows, int64_t nu, int64_t num_sets) {
     g.set_of[u] = set_of_row(rows[u], num_sets);
     keys[u] = ((uint64_t)g.set_of[u] << 32) | (uint64_t)u;
   }
-  std::sort(keys.begin(), keys.end());
+  radix_sort_high(keys, bits_for(num_sets));
   for (int64_t k = 0; k < nu; ++k) {
     g.by_set[k] = (int64_t)(keys[k] & 0xffffffffu);
     if (k == 0 || g.set_of[g.by_set[k]] != g.set_of[g.by_set[k - 1]]) g.starts.push_back(k);

@@ -8,7 +8,7 @@ BUILD_STAMP := $(VENV)/.built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 ARGS ?=
 
-.PHONY: install train test bench clean
+.PHONY: install train test bench clean cuda-check
 
 install: $(BUILD_STAMP)
 
@@ -31,8 +31,23 @@ train: install
 test: install
 	$(PY) -m pytest -n 2 $(ARGS)
 
+# Compile check of the CUDA kernels for sm_80 and sm_90 (CI has nvcc but no GPU; the tests run
+# the same kernel source on the warp emulator), and a syntax check of their torch binding
+# (a CPU torch lacks one generated c10/cuda header: an empty stand-in is put after torch's).
+NVCC ?= $(or $(shell command -v nvcc),/usr/local/cuda/bin/nvcc)
+CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/local/cuda,$(abspath $(dir $(realpath $(NVCC)))..))
+CUDA_CHECK := build/cuda-check
+cuda-check: $(DEPS_STAMP)
+	@mkdir -p $(CUDA_CHECK)/stub/c10/cuda/impl
+	$(NVCC) -c csrc/cuda/cache_cuda.cu -o $(CUDA_CHECK)/cache_cuda.o -Icsrc/include -std=c++20 -O3 \
+		--fmad=false -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
+	@echo '#pragma once' > $(CUDA_CHECK)/stub/c10/cuda/impl/cuda_cmake_macros.h
+	$(CXX) -std=c++20 -fsyntax-only csrc/cuda/binding.cpp -Icsrc/include \
+		$$($(PY) -c "from torch.utils.cpp_extension import include_paths as p; import sysconfig; print(' '.join('-I' + d for d in p() + [sysconfig.get_paths()['include']]))") \
+		-I$(CUDA_CHECK)/stub -I$(CUDA_HOME)/include
+
 bench: install
 	$(PY) bench/embedding_step.py $(ARGS)
 
 clean:
-	rm -rf build *.egg-info embcache/_C*.so $(BUILD_STAMP)
+	rm -rf build *.egg-info embcache/_C*.so embcache/_cuda_emu*.so $(BUILD_STAMP)

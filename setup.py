@@ -1,25 +1,72 @@
-"""Builds the C++ kernels in csrc/ as the torch extension `embcache._C` (ops under torch.ops.embcache)."""
+"""Builds the C++ kernels in csrc/ as torch extensions:
+
+* `embcache._C`: the CPU kernels (ops under torch.ops.embcache) and, when torch has CUDA and
+  nvcc is found, the CUDA kernels of csrc/cuda registered for CUDA tensors under the same ops;
+* `embcache._cuda_emu`: the CUDA kernels compiled as C++ on the warp emulator
+  (torch.ops.embcache_emu, CPU tensors), so that the tests run the kernel code without a GPU.
+  Set EMBCACHE_NO_EMULATOR=1 to skip it.
+"""
 import os
 import platform
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension
+
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+INCLUDE = [os.path.join(ROOT, "csrc", "include")]
+# No FMA contraction: row arithmetic must round exactly as the reference does.
+# -fno-trapping-math changes no value (it lets selects on floats vectorize; FP exception
+# flags are never read here).
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+# sm_80 and sm_90 binaries, and sm_90 PTX for newer GPUs (JIT-compiled by the driver).
+NVCC_FLAGS = ["-O3", "--fmad=false", "-gencode=arch=compute_80,code=sm_80",
+              "-gencode=arch=compute_90,code=[sm_90,compute_90]"]
+
 
 def _simd_flags():
     """SSE4.1 turns floorf/rintf into single instructions (same IEEE results) on x86-64."""
     return ["-msse4.1"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
+def _with_cuda() -> bool:
+    """CUDA kernels are built when torch is a CUDA build and nvcc is available."""
+    return torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("EMBCACHE_NO_CUDA") != "1"
+
+
+def _main_extension():
+    sources = ["csrc/cpu/embcache_cpu.cpp"]
+    cxx = CXX_FLAGS + ["-fopenmp"] + _simd_flags()
+    if not _with_cuda():
+        return CppExtension("embcache._C", sources, include_dirs=INCLUDE,
+                            extra_compile_args=cxx, extra_link_args=["-fopenmp"])
+    from torch.utils.cpp_extension import CUDAExtension
+
+    return CUDAExtension(
+        "embcache._C",
+        sources + ["csrc/cuda/cache_cuda.cu", "csrc/cuda/binding.cpp"],
+        include_dirs=INCLUDE,
+        extra_compile_args={"cxx": cxx, "nvcc": NVCC_FLAGS},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+def _emulator_extension():
+    return CppExtension(
+        "embcache._cuda_emu",
+        ["csrc/emulated/emu_ops.cpp"],
+        include_dirs=INCLUDE,
+        extra_compile_args=["-O2", "-ffp-contract=off", "-pthread"] + _simd_flags(),
+        extra_link_args=["-pthread"],
+    )
+
+
+extensions = [_main_extension()]
+if os.environ.get("EMBCACHE_NO_EMULATOR") != "1":
+    extensions.append(_emulator_extension())
+
 setup(
-    ext_modules=[
-        CppExtension(
-            "embcache._C",
-            ["csrc/cpu/embcache_cpu.cpp"],
-            include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "include")],
-            # No FMA contraction: row arithmetic must round exactly as the reference does.
-            extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"] + _simd_flags(),
-            extra_link_args=["-fopenmp"],
-        )
-    ],
+    ext_modules=extensions,
     cmdclass={"build_ext": BuildExtension},
 )

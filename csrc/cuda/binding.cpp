@@ -1,0 +1,22 @@
+// The torch binding of the CUDA cache kernels: the ops of torch.ops.embcache for CUDA
+// tensors (the dispatcher picks them by device). Thin: the glue is csrc/cuda/torch_ops.h,
+// shared with the warp-emulator build that CI runs; the kernels are in cache_cuda.cu.
+// Compiled into embcache._C only when torch has CUDA and nvcc is found (setup.py).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "cache_api.h"
+
+namespace embcache {
+namespace gpu {
+inline bool on_device(const at::Tensor& t) { return t.device().is_cuda(); }
+inline Stream current_stream() { return (void*)c10::cuda::getCurrentCUDAStream().stream(); }
+constexpr const char* kDeviceName = "CUDA";
+#define EMBCACHE_DEVICE_GUARD(t) const c10::cuda::CUDAGuard device_guard_((t).device())
+}  // namespace gpu
+}  // namespace embcache
+
+#include "torch_ops.h"
+
+TORCH_LIBRARY_IMPL(embcache, CUDA, m) { EMBCACHE_IMPL_ALL_OPS(m); }

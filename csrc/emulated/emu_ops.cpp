@@ -1,0 +1,127 @@
+// The CUDA cache kernels (csrc/cuda/cache_kernels.cuh) compiled as plain C++ on the warp
+// emulator (csrc/cuda/warp_emulator.h) and registered as torch.ops.embcache_emu.* over CPU
+// tensors, with the schemas of torch.ops.embcache.*. It exists so that machines without a
+// GPU (CI) execute the kernel code and compare it bit for bit with the CPU ops
+// (tests/test_cuda_kernels.py). "Device memory" is host memory; the sorts and the scan that
+// CUB does on a GPU are std:: algorithms here, outside the emulated kernels.
+#include <Python.h>
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#define EMBCACHE_GPU_NS emu
+#include "../cuda/cache_api.h"
+
+namespace embcache {
+namespace emu {
+
+// Two warps per block, and few blocks, so that grid-stride loops and several warps per block
+// are exercised on small test sizes.
+constexpr int64_t kThreadsPerBlock = 64;
+inline int64_t grid_for(int64_t blocks) { return std::max<int64_t>(1, std::min<int64_t>(blocks, 3)); }
+
+inline void* dev_alloc(size_t bytes, Stream) {
+  void* p = std::malloc(bytes);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+inline void dev_free(void* p, Stream) { std::free(p); }
+inline void dev_zero(void* p, size_t bytes, Stream) { std::memset(p, 0, bytes); }
+inline void copy_to_host(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
+inline void copy_to_device(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
+
+inline void sort_keys_u64(uint64_t* keys, int64_t n, Stream) { std::sort(keys, keys + n); }
+
+inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, Stream) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+  std::vector<uint64_t> k(n);
+  std::vector<int64_t> v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    k[i] = keys[order[i]];
+    v[i] = vals[order[i]];
+  }
+  std::copy(k.begin(), k.end(), keys);
+  std::copy(v.begin(), v.end(), vals);
+}
+
+inline void exclusive_sum_i64(const int64_t* in, int64_t* out, int64_t n, Stream) {
+  int64_t acc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = acc;
+    acc += in[i];
+  }
+}
+
+}  // namespace emu
+}  // namespace embcache
+
+#define EC_LAUNCH(kernel, grid, block, stream, ...) \
+  ec_emu::launch(&kernel, grid, block, __VA_ARGS__)
+
+#include "../cuda/cache_kernels.cuh"
+
+namespace embcache {
+namespace emu {
+inline bool on_device(const at::Tensor& t) { return t.device().is_cpu(); }
+inline Stream current_stream() { return nullptr; }
+constexpr const char* kDeviceName = "CPU (emulated CUDA)";
+#define EMBCACHE_DEVICE_GUARD(t) (void)(t)
+}  // namespace emu
+}  // namespace embcache
+
+#include "../cuda/torch_ops.h"
+
+TORCH_LIBRARY(embcache_emu, m) {
+  m.def("quantize_rows(Tensor values, Tensor row_ids, int bits, bool qparams_fp16, "
+        "bool stochastic, int seed, int step, int table) -> Tensor");
+  m.def("dequantize_rows(Tensor weights, int bits, int dim, bool qparams_fp16) -> Tensor");
+  m.def("lookup_forward(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
+        "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int bits, int dim, "
+        "bool qparams_fp16, int num_sets, int ways, bool mean) -> (Tensor, Tensor)");
+  m.def("dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
+        "Tensor grad_output, bool mean) -> (Tensor, Tensor, Tensor)");
+  m.def("update_prepare(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
+        "Tensor optimizer_state, Tensor unique_rows, Tensor grads, int bits, "
+        "bool qparams_fp16, bool stochastic, int optimizer, float lr, float eps, "
+        "int num_sets, int ways) "
+        "-> (Tensor, Tensor, Tensor, int)");
+  m.def("update_commit(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
+        "Tensor(d!) cache_timestamps, Tensor(e!) counts, Tensor(f!) optimizer_state, "
+        "Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
+        "Tensor occurrences, int bits, bool qparams_fp16, bool stochastic, bool lfu, "
+        "int seed, int step, int table, int num_sets, int ways) -> Tensor");
+  m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
+        "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
+        "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
+        "int batch) -> (Tensor, Tensor)");
+  m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
+        "Tensor grad_output, int[] dims, int[] mean, int batch) -> Tensor[]");
+  m.def("multi_update_prepare(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
+        "Tensor[] optimizer_state, Tensor[] unique_rows, Tensor[] grads, int[] bits, "
+        "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
+        "int[] num_sets, int[] ways) -> (Tensor[], Tensor[], Tensor[], int[])");
+  m.def("multi_update_commit(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, "
+        "Tensor(c!)[] cache_rows, Tensor(d!)[] cache_timestamps, Tensor(e!)[] counts, "
+        "Tensor(f!)[] optimizer_state, Tensor[] unique_rows, Tensor[] fresh, "
+        "Tensor[] fresh_state, Tensor[] slots, Tensor[] occurrences, int[] bits, "
+        "int[] qparams_fp16, int[] stochastic, int[] lfu, int[] seed, int[] steps, "
+        "int[] table, int[] num_sets, int[] ways) -> Tensor");
+  m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
+        "Tensor(c!) cache_timestamps, int bits, bool qparams_fp16, bool stochastic, "
+        "int seed, int step, int table) -> int");
+}
+
+TORCH_LIBRARY_IMPL(embcache_emu, CPU, m) { EMBCACHE_IMPL_ALL_OPS(m); }
+
+// Importing `embcache._cuda_emu` loads this library, which registers the ops above.
+extern "C" PyObject* PyInit__cuda_emu(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cuda_emu", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

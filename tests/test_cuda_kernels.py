@@ -1,0 +1,382 @@
+"""The CUDA cache kernels (csrc/cuda) against the CPU ops, bit for bit.
+
+The same kernel source runs on two backends:
+
+* ``emu``: compiled as C++ on the warp emulator (``embcache._cuda_emu``, ops
+  ``torch.ops.embcache_emu.*`` over CPU tensors): every thread a host thread, warp
+  collectives in lockstep. It runs everywhere, CI included (CI machines have no GPU);
+* ``cuda``: the real kernels, ``torch.ops.embcache.*`` on CUDA tensors, where torch has CUDA,
+  the extension was built with them and a GPU is present (skipped otherwise).
+
+Multi-step random training (forward, deduplicated backward, two-phase update, evaluation
+forwards, flush, training after the flush) must give bit-identical pooled outputs, hit counts,
+deduplicated gradients, prepared values, slots, table bytes, cache tags and rows, timestamps,
+LFU counts, optimizer state and statistics to the CPU ops with the same seed, for every
+precision x rounding x policy x associativity; plus warp-divergence cases (sets with more
+candidates than ways or than 32 lanes, all-duplicate batches, empty bags) and refused inputs.
+
+That the kernels compile with nvcc for sm_80 and sm_90 is checked by `make cuda-check` (CI).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache  # noqa: F401  (registers torch.ops.embcache)
+from embcache import CachedLowPrecisionEmbedding
+
+CPU = torch.ops.embcache
+# CPU ops without a CUDA kernel yet (the hit-rate replay of bench/hit_rate.py).
+NOT_ON_CUDA = {"cache_replay"}
+STATE = ("weights", "cache_tags", "cache_rows", "cache_timestamps", "counts", "optimizer_state")
+
+
+def _emulator_available() -> bool:
+    try:
+        import embcache._cuda_emu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cuda_kernels_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key("embcache::lookup_forward", "CUDA")
+
+
+class Backend:
+    def __init__(self, name: str):
+        self.name = name
+        if name == "emu":
+            self.ops, self.device = torch.ops.embcache_emu, torch.device("cpu")
+        else:
+            self.ops, self.device = torch.ops.embcache, torch.device("cuda")
+
+    def to(self, t):
+        return None if t is None else t.to(self.device)
+
+
+@pytest.fixture(params=["emu", "cuda"])
+def backend(request) -> Backend:
+    if request.param == "emu" and not _emulator_available():
+        pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
+    if request.param == "cuda" and not _cuda_kernels_available():
+        pytest.skip("no GPU, or torch / embcache built without CUDA")
+    return Backend(request.param)
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def assert_same(got, want, what: str) -> None:
+    if isinstance(want, (tuple, list)):
+        assert len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{what}[{i}]")
+        return
+    if not isinstance(want, torch.Tensor):
+        assert got == want, f"{what}: {got} != {want}"
+        return
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (
+        f"{what}: {got.dtype} {tuple(got.shape)} vs CPU {want.dtype} {tuple(want.shape)}")
+    g, w = bits_of(got), bits_of(want)
+    if not torch.equal(g, w):
+        diff = g != w
+        raise AssertionError(f"{what}: {int(diff.sum())} elements differ, first at "
+                             f"{torch.nonzero(diff)[:5].tolist()}")
+
+
+# ----------------------------------------------------------------------------- the twin driver
+
+
+class Twin:
+    """One table's state twice: on the CPU (driven by the CPU ops) and on the backend (driven by
+    the kernels), stepped with the same batches; every output and state compared each step."""
+
+    def __init__(self, backend: Backend, rows: int, dim: int, seed: int, *, mean=False,
+                 **options):
+        options.setdefault("min_rows_for_low_precision", 0)
+        gen = torch.Generator().manual_seed(seed)
+        weight = torch.randn(rows, dim, generator=gen) * 0.5
+        m = CachedLowPrecisionEmbedding(rows, dim, weight=weight, seed=seed * 7919 + 2**33,
+                                        table_id=seed % 5 + 1, **options)
+        self.cfg, self.b, self.dim, self.mean = m.config, backend, dim, mean
+        self.cpu = {k: getattr(m, k).clone() for k in STATE}
+        self.dev = {k: backend.to(v.clone()) for k, v in self.cpu.items()}
+        self.step_count = 0
+        self.totals = torch.zeros(5, dtype=torch.int64)  # unique hits, misses, ins, evict, bypass
+        self.lookup_hits = 0
+
+    def _args(self, state):
+        return [state[k] for k in STATE]
+
+    def compare_state(self, when: str) -> None:
+        for k in STATE:
+            assert_same(self.dev[k], self.cpu[k], f"{when}: {k}")
+
+    def forward(self, indices, offsets, psw, when):
+        c, b = self.cfg, self.b
+        fmt = (c.bits, c.embedding_dim, c.qparams_fp16, c.num_sets, c.ways, self.mean)
+        want = CPU.lookup_forward(self.cpu["weights"], self.cpu["cache_tags"],
+                                  self.cpu["cache_rows"], indices, offsets, psw, *fmt)
+        got = b.ops.lookup_forward(self.dev["weights"], self.dev["cache_tags"],
+                                   self.dev["cache_rows"], b.to(indices), b.to(offsets),
+                                   b.to(psw), *fmt)
+        assert_same(got, want, f"{when}: lookup_forward")
+        self.lookup_hits += int(want[1])
+        return want[0]
+
+    def train_step(self, indices, offsets, psw, grad_out, when):
+        c, b = self.cfg, self.b
+        self.forward(indices, offsets, psw, when)
+        want = CPU.dedup_backward(indices, offsets, psw, grad_out, self.mean)
+        got = b.ops.dedup_backward(b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out),
+                                   self.mean)
+        assert_same(got, want, f"{when}: dedup_backward")
+        rows, grads, occ = want
+        stochastic = c.rounding == "stochastic"
+        pargs = (c.bits, c.qparams_fp16, stochastic, c.optimizer_code, c.lr, c.eps, c.num_sets,
+                 c.ways)
+        want = CPU.update_prepare(self.cpu["weights"], self.cpu["cache_tags"],
+                                  self.cpu["cache_rows"], self.cpu["optimizer_state"], rows,
+                                  grads, *pargs)
+        got = b.ops.update_prepare(self.dev["weights"], self.dev["cache_tags"],
+                                   self.dev["cache_rows"], self.dev["optimizer_state"],
+                                   b.to(rows), b.to(grads), *pargs)
+        assert_same(got, want, f"{when}: update_prepare")
+        fresh, fresh_state, slots, bad = want
+        if bad >= 0:
+            return
+        lfu = c.policy == "lfu" and c.num_slots > 0
+        self.step_count += 1
+        cargs = (c.bits, c.qparams_fp16, stochastic, lfu, c.seed, self.step_count, c.table_id,
+                 c.num_sets, c.ways)
+        prepared = (rows, fresh, fresh_state, slots, occ)
+        want = CPU.update_commit(*self._args(self.cpu), *prepared, *cargs)
+        got = b.ops.update_commit(*self._args(self.dev), *[b.to(t) for t in prepared], *cargs)
+        assert_same(got, want, f"{when}: update_commit statistics")
+        self.totals += want
+        self.compare_state(when)
+
+    def flush(self, when):
+        c = self.cfg
+        args = (c.bits, c.qparams_fp16, c.rounding == "stochastic", c.seed, self.step_count,
+                c.table_id)
+        want = CPU.cache_flush(self.cpu["weights"], self.cpu["cache_tags"],
+                               self.cpu["cache_rows"], self.cpu["cache_timestamps"], *args)
+        got = self.b.ops.cache_flush(self.dev["weights"], self.dev["cache_tags"],
+                                     self.dev["cache_rows"], self.dev["cache_timestamps"], *args)
+        assert got == want, f"{when}: flushed {got} rows, CPU {want}"
+        self.compare_state(when)
+
+
+def make_batch(gen, rows, perm, bags, max_len, psw):
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
+    lengths[torch.randint(0, bags, (2,), generator=gen)] = 0  # empty bags for sure
+    n = int(lengths.sum())
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    indices = perm[(u**3 * rows).long().clamp(max=rows - 1)]  # skewed: duplicates, hot sets
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    w = (torch.randn(n, generator=gen) * 0.75 + 0.5) if psw else None
+    return indices, offsets, w
+
+
+def run_training(backend, *, rows, dim, sets, ways, steps, seed, psw=False, mean=False,
+                 bags=24, max_len=6, **options):
+    cache_ratio = (sets * ways + 0.5) / rows
+    twin = Twin(backend, rows, dim, seed, mean=mean, associativity=ways,
+                cache_ratio=cache_ratio, **options)
+    twin.compare_state("initial")
+    gen = torch.Generator().manual_seed(seed + 1)
+    perm = torch.randperm(rows, generator=gen)
+    for s in range(steps):
+        indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, psw)
+        grad_out = torch.randn(bags, dim, generator=gen) * 0.35
+        twin.train_step(indices, offsets, w, grad_out, f"step {s + 1}")
+        if s % 3 == 2:  # an evaluation forward
+            indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, psw)
+            twin.forward(indices, offsets, w, f"step {s + 1}: evaluation forward")
+            twin.compare_state(f"step {s + 1}: after an evaluation forward")
+    twin.flush("flush")
+    indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, psw)
+    twin.train_step(indices, offsets, w, torch.randn(bags, dim, generator=gen) * 0.35,
+                    "step after flush")
+    return twin
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_emulator_schemas_match_cpu_ops():
+    """torch.ops.embcache_emu has the schemas of torch.ops.embcache (so the kernels stay in
+    step with the CPU ops: the CUDA binding shares the emulator's glue), every op but
+    NOT_ON_CUDA."""
+    if not _emulator_available():
+        pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
+    names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith("embcache::")}
+    assert "update_commit" in names
+    for name in sorted(names - NOT_ON_CUDA):
+        assert hasattr(torch.ops.embcache_emu, name), f"{name} has no kernel implementation"
+        cpu = str(getattr(torch.ops.embcache, name).default._schema)
+        emu = str(getattr(torch.ops.embcache_emu, name).default._schema)
+        assert emu.replace("embcache_emu::", "embcache::") == cpu, name
+
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
+MATRIX = [(p, r, pol, w) for p in PRECISIONS for r in ("nearest", "stochastic")
+          for pol in ("lru", "lfu") for w in (1, 2, 4, 8, 16, 32)]
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+
+
+@pytest.mark.parametrize("precision,rounding,policy,ways", MATRIX)
+def test_training_matches_cpu(backend, precision, rounding, policy, ways):
+    i = MATRIX.index((precision, rounding, policy, ways))
+    dims = (3, 5, 8, 7, 4, 6, 33)  # 33: more elements than lanes
+    twin = run_training(
+        backend, rows=120 + 37 * (i % 5), dim=dims[i % len(dims)], sets=max(2, 12 // ways),
+        ways=ways, steps=4, seed=1000 + i, psw=(i % 3 == 0), mean=(i % 3 == 1),
+        precision=precision, rounding=rounding, policy=policy,
+        optimizer=OPTIMIZERS[i % 3], lr=0.05,
+        qparams=("fp16" if (i % 4 == 1 and precision in ("int8", "int4", "int2")) else "fp32"),
+    )
+    hits, misses, ins, evict, bypass = twin.totals.tolist()
+    assert hits > 0 and ins > 0 and evict + bypass > 0, twin.totals  # every path taken
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("ways", [1, 4, 32])
+def test_more_candidates_than_ways_and_lanes(backend, policy, ways):
+    """One or two sets and ~100 distinct rows a step: far more candidates than ways and than
+    the 32 lanes of the warp handling the set (several rounds of ballots)."""
+    twin = run_training(backend, rows=400, dim=6, sets=1 if ways == 32 else 2, ways=ways,
+                        steps=3, seed=7 + ways, bags=40, max_len=8, precision="int4",
+                        rounding="stochastic", policy=policy, optimizer="rowwise_adagrad",
+                        lr=0.1)
+    hits, misses, ins, evict, bypass = twin.totals.tolist()
+    assert hits > 0 and ins > 0 and bypass > 0 and twin.lookup_hits > 0
+    assert evict > 0 or policy == "lfu"  # LFU residents rarely lose to a newcomer here
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_all_duplicate_batches_and_empty_bags(backend, policy):
+    twin = Twin(backend, 300, 5, 3, associativity=4, cache_ratio=0.1, policy=policy,
+                precision="int8", rounding="stochastic", optimizer="adagrad", lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for s in range(3):  # every lookup the same row
+        indices = torch.full((30,), 17 + s, dtype=torch.int64)
+        offsets = torch.tensor([0, 0, 10, 10, 30, 30])
+        twin.train_step(indices, offsets, None, torch.randn(5, 5, generator=gen),
+                        f"all-duplicate step {s + 1}")
+    # only empty bags, and no bags at all
+    twin.train_step(torch.empty(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), None,
+                    torch.randn(3, 5, generator=gen), "empty bags")
+    twin.train_step(torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None,
+                    torch.randn(0, 5, generator=gen), "no bags")
+    twin.flush("flush")
+
+
+def test_no_cache_and_saturated_counts(backend):
+    twin = Twin(backend, 100, 4, 11, cache_ratio=0.0, precision="fp16", rounding="stochastic")
+    gen = torch.Generator().manual_seed(11)
+    indices, offsets, _ = make_batch(gen, 100, torch.arange(100), 10, 5, False)
+    twin.train_step(indices, offsets, None, torch.randn(10, 4, generator=gen), "no cache")
+    twin = Twin(backend, 200, 4, 12, cache_ratio=0.05, associativity=2, policy="lfu")
+    for state in (twin.cpu, twin.dev):
+        state["counts"].fill_(2**31 - 3)
+    indices, offsets, _ = make_batch(gen, 200, torch.arange(200), 20, 6, False)
+    twin.train_step(indices, offsets, None, torch.randn(20, 4, generator=gen), "saturating")
+
+
+def test_refused_inputs_change_nothing(backend):
+    """Out-of-range indices, bad offsets and unstorable values are refused, as on the CPU."""
+    twin = Twin(backend, 50, 4, 5, associativity=2, cache_ratio=0.2, precision="fp16")
+    b, c = backend, twin.cfg
+    fmt = (c.bits, c.embedding_dim, c.qparams_fp16, c.num_sets, c.ways, False)
+    bad_batches = [
+        (torch.tensor([1, 50]), torch.tensor([0, 1, 2])),    # index out of range
+        (torch.tensor([1, -1]), torch.tensor([0, 1, 2])),    # negative index
+        (torch.tensor([1, 2]), torch.tensor([0, 2, 1])),     # decreasing offsets
+        (torch.tensor([1, 2]), torch.tensor([0, 1, 3])),     # beyond len(indices)
+    ]
+    for idx, off in bad_batches:
+        with pytest.raises(RuntimeError):
+            CPU.lookup_forward(twin.cpu["weights"], twin.cpu["cache_tags"],
+                               twin.cpu["cache_rows"], idx, off, None, *fmt)
+        with pytest.raises(RuntimeError):
+            b.ops.lookup_forward(twin.dev["weights"], twin.dev["cache_tags"],
+                                 twin.dev["cache_rows"], b.to(idx), b.to(off), None, *fmt)
+        if int(idx.min()) >= 0 and int(idx.max()) < 50:
+            with pytest.raises(RuntimeError):
+                b.ops.dedup_backward(b.to(idx), b.to(off), None, b.to(torch.zeros(2, 4)), False)
+    # a huge gradient: fp16 cannot store the new value; prepare reports the smallest such row
+    rows = torch.tensor([3, 8, 20])
+    grads = torch.tensor([[0.0] * 4, [-1e9] * 4, [1e9] * 4])
+    args = (c.bits, c.qparams_fp16, False, c.optimizer_code, 1.0, c.eps, c.num_sets, c.ways)
+    want = CPU.update_prepare(twin.cpu["weights"], twin.cpu["cache_tags"], twin.cpu["cache_rows"],
+                              twin.cpu["optimizer_state"], rows, grads, *args)
+    got = b.ops.update_prepare(twin.dev["weights"], twin.dev["cache_tags"], twin.dev["cache_rows"],
+                               twin.dev["optimizer_state"], b.to(rows), b.to(grads), *args)
+    assert want[3] == 8
+    assert_same(got, want, "update_prepare with unstorable rows")
+    with pytest.raises(RuntimeError):  # unique rows not ascending
+        b.ops.update_prepare(twin.dev["weights"], twin.dev["cache_tags"], twin.dev["cache_rows"],
+                             twin.dev["optimizer_state"], b.to(torch.tensor([8, 3])),
+                             b.to(grads[:2]), *args)
+    twin.compare_state("after refused calls")
+
+
+@pytest.mark.parametrize("qparams", ["fp32", "fp16"])
+def test_quantize_dequantize_rows(backend, qparams):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 37, generator=gen) * 3
+    x[5] = 1.25  # a constant row
+    ids = torch.randperm(1000, generator=gen)[:70]
+    for bits in (32, 16, 8, 4, 2):
+        for stochastic in (False, True):
+            args = (bits, qparams == "fp16", stochastic, 99, 4, 3)
+            want = CPU.quantize_rows(x, ids, *args)
+            got = backend.ops.quantize_rows(backend.to(x), backend.to(ids), *args)
+            assert_same(got, want, f"quantize_rows {bits} bits stochastic={stochastic}")
+            dargs = (bits, 37, qparams == "fp16")
+            assert_same(backend.ops.dequantize_rows(got, *dargs),
+                        CPU.dequantize_rows(want, *dargs), f"dequantize_rows {bits} bits")
+    with pytest.raises(RuntimeError):
+        backend.ops.quantize_rows(backend.to(torch.full((2, 3), float("nan"))),
+                                  backend.to(torch.arange(2)), 8, False, False, 0, 0, 0)
+
+
+def test_table_batched_ops(backend):
+    """multi_* ops (the collection's path) give the CPU's results."""
+    b = backend
+    twins = [Twin(b, 90, 4, 20, associativity=4, cache_ratio=0.2, precision="int8"),
+             Twin(b, 60, 6, 21, associativity=1, cache_ratio=0.1, precision="fp16", policy="lfu")]
+    gen = torch.Generator().manual_seed(20)
+    batch, feature_table = 5, [0, 1, 0]
+    lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    indices = torch.cat([torch.randint(0, (90, 60, 90)[i // batch], (int(lengths[i]),),
+                                       generator=gen) for i in range(3 * batch)])
+    cfgs = [t.cfg for t in twins]
+    per_table = ([c.bits for c in cfgs], [c.embedding_dim for c in cfgs],
+                 [int(c.qparams_fp16) for c in cfgs], [c.num_sets for c in cfgs],
+                 [c.ways for c in cfgs], [0, 0])
+
+    def lookup(ops, states, dev):
+        return ops.multi_lookup_forward(
+            [s["weights"] for s in states], [s["cache_tags"] for s in states],
+            [s["cache_rows"] for s in states], dev(indices), dev(offsets), None, feature_table,
+            *per_table, batch)
+
+    want = lookup(CPU, [t.cpu for t in twins], lambda t: t)
+    got = lookup(b.ops, [t.dev for t in twins], b.to)
+    assert_same(got, want, "multi_lookup_forward")
+    dims = [cfgs[t].embedding_dim for t in feature_table]
+    grad = torch.randn(batch, sum(dims), generator=gen)
+    want = CPU.multi_dedup_backward(indices, offsets, None, grad, dims, [0, 1, 0], batch)
+    got = b.ops.multi_dedup_backward(b.to(indices), b.to(offsets), None, b.to(grad), dims,
+                                     [0, 1, 0], batch)
+    assert_same(got, want, "multi_dedup_backward")

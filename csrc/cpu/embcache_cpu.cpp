@@ -161,8 +161,8 @@ at::Tensor dequantize_rows(const at::Tensor& weights, int64_t bits, int64_t dim,
 /// Sorts keys (a value below 2^bits in the high 32 bits, a position in the low 32) by
 /// value, stably: an LSD radix sort over the value's bits only, 8 bits a pass (positions are
 /// already ascending, so they stay ascending among equal values).
-void radix_sort_high(std::vector<uint64_t>& keys, int bits) {
-  std::vector<uint64_t> tmp(keys.size());
+void radix_sort_high(std::vector<uint64_t>& keys, int bits, std::vector<uint64_t>& tmp) {
+  tmp.resize(keys.size());
   for (int shift = 32; shift < 32 + bits; shift += 8) {
     size_t count[257] = {0};
     for (uint64_t k : keys) ++count[((k >> shift) & 0xff) + 1];
@@ -287,7 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, cons
     keys[l - base] = ((uint64_t)idx[l] << 32) | (uint64_t)l;
     max_row = std::max(max_row, idx[l]);
   }
-  radix_sort_high(keys, bits_for(max_row + 1));
+  std::vector<uint64_t> scratch;
+  radix_sort_high(keys, bits_for(max_row + 1), scratch);
   std::vector<int64_t> order(n), starts;
   for (int64_t k = 0; k < n; ++k) {
     order[k] = (int64_t)(keys[k] & 0xffffffffu);
@@ -381,20 +382,23 @@ struct SetGroups {
   std::vector<int64_t> set_of, by_set, starts;
 };
 
-SetGroups group_by_set(const int64_t* rows, int64_t nu, int64_t num_sets) {
-  SetGroups g{std::vector<int64_t>(nu), std::vector<int64_t>(nu), {}};
-  std::vector<uint64_t> keys(nu);  // (set, u) packed: one sort, u ascending within a set
+/// Fills g (reusing its buffers and those of `keys` and `tmp`) for rows[0..nu).
+void group_by_set(const int64_t* rows, int64_t nu, int64_t num_sets, SetGroups& g,
+                  std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp) {
+  g.set_of.resize(nu);
+  g.by_set.resize(nu);
+  g.starts.clear();
+  keys.resize(nu);  // (set, u) packed: one sort, u ascending within a set
   for (int64_t u = 0; u < nu; ++u) {
     g.set_of[u] = set_of_row(rows[u], num_sets);
     keys[u] = ((uint64_t)g.set_of[u] << 32) | (uint64_t)u;
   }
-  radix_sort_high(keys, bits_for(num_sets));
+  radix_sort_high(keys, bits_for(num_sets), tmp);
   for (int64_t k = 0; k < nu; ++k) {
     g.by_set[k] = (int64_t)(keys[k] & 0xffffffffu);
     if (k == 0 || g.set_of[g.by_set[k]] != g.set_of[g.by_set[k - 1]]) g.starts.push_back(k);
   }
   g.starts.push_back(nu);
-  return g;
 }
 
 /// The insert/evict/bypass rule of SPEC §4 for one set, given its non-resident updated rows
@@ -551,7 +555,9 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   // The table rows that bypass are written at random places: bring them in first.
   for (int64_t u = 0; u < nu; ++u)
     if (slot_of[u] < 0) __builtin_prefetch(w + rows[u] * f.row_bytes(), 1);
-  const SetGroups groups = group_by_set(rows, nu, num_sets);
+  SetGroups groups;
+  std::vector<uint64_t> keys, tmp;
+  group_by_set(rows, nu, num_sets, groups, keys, tmp);
   const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
                             &starts = groups.starts;
   const int64_t ngroups = (int64_t)starts.size() - 1;
@@ -670,21 +676,23 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at
   int32_t* cnt = counts.data_ptr<int32_t>();
   Cache cache{tags, nullptr, num_sets, ways};
   int64_t hits = 0, unique = 0, unique_hits = 0, ins = 0, evict = 0, bypass = 0;
-  std::vector<uint64_t> keys;
+  int64_t max_index = 0;
+  for (int64_t l = 0; l < indices.numel(); ++l) max_index = std::max(max_index, idx[l]);
+  const int index_bits = bits_for(max_index + 1);
+  // Buffers reused across steps.
+  std::vector<uint64_t> keys, set_keys, tmp;
   std::vector<int64_t> rows, occ, cand, slot_prio(ways);
+  SetGroups groups;
   for (int64_t s = 0; s < nsteps; ++s) {
     const int64_t step = first_step + s;
     keys.clear();
-    for (int64_t l = so[s]; l < so[s + 1]; ++l) {
-      hits += cache.find(idx[l]) >= 0;
-      keys.push_back((uint64_t)idx[l]);
-    }
-    std::sort(keys.begin(), keys.end());
+    for (int64_t l = so[s]; l < so[s + 1]; ++l) keys.push_back((uint64_t)idx[l] << 32);
+    radix_sort_high(keys, index_bits, tmp);
     rows.clear();
     occ.clear();
     for (size_t k = 0; k < keys.size(); ++k) {
       if (k == 0 || keys[k] != keys[k - 1]) {
-        rows.push_back((int64_t)keys[k]);
+        rows.push_back((int64_t)(keys[k] >> 32));
         occ.push_back(0);
       }
       ++occ.back();
@@ -695,16 +703,17 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at
       for (int64_t u = 0; u < nu; ++u)
         cnt[rows[u]] = (int32_t)std::min<int64_t>((int64_t)cnt[rows[u]] + occ[u],
                                                   std::numeric_limits<int32_t>::max());
-    const SetGroups groups = group_by_set(rows.data(), nu, num_sets);
+    group_by_set(rows.data(), nu, num_sets, groups, set_keys, tmp);
     for (size_t gi = 0; gi + 1 < groups.starts.size(); ++gi) {
       const int64_t base = groups.set_of[groups.by_set[groups.starts[gi]]] * ways;
       cand.clear();
       for (int64_t k = groups.starts[gi]; k < groups.starts[gi + 1]; ++k) {
         const int64_t u = groups.by_set[k];
         const int64_t slot = cache.find_in_set(base / ways, rows[u]);
-        if (slot >= 0) {
+        if (slot >= 0) {  // resident before the update: all its lookups of the step hit
           if (!lfu) ts[slot] = (int32_t)step;
           ++unique_hits;
+          hits += occ[u];
         } else {
           cand.push_back(u);
         }

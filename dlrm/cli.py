@@ -96,7 +96,7 @@ def _summary(report: dict) -> str:
     emb = report["embeddings"]
     if "hit_rate" in emb:
         lines.append(f"embeddings: {emb['memory_bytes'] / 2**20:.1f} MiB, compression factor "
-                     f"{emb['compression_factor']:.3f}, cache hit rate {emb['hit_rate']:.3f}")
+                     f"{emb['compression_factor']:.3f}, cache hit rate {emb['hit_rate']:.3f} (tables with a cache)")
     if report["data"].get("bayes_auc"):
         lines.append(f"data: Bayes-optimal AUC {json.dumps(report['data']['bayes_auc'])}")
     return "\n".join(lines)

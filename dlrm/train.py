@@ -190,9 +190,11 @@ def _embedding_report(model: DLRM) -> dict:
         fp32 = sum(p.nbytes for p in collection.parameters())
         return {"memory_bytes": fp32, "compression_factor": 1.0}
     stats, memory = collection.stats(), collection.memory_bytes()
-    lookups = sum(s["lookups"] for s in stats.values())
+    cached = [name for name, t in collection.embedding_bags.items() if t.config.num_slots > 0]
+    lookups = sum(stats[n]["lookups"] for n in cached)
     return {
-        "hit_rate": sum(s["hits"] for s in stats.values()) / lookups if lookups else 0.0,
+        # over the tables that have a cache (small tables stay FP32 without one)
+        "hit_rate": sum(stats[n]["hits"] for n in cached) / lookups if lookups else 0.0,
         "memory_bytes": sum(m["total"] for m in memory.values()),
         "compression_factor": collection.compression_factor(),
         "tables": {

@@ -89,8 +89,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         values = features.values()
         if values.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {values.dtype}")
-        per_key = torch.tensor(features.length_per_key())
-        limits = torch.tensor([self._configs[t].num_embeddings for t in table_of])
+        per_key = torch.tensor(features.length_per_key(), device=values.device)
+        limits = torch.tensor([self._configs[t].num_embeddings for t in table_of], device=values.device)
         limit = torch.repeat_interleave(limits, per_key)
         bad = (values < 0) | (values >= limit)
         if bool(bad.any()):

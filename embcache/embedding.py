@@ -141,7 +141,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             if offsets is not None:
                 raise bad("offsets must be None when input is 2-D (fixed-length bags)")
             b, l = input.shape
-            offsets = torch.arange(0, b * l + 1, max(l, 1), dtype=torch.int64)[: b + 1]
+            offsets = torch.arange(0, b * l + 1, max(l, 1), dtype=torch.int64, device=input.device)[: b + 1]
             input = input.reshape(-1)
         elif input.dim() == 1:
             if offsets is None:
@@ -150,7 +150,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 raise bad("offsets must be a 1-D int64 or int32 tensor")
             offsets = offsets.long()
             if not self.include_last_offset:
-                offsets = torch.cat([offsets, torch.tensor([input.numel()])])
+                offsets = torch.cat([offsets, offsets.new_tensor([input.numel()])])
             elif offsets.numel() == 0 or int(offsets[-1]) != input.numel():
                 raise bad(
                     f"with include_last_offset the last offset must be len(input)="
@@ -232,9 +232,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
             return self._pending[0]
         rows = torch.cat([p[0] for p in self._pending])
         unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-        grads = torch.zeros(unique.numel(), self.config.embedding_dim)
+        grads = rows.new_zeros(unique.numel(), self.config.embedding_dim, dtype=torch.float32)
         grads.index_add_(0, inverse, torch.cat([p[1] for p in self._pending]))
-        occ = torch.zeros(unique.numel(), dtype=torch.int64)
+        occ = rows.new_zeros(unique.numel())
         occ.index_add_(0, inverse, torch.cat([p[2] for p in self._pending]))
         self._pending = [(unique, grads, occ)]
         return self._pending[0]
@@ -436,10 +436,10 @@ class _PooledLookup(torch.autograd.Function):
         grad_psw = None
         if ctx.has_psw and ctx.needs_input_grad[5]:
             # d out[b] / d w_l = value of lookup l: fetch each lookup as its own bag.
-            single = torch.arange(indices.numel() + 1, dtype=torch.int64)
+            single = torch.arange(indices.numel() + 1, dtype=torch.int64, device=indices.device)
             values, _ = module._lookup(indices, single, None)
             bag = torch.repeat_interleave(
-                torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1]
+                torch.arange(offsets.numel() - 1, device=offsets.device), offsets[1:] - offsets[:-1]
             )
             grad_psw = (grad_output[bag] * values).sum(dim=1).to(ctx.psw_dtype)
         return None, None, None, None, None, grad_psw

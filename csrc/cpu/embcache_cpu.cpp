@@ -20,6 +20,7 @@
 #include <numeric>
 #include <vector>
 
+#include "../op_schemas.h"
 #include "embcache/rowquant.h"
 
 namespace embcache {
@@ -865,46 +866,10 @@ at::Tensor multi_update_commit(at::TensorList weights, at::TensorList cache_tags
 }  // namespace
 
 TORCH_LIBRARY(embcache, m) {
-  m.def("quantize_rows(Tensor values, Tensor row_ids, int bits, bool qparams_fp16, "
-        "bool stochastic, int seed, int step, int table) -> Tensor");
-  m.def("dequantize_rows(Tensor weights, int bits, int dim, bool qparams_fp16) -> Tensor");
-  m.def("lookup_forward(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
-        "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int bits, int dim, "
-        "bool qparams_fp16, int num_sets, int ways, bool mean) -> (Tensor, Tensor)");
-  m.def("dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
-        "Tensor grad_output, bool mean) -> (Tensor, Tensor, Tensor)");
-  m.def("update_prepare(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
-        "Tensor optimizer_state, Tensor unique_rows, Tensor grads, int bits, "
-        "bool qparams_fp16, bool stochastic, int optimizer, float lr, float eps, "
-        "int num_sets, int ways) "
-        "-> (Tensor, Tensor, Tensor, int)");
-  m.def("update_commit(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
-        "Tensor(d!) cache_timestamps, Tensor(e!) counts, Tensor(f!) optimizer_state, "
-        "Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
-        "Tensor occurrences, int bits, bool qparams_fp16, bool stochastic, bool lfu, "
-        "int seed, int step, int table, int num_sets, int ways) -> Tensor");
-  m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
-        "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
-        "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
-        "int batch) -> (Tensor, Tensor)");
-  m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
-        "Tensor grad_output, int[] dims, int[] mean, int batch) -> Tensor[]");
-  m.def("multi_update_prepare(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
-        "Tensor[] optimizer_state, Tensor[] unique_rows, Tensor[] grads, int[] bits, "
-        "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
-        "int[] num_sets, int[] ways) -> (Tensor[], Tensor[], Tensor[], int[])");
-  m.def("multi_update_commit(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, "
-        "Tensor(c!)[] cache_rows, Tensor(d!)[] cache_timestamps, Tensor(e!)[] counts, "
-        "Tensor(f!)[] optimizer_state, Tensor[] unique_rows, Tensor[] fresh, "
-        "Tensor[] fresh_state, Tensor[] slots, Tensor[] occurrences, int[] bits, "
-        "int[] qparams_fp16, int[] stochastic, int[] lfu, int[] seed, int[] steps, "
-        "int[] table, int[] num_sets, int[] ways) -> Tensor");
+  define_cache_ops(m);
   m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_timestamps, Tensor(c!) counts, "
         "Tensor indices, Tensor step_offsets, bool lfu, int num_sets, int ways, "
         "int first_step) -> Tensor");
-  m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
-        "Tensor(c!) cache_timestamps, int bits, bool qparams_fp16, bool stochastic, "
-        "int seed, int step, int table) -> int");
 }
 
 TORCH_LIBRARY_IMPL(embcache, CPU, m) {

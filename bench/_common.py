@@ -102,3 +102,18 @@ def markdown_table(df: pd.DataFrame) -> str:
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose help is the script's docstring (first paragraph, then the rest)."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def save_figure(fig, path) -> None:
+    """Lay out, write (PNG, 120 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

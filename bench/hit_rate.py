@@ -23,7 +23,6 @@ Writes --out/hit_rate.md (also printed), hit_rate.json (every count) and hit_rat
 """
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import tempfile
@@ -35,7 +34,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from _common import add_source_args, cached_tables, load_source, markdown_table, small_tables_note
+from _common import add_source_args, cached_tables, load_source, markdown_table, parser, save_figure, small_tables_note
 from embcache import TableConfig  # also registers torch.ops.embcache
 
 COUNTERS = ("lookups", "hits", "unique_rows", "unique_hits", "insertions", "evictions", "bypasses")
@@ -171,14 +170,11 @@ def plot(df: pd.DataFrame, path: Path) -> None:
         ax.set(title=policy.upper(), xlabel="cache size (% of each table's rows)", ylabel="hit rate (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     add_source_args(p)
     p.add_argument("--order", choices=["shuffled", "file"],
                    help="step order: dlrm train's shuffled first epoch (default for a data directory) "

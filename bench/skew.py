@@ -17,7 +17,6 @@ skew.json and skew.png (cumulative share against fraction of rows, log x, one cu
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from _common import add_source_args, cached_tables, load_source, markdown_table, small_tables_note
+from _common import add_source_args, cached_tables, load_source, markdown_table, parser, save_figure, small_tables_note
 
 CURVE_POINTS = 400  # log-spaced points per curve in skew.json / skew.png
 
@@ -65,14 +64,11 @@ def plot(curves: dict, path: Path) -> None:
            ylabel="share of accesses (%)", title="Cumulative share of accesses by the hottest rows")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2 if len(curves) > 8 else 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     add_source_args(p)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.001, 0.01, 0.05, 0.1, 0.5],
                    help="hottest fractions of rows to report (default: %(default)s)")

@@ -32,7 +32,6 @@ cache size), runs.jsonl, runs.csv.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import multiprocessing
@@ -47,7 +46,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from _common import markdown_table
+from _common import markdown_table, parser, save_figure
 from dlrm.train import RunConfig, resolve_data, train
 from embcache import TableConfig, compression_factor
 
@@ -266,9 +265,7 @@ def plot_figure7(rows: pd.DataFrame, path: Path) -> None:
                ylabel="relative accuracy drop (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_figure2(rows: pd.DataFrame, path: Path) -> None:
@@ -292,9 +289,7 @@ def plot_figure2(rows: pd.DataFrame, path: Path) -> None:
                ylabel="relative accuracy drop (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_outputs(out: Path, base: dict) -> pd.DataFrame:
@@ -308,8 +303,7 @@ def write_outputs(out: Path, base: dict) -> pd.DataFrame:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     g = p.add_argument_group("grid (fp32 = the reference, always run once per seed)")
     g.add_argument("--precision", nargs="+", choices=PRECISIONS, default=PRECISIONS[1:])
     g.add_argument("--rounding", nargs="+", choices=ROUNDINGS, default=ROUNDINGS)

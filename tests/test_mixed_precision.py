@@ -26,13 +26,7 @@ ROWS = (7, 5, 9)
 KEYS = SPARSE_KEYS[: len(ROWS)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to contention on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _grid(shape, gen):

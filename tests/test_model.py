@@ -13,13 +13,7 @@ from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, DotInteraction, kjt_from_ids,
 ROWS = [3 + k for k in range(26)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread is faster, and immune to contention on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(n, seed):

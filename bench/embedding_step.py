@@ -8,7 +8,12 @@ table per sample, ids drawn from a per-table power law. In one run it times:
 * FBGEMM CPU TBE, FP32, EXACT_SGD (all tables in one fused op)
 * nn.EmbeddingBag(sparse=True) + torch.optim.SGD
 
-and prints ms/step, lookups/s, embedding memory and the ratios against FBGEMM. Example:
+and prints ms/step, lookups/s, embedding memory and the ratios against FBGEMM.
+
+Every engine first trains --warmup steps, so that the cache is in its steady state (a 5% cache
+of a 10M-row table takes a few hundred steps to fill). Then --rounds rounds each time every
+engine over --steps fresh steps, the engines in turn, so that a slow spell of a shared machine
+falls on all of them; an engine's figure is the median of its per-round means. Example:
 
     python bench/embedding_step.py                      # dim 16, full Kaggle cardinalities
     python bench/embedding_step.py --dim 128 --max-rows 2000000
@@ -17,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 import embcache
 
@@ -67,9 +74,9 @@ class Ours:
     def memory(self):
         return sum(m["total"] for m in self.ebc.memory_bytes().values())
 
-    def hit_rate(self):
+    def lookups_and_hits(self):
         s = self.ebc.stats().values()
-        return sum(x["hits"] for x in s) / max(1, sum(x["lookups"] for x in s))
+        return sum(x["lookups"] for x in s), sum(x["hits"] for x in s)
 
 
 class EmbeddingBagSGD:
@@ -116,14 +123,13 @@ class FbgemmTBE:
         return sum(w.nbytes for w in self.tbe.split_embedding_weights())
 
 
-def time_steps(engine, batches, grad, warmup):
+def run_steps(engine, batches, grad):
+    """Seconds per step over batches (inputs prepared beforehand, outside the clock)."""
     inputs = [engine.prepare(ids) for ids in batches]
-    for x in inputs[:warmup]:
-        engine.step(x, grad)
     start = time.perf_counter()
-    for x in inputs[warmup:]:
+    for x in inputs:
         engine.step(x, grad)
-    return (time.perf_counter() - start) / (len(inputs) - warmup)
+    return (time.perf_counter() - start) / len(inputs)
 
 
 def main():
@@ -131,35 +137,50 @@ def main():
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--max-rows", type=int, default=None, help="cap each table's rows")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=300, help="untimed steps first (cache fill)")
     p.add_argument("--alpha", type=float, default=4.0, help="power-law exponent of the trace")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     cards = [min(n, args.max_rows) if args.max_rows else n for n in KAGGLE]
-    batches = trace(cards, args.batch, args.steps + args.warmup, args.alpha, seed=0)
+    total_steps = args.warmup + args.rounds * args.steps
+    batches = trace(cards, args.batch, total_steps, args.alpha, seed=0)
     grad = torch.randn(args.batch, len(cards) * args.dim) * 1e-2
     engines = {
-        "ours int8 + 5% 32-way LFU": lambda: Ours(cards, args.dim, precision="int8", cache_ratio=0.05,
-                                                   associativity=32, policy="lfu"),
-        "ours fp32, no cache": lambda: Ours(cards, args.dim, precision="fp32", cache_ratio=0),
-        "FBGEMM TBE fp32 EXACT_SGD": lambda: FbgemmTBE(cards, args.dim),
-        "nn.EmbeddingBag + SGD": lambda: EmbeddingBagSGD(cards, args.dim),
+        "ours int8 + 5% 32-way LFU": Ours(cards, args.dim, precision="int8", cache_ratio=0.05,
+                                          associativity=32, policy="lfu"),
+        "ours fp32, no cache": Ours(cards, args.dim, precision="fp32", cache_ratio=0),
+        "FBGEMM TBE fp32 EXACT_SGD": FbgemmTBE(cards, args.dim),
+        "nn.EmbeddingBag + SGD": EmbeddingBagSGD(cards, args.dim),
     }
+    for engine in tqdm(engines.values(), desc="warm-up", unit="engine"):
+        for k in range(0, args.warmup, args.steps):
+            run_steps(engine, batches[k : min(k + args.steps, args.warmup)], grad)
+    counted = {name: e.lookups_and_hits() for name, e in engines.items() if isinstance(e, Ours)}
+    per_round = {name: [] for name in engines}
+    for r in tqdm(range(args.rounds), desc="timed rounds"):
+        timed = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
+        for name, engine in engines.items():
+            per_round[name].append(run_steps(engine, timed, grad))
     rows = {}
-    for name, make in engines.items():
-        engine = make()
-        sec = time_steps(engine, batches, grad, args.warmup)
+    for name, engine in engines.items():
+        sec = statistics.median(per_round[name])
+        hit_rate = None
+        if name in counted:
+            lookups, hits = (a - b for a, b in zip(engine.lookups_and_hits(), counted[name]))
+            hit_rate = hits / max(1, lookups)
         rows[name] = {
             "ms_per_step": sec * 1e3,
+            "ms_per_step_rounds": [x * 1e3 for x in per_round[name]],
             "lookups_per_s": len(cards) * args.batch / sec,
             "memory_bytes": engine.memory(),
-            "hit_rate": engine.hit_rate() if isinstance(engine, Ours) else None,
+            "hit_rate": hit_rate,
         }
-        del engine
     ref = rows["FBGEMM TBE fp32 EXACT_SGD"]
     print(f"\n{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
-          f"{torch.get_num_threads()} threads, {args.steps} timed steps")
+          f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
+          f"median of {args.rounds} rounds of {args.steps} steps")
     print(f"| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | memory vs FBGEMM | hit rate |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():

@@ -13,7 +13,12 @@ and prints ms/step, lookups/s, embedding memory and the ratios against FBGEMM.
 Every engine first trains --warmup steps, so that the cache is in its steady state (a 5% cache
 of a 10M-row table takes a few hundred steps to fill). Then --rounds rounds each time every
 engine over --steps fresh steps, the engines in turn, so that a slow spell of a shared machine
-falls on all of them; an engine's figure is the median of its per-round means. Example:
+falls on all of them; an engine's figure is the median of its per-round means.
+
+Our tables sit on transparent huge pages (see embcache.embedding._state_tensor), which halves
+the cost of a random row on this kind of machine. So that the peers are timed on the same
+footing, this script turns on torch's own huge-page allocation (THP_MEM_ALLOC_ENABLE=1) for
+every engine; EMBCACHE_HUGE_PAGES=0 turns huge pages off for all of them. Example:
 
     python bench/embedding_step.py                      # dim 16, full Kaggle cardinalities
     python bench/embedding_step.py --dim 128 --max-rows 2000000
@@ -22,14 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
-import torch
-from torch import nn
-from tqdm import tqdm
+# Before torch is imported: torch reads this when it first allocates.
+HUGE_PAGES = os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0"
+if HUGE_PAGES:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import embcache
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import embcache  # noqa: E402
 
 KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
           27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
@@ -180,7 +191,8 @@ def main():
     ref = rows["FBGEMM TBE fp32 EXACT_SGD"]
     print(f"\n{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
           f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
-          f"median of {args.rounds} rounds of {args.steps} steps")
+          f"median of {args.rounds} rounds of {args.steps} steps, "
+          f"huge pages {'on' if HUGE_PAGES else 'off'} for every engine")
     print(f"| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | memory vs FBGEMM | hit rate |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
@@ -194,7 +206,7 @@ def main():
     print(f"ours fp32 vs nn.EmbeddingBag: {ebag / rows['ours fp32, no cache']['ms_per_step']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+            json.dump({"args": vars(args), "huge_pages": HUGE_PAGES, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

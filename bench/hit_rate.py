@@ -50,12 +50,12 @@ def replay(ids: torch.Tensor, num_rows: int, batch_size: int, cache_ratio: float
                       min_rows_for_low_precision=0)
     lfu = policy == "lfu"
     tags = torch.full((cfg.num_slots,), -1, dtype=torch.int32)
-    timestamps = torch.zeros(0 if lfu else cfg.num_slots, dtype=torch.int32)
+    priority = torch.zeros(cfg.num_slots, dtype=torch.int32)
     counts = torch.zeros(num_rows if lfu else 0, dtype=torch.int32)
     offsets = torch.arange(0, len(ids) + 1, batch_size)
     start = time.perf_counter()
     if cfg.num_sets:
-        out = torch.ops.embcache.cache_replay(tags, timestamps, counts, ids, offsets, lfu,
+        out = torch.ops.embcache.cache_replay(tags, priority, counts, ids, offsets, lfu,
                                               cfg.num_sets, ways, 1).tolist()
     else:  # no cache: every updated row goes to the table
         per_step = np.sort(ids.numpy().reshape(-1, batch_size), axis=1)

@@ -22,7 +22,7 @@ inline void define_cache_ops(torch::Library& m) {
         "int num_sets, int ways) "
         "-> (Tensor, Tensor, Tensor, int)");
   m.def("update_commit(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
-        "Tensor(d!) cache_timestamps, Tensor(e!) counts, Tensor(f!) optimizer_state, "
+        "Tensor(d!) cache_priority, Tensor(e!) counts, Tensor(f!) optimizer_state, "
         "Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
         "Tensor occurrences, int bits, bool qparams_fp16, bool stochastic, bool lfu, "
         "int seed, int step, int table, int num_sets, int ways) -> Tensor");
@@ -37,13 +37,13 @@ inline void define_cache_ops(torch::Library& m) {
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
         "int[] num_sets, int[] ways) -> (Tensor[], Tensor[], Tensor[], int[])");
   m.def("multi_update_commit(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, "
-        "Tensor(c!)[] cache_rows, Tensor(d!)[] cache_timestamps, Tensor(e!)[] counts, "
+        "Tensor(c!)[] cache_rows, Tensor(d!)[] cache_priority, Tensor(e!)[] counts, "
         "Tensor(f!)[] optimizer_state, Tensor[] unique_rows, Tensor[] fresh, "
         "Tensor[] fresh_state, Tensor[] slots, Tensor[] occurrences, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] lfu, int[] seed, int[] steps, "
         "int[] table, int[] num_sets, int[] ways) -> Tensor");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
-        "Tensor(c!) cache_timestamps, int bits, bool qparams_fp16, bool stochastic, "
+        "Tensor(c!) cache_priority, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");
 }
 

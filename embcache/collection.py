@@ -63,6 +63,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 include_last_offset=True,
                 **options,
             )
+        self._layout = self._feature_layout()
+        self._static_lookup_args = self._lookup_args()
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -81,8 +83,18 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             table_of += [i] * len(config.feature_names)
         return names, table_of, [self._configs[t].embedding_dim for t in table_of]
 
+    def _lookup_args(self) -> tuple[list[int], ...]:
+        """The per-table settings of the table-batched forward (they never change)."""
+        cfgs = [t.config for t in self.tables()]
+        return (
+            [c.bits for c in cfgs], [c.embedding_dim for c in cfgs],
+            [int(c.qparams_fp16) for c in cfgs], [c.num_sets for c in cfgs],
+            [c.ways for c in cfgs], [int(c.mode == "mean") for c in cfgs],
+        )
+
     def _check(self, features: KeyedJaggedTensor, names: list[str], table_of: list[int]) -> None:
-        """Every id in range for its table, no negative length: else a ValueError naming them."""
+        """Every id in range for its table, no negative length: else a ValueError naming them.
+        (Run only when the C++ forward, which checks the same, has refused the input.)"""
         lengths = features.lengths()
         if lengths.numel() and int(lengths.min()) < 0:
             raise ValueError("KeyedJaggedTensor has a negative length")
@@ -106,7 +118,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         """Pooled embeddings of every feature, ``[batch, sum of dims]`` as a KeyedTensor.
 
         All tables run in one table-batched C++ call (tables in parallel)."""
-        names, table_of, dims = self._feature_layout()
+        names, table_of, dims = self._layout
         missing = [n for n in names if n not in features.keys()]
         if missing:
             raise ValueError(f"features {missing} are missing from the input")
@@ -114,20 +126,23 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             features = features.permute([features.keys().index(n) for n in names])
         if features.variable_stride_per_key():
             raise ValueError("variable batch size per feature is not supported")
-        self._check(features, names, table_of)
+        if features.values().dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be int64 or int32, got {features.values().dtype}")
         tables = self.tables()
         values = features.values().long().contiguous()
         offsets = features.offsets().long().contiguous()
         psw = features.weights_or_none()
         psw = None if psw is None else psw.detach().float().contiguous()
         batch = features.stride()
-        pooled, hits = _ops.multi_lookup_forward(
-            [t.weights for t in tables], [t.cache_tags for t in tables],
-            [t.cache_rows for t in tables], values, offsets, psw, table_of,
-            [t.config.bits for t in tables], [t.config.embedding_dim for t in tables],
-            [int(t.config.qparams_fp16) for t in tables], [t.config.num_sets for t in tables],
-            [t.config.ways for t in tables], [int(t.config.mode == "mean") for t in tables], batch,
-        )
+        try:
+            pooled, hits = _ops.multi_lookup_forward(
+                [t.weights for t in tables], [t.cache_tags for t in tables],
+                [t.cache_rows for t in tables], values, offsets, psw, table_of,
+                *self._static_lookup_args, batch,
+            )
+        except RuntimeError:
+            self._check(features, names, table_of)  # raises the error that names the table
+            raise
         if self.training:
             for f, (n, h) in enumerate(zip(features.length_per_key(), hits.tolist())):
                 stats = tables[table_of[f]]._stats

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -50,8 +51,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
     * ``cache_tags`` (int32 ``[sets * ways]``, -1 empty) never holds a row twice; slot
       ``s * ways + w`` is way ``w`` of set ``s`` and row ``i`` can only live in set
       ``murmur_fmix64(i) % sets``. ``cache_rows`` holds the FP32 values of the slots.
-    * LRU keeps ``cache_timestamps`` (int32 per slot: the step that last updated the row);
-      LFU keeps ``counts`` (int32 per table row, saturating: lookups during training steps).
+    * LFU keeps ``counts`` (int32 per table row, saturating: lookups during training steps).
+      ``cache_priority`` (int32 per slot, 0 when empty) holds a resident's priority: for LRU
+      the step that last updated it, for LFU a copy of its row's count.
     * ``optimizer_state`` holds FP32 accumulators for every row (0, 1 or dim per row).
     * ``step_count`` is the number of applied updates. Stochastic rounding at update ``t`` is
       keyed by ``(seed, t, table_id, row, element)``, so ``state_dict()`` (tensors, plus the
@@ -83,17 +85,13 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 f"expected {(rows, dim)}"
             )
         self.register_buffer("weights", self._quantize_initial(weight.detach().float()))
-        self.register_buffer("cache_tags", torch.full((cfg.num_slots,), -1, dtype=torch.int32))
-        self.register_buffer("cache_rows", torch.zeros(cfg.num_slots, dim))
-        lru, lfu = cfg.policy == "lru", cfg.policy == "lfu"
-        self.register_buffer(
-            "cache_timestamps", torch.zeros(cfg.num_slots if lru else 0, dtype=torch.int32)
-        )
-        counts_rows = rows if lfu and cfg.num_slots > 0 else 0
-        self.register_buffer("counts", torch.zeros(counts_rows, dtype=torch.int32))
-        self.register_buffer(
-            "optimizer_state", torch.zeros(rows * cfg.optimizer_state_width, dtype=torch.float32)
-        )
+        self.register_buffer("cache_tags", _state_tensor((cfg.num_slots,), torch.int32).fill_(-1))
+        self.register_buffer("cache_rows", _state_tensor((cfg.num_slots, dim), torch.float32).zero_())
+        self.register_buffer("cache_priority", _state_tensor((cfg.num_slots,), torch.int32).zero_())
+        counts_rows = rows if cfg.policy == "lfu" and cfg.num_slots > 0 else 0
+        self.register_buffer("counts", _state_tensor((counts_rows,), torch.int32).zero_())
+        width = cfg.optimizer_state_width
+        self.register_buffer("optimizer_state", _state_tensor((rows * width,), torch.float32).zero_())
         self.step_count = 0
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._grad_anchor = torch.empty(0, requires_grad=True)
@@ -111,15 +109,15 @@ class CachedLowPrecisionEmbedding(nn.Module):
     def _quantize_initial(self, weight: torch.Tensor) -> torch.Tensor:
         """Round the initial FP32 rows to the stored format (nearest), in bounded chunks."""
         bits, qfp16 = self._format_args()
-        chunks = []
+        out = _state_tensor((weight.shape[0], self.config.row_bytes), torch.uint8)
         for start in range(0, weight.shape[0], 1 << 16):
             block = weight[start : start + (1 << 16)].contiguous()
             ids = torch.arange(start, start + block.shape[0], dtype=torch.int64)
             try:
-                chunks.append(_ops.quantize_rows(block, ids, bits, qfp16, False, 0, 0, 0))
+                out[start : start + block.shape[0]] = _ops.quantize_rows(block, ids, bits, qfp16, False, 0, 0, 0)
             except RuntimeError as e:
                 raise ValueError(f"table '{self.config.name}': initial weight: {e}") from None
-        return torch.cat(chunks) if chunks else torch.empty(0, self.config.row_bytes, dtype=torch.uint8)
+        return out
 
     # ------------------------------------------------------------------ input checking
 
@@ -306,7 +304,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         )
 
     def _state_tensors(self) -> tuple:
-        return (self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps,
+        return (self.weights, self.cache_tags, self.cache_rows, self.cache_priority,
                 self.counts, self.optimizer_state)
 
     def _commit_step(self, prepared: tuple) -> None:
@@ -330,7 +328,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         cfg = self.config
         bits, qfp16 = self._format_args()
         n = _ops.cache_flush(
-            self.weights, self.cache_tags, self.cache_rows, self.cache_timestamps, bits, qfp16,
+            self.weights, self.cache_tags, self.cache_rows, self.cache_priority, bits, qfp16,
             cfg.rounding == "stochastic", cfg.seed, self.step_count, cfg.table_id,
         )
         self.cache_rows.zero_()
@@ -368,7 +366,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 "table_qparams": rows * cfg.qparam_bytes,
                 "cache_rows": self.cache_rows.nbytes,
                 "cache_tags": self.cache_tags.nbytes,
-                "cache_timestamps": self.cache_timestamps.nbytes,
+                "cache_priority": self.cache_priority.nbytes,
                 "lfu_counts": self.counts.nbytes,
                 "optimizer_state": self.optimizer_state.nbytes,
             }
@@ -402,6 +400,19 @@ class CachedLowPrecisionEmbedding(nn.Module):
             )
         self.step_count = int(state["step_count"])
         self._stats = dict(state["stats"])
+
+
+def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor for table or cache state, on transparent huge pages where
+    Linux allows it (random rows of a big table otherwise miss the TLB on almost every access,
+    which doubles the cost of a step). ``EMBCACHE_HUGE_PAGES=0`` turns this off."""
+    t = torch.empty(shape, dtype=dtype)
+    if t.nbytes >= _HUGE_PAGE and os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0":
+        _ops.advise_huge_pages(t)
+    return t
+
+
+_HUGE_PAGE = 2 << 20
 
 
 def _with_total(parts: dict) -> dict:

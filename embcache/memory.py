@@ -6,8 +6,8 @@ from embcache.config import TableConfig
 
 def memory_breakdown(config: TableConfig) -> dict:
     """Bytes by component that a table with this configuration allocates (SPEC §5):
-    table payload and qparams, FP32 cache rows, int32 tags, int32 LRU timestamps per slot
-    or int32 LFU counts per table row, FP32 optimizer accumulators for every row."""
+    table payload and qparams, FP32 cache rows, int32 tags and priorities per slot, int32
+    LFU counts per table row, FP32 optimizer accumulators for every row."""
     rows, dim, slots = config.num_embeddings, config.embedding_dim, config.num_slots
     lfu = config.policy == "lfu" and slots > 0
     parts = {
@@ -15,7 +15,7 @@ def memory_breakdown(config: TableConfig) -> dict:
         "table_qparams": rows * config.qparam_bytes,
         "cache_rows": slots * dim * 4,
         "cache_tags": slots * 4,
-        "cache_timestamps": 0 if config.policy == "lfu" else slots * 4,
+        "cache_priority": slots * 4,
         "lfu_counts": rows * 4 if lfu else 0,
         "optimizer_state": rows * config.optimizer_state_width * 4,
     }

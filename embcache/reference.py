@@ -36,6 +36,9 @@ Conventions the SPEC leaves open, as chosen for the project (see the module docs
   ``u = (word >> 8) * 2^-24``.
 * The update being applied is step ``t = step_count + 1``; it keys the random stream and the
   LRU timestamps. ``flush()`` uses ``t = step_count``.
+* ``cache_priority`` holds a resident's priority per slot (0 when empty): LRU its timestamp,
+  LFU a copy of its row's count. The rule here reads LFU priorities from ``counts`` itself,
+  so comparing ``cache_priority`` with the kernels checks that their copy stays true.
 """
 from __future__ import annotations
 
@@ -340,7 +343,7 @@ def dequantize_row(stored: torch.Tensor, precision: str, dim: int, qparams: str 
 class ReferenceTable:
     """One table as SPEC §4 describes it, holding the state tensors of
     :class:`embcache.CachedLowPrecisionEmbedding` under the same names: ``weights``,
-    ``cache_tags``, ``cache_rows``, ``cache_timestamps``, ``counts``, ``optimizer_state``,
+    ``cache_tags``, ``cache_rows``, ``cache_priority``, ``counts``, ``optimizer_state``,
     ``step_count`` (a Python int here).
 
     A training step is ``forward(indices, offsets, psw)``, ``backward(grad_out)``, ``step()``.
@@ -370,7 +373,7 @@ class ReferenceTable:
         self.weights = weights.clone()
         self.cache_tags = torch.full((self.num_slots,), -1, dtype=torch.int32)
         self.cache_rows = torch.zeros(self.num_slots, self.dim, dtype=F32)
-        self.cache_timestamps = torch.zeros(0 if self.lfu else self.num_slots, dtype=torch.int32)
+        self.cache_priority = torch.zeros(self.num_slots, dtype=torch.int32)
         has_counts = self.lfu and self.num_slots > 0
         self.counts = torch.zeros(self.num_rows if has_counts else 0, dtype=torch.int32)
         self.optimizer_state = torch.zeros(self.num_rows * width, dtype=F32)
@@ -516,7 +519,7 @@ class ReferenceTable:
     def _slot_priority(self, slot: int, tags: list):
         if tags[slot] < 0:
             return -math.inf
-        return int(self.counts[tags[slot]]) if self.lfu else int(self.cache_timestamps[slot])
+        return int(self.counts[tags[slot]]) if self.lfu else int(self.cache_priority[slot])
 
     def step(self) -> None:
         """Apply the pending gradient as update t = step_count + 1 (SPEC §4 step 3)."""
@@ -555,19 +558,19 @@ class ReferenceTable:
             by_set: dict[int, list[int]] = {}
             for u, r in enumerate(rows):
                 by_set.setdefault(set_of_row(r, self.num_sets), []).append(u)
+
+            def cand_priority(u):
+                return int(self.counts[rows[u]]) if self.lfu else t
+
             for s in sorted(by_set):
                 candidates = []
                 for u in by_set[s]:
                     if slots[u] >= 0:  # a resident: stays, with its new value and priority
                         self.cache_rows[slots[u]] = new[u]
-                        if not self.lfu:
-                            self.cache_timestamps[slots[u]] = t
+                        self.cache_priority[slots[u]] = cand_priority(u)
                         hits += 1
                     else:
                         candidates.append(u)
-
-                def cand_priority(u):
-                    return int(self.counts[rows[u]]) if self.lfu else t
 
                 # candidates by priority descending, ties smaller row id first
                 candidates.sort(key=lambda u: (-cand_priority(u), rows[u]))
@@ -585,8 +588,7 @@ class ReferenceTable:
                         tags[slot] = rows[u]
                         self.cache_tags[slot] = rows[u]
                         self.cache_rows[slot] = new[u]
-                        if not self.lfu:
-                            self.cache_timestamps[slot] = t
+                        self.cache_priority[slot] = cand_priority(u)
                         insertions += 1
                     else:  # bypass: the new value goes straight to the table
                         store(rows[u], new[u])
@@ -613,7 +615,7 @@ class ReferenceTable:
         written = len(resident)
         self.cache_tags.fill_(-1)
         self.cache_rows.zero_()
-        self.cache_timestamps.zero_()
+        self.cache_priority.zero_()
         self._stats["flushed"] += written
         return written
 

@@ -10,7 +10,7 @@ The same kernel source runs on two backends:
 
 Multi-step random training (forward, deduplicated backward, two-phase update, evaluation
 forwards, flush, training after the flush) must give bit-identical pooled outputs, hit counts,
-deduplicated gradients, prepared values, slots, table bytes, cache tags and rows, timestamps,
+deduplicated gradients, prepared values, slots, table bytes, cache tags and rows, priorities,
 LFU counts, optimizer state and statistics to the CPU ops with the same seed, for every
 precision x rounding x policy x associativity; plus warp-divergence cases (sets with more
 candidates than ways or than 32 lanes, all-duplicate batches, empty bags) and refused inputs.
@@ -26,9 +26,10 @@ import embcache  # noqa: F401  (registers torch.ops.embcache)
 from embcache import CachedLowPrecisionEmbedding
 
 CPU = torch.ops.embcache
-# CPU ops without a CUDA kernel yet (the hit-rate replay of bench/hit_rate.py).
-NOT_ON_CUDA = {"cache_replay"}
-STATE = ("weights", "cache_tags", "cache_rows", "cache_timestamps", "counts", "optimizer_state")
+# CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet) and the
+# huge-page advice for host memory.
+NOT_ON_CUDA = {"cache_replay", "advise_huge_pages"}
+STATE = ("weights", "cache_tags", "cache_rows", "cache_priority", "counts", "optimizer_state")
 
 
 def _emulator_available() -> bool:
@@ -166,9 +167,9 @@ class Twin:
         args = (c.bits, c.qparams_fp16, c.rounding == "stochastic", c.seed, self.step_count,
                 c.table_id)
         want = CPU.cache_flush(self.cpu["weights"], self.cpu["cache_tags"],
-                               self.cpu["cache_rows"], self.cpu["cache_timestamps"], *args)
+                               self.cpu["cache_rows"], self.cpu["cache_priority"], *args)
         got = self.b.ops.cache_flush(self.dev["weights"], self.dev["cache_tags"],
-                                     self.dev["cache_rows"], self.dev["cache_timestamps"], *args)
+                                     self.dev["cache_rows"], self.dev["cache_priority"], *args)
         assert got == want, f"{when}: flushed {got} rows, CPU {want}"
         self.compare_state(when)
 

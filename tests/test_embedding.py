@@ -36,6 +36,8 @@ def test_fp32_sgd_equals_embedding_bag(mode, weighted):
     gen = torch.Generator().manual_seed(1)
     rows, dim = 300, 5
     ref = nn.EmbeddingBag(rows, dim, mode=mode, sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(rows, dim, generator=gen))
     opt = torch.optim.SGD(ref.parameters(), lr=0.3)
     ours = CachedLowPrecisionEmbedding(
         rows, dim, precision="fp32", cache_ratio=0, mode=mode, lr=0.3,
@@ -47,7 +49,9 @@ def test_fp32_sgd_equals_embedding_bag(mode, weighted):
         grad = torch.randn(32, dim, generator=gen)
         out_ref = ref(indices, offsets, per_sample_weights=psw)
         out = ours(indices, offsets, per_sample_weights=psw)
-        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=1e-6)
+        # nn.EmbeddingBag's kernels and SGD's add may fuse multiply-adds: a few ulps of the
+        # summands (|x| ~ 4 after some steps) apart
+        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=4e-6)
         opt.zero_grad()
         out_ref.backward(grad)
         opt.step()

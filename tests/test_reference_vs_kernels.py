@@ -3,7 +3,7 @@
 Over random training steps (skewed indices with duplicates, multi-hot and empty bags,
 optional per-sample weights) the module and :class:`embcache.reference.ReferenceTable` must
 agree BIT FOR BIT after every step: pooled outputs, deduplicated gradients, table bytes, cache
-tags / rows / timestamps, LFU counts, optimizer state, step count and statistics; and after a
+tags / rows / priorities, LFU counts, optimizer state, step count and statistics; and after a
 final flush. The cache invariants of SPEC §4 are checked on the module's state as well.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: {int(diff.sum())} elements differ, first at {where}")
 
 
-STATE = ("weights", "cache_tags", "cache_rows", "cache_timestamps", "counts", "optimizer_state")
+STATE = ("weights", "cache_tags", "cache_rows", "cache_priority", "counts", "optimizer_state")
 
 
 def assert_same_state(module, table: ref.ReferenceTable, when: str) -> None:
@@ -59,13 +59,16 @@ def check_cache_invariants(module, when: str) -> None:
                 f"{when}: row {tag} sits in set {slot // cfg.ways}, "
                 f"belongs to set {ref.set_of_row(tag, cfg.num_sets)}"
             )
-    if cfg.policy == "lru" and cfg.num_slots:
-        ts = module.cache_timestamps.tolist()
+    if cfg.num_slots:
+        prio = module.cache_priority.tolist()
+        counts = module.counts.tolist()
         for slot, tag in enumerate(tags):
-            if tag >= 0:
-                assert 1 <= ts[slot] <= int(module.step_count), f"{when}: timestamp of slot {slot}"
+            if tag < 0:
+                assert prio[slot] == 0, f"{when}: empty slot {slot} has a priority"
+            elif cfg.policy == "lru":
+                assert 1 <= prio[slot] <= int(module.step_count), f"{when}: timestamp of slot {slot}"
             else:
-                assert ts[slot] == 0, f"{when}: empty slot {slot} has a timestamp"
+                assert prio[slot] == counts[tag], f"{when}: slot {slot} priority is not row {tag}'s count"
 
 
 def make_batch(gen: torch.Generator, rows: int, perm: torch.Tensor, bags: int = 32,
@@ -347,12 +350,12 @@ def test_hand_made_lru_set_overflow():
     assert sorted(module.cache_tags.tolist()) == [3, 7]
     s = module.stats()
     assert (s["insertions"], s["bypasses"], s["evictions"], s["unique_misses"]) == (2, 1, 0, 3)
-    assert module.cache_timestamps.tolist() == [1, 1]
+    assert module.cache_priority.tolist() == [1, 1]
     out = module(torch.tensor([20]), torch.tensor([0]))
     out.backward(torch.ones_like(out))
     module.step()
     # t = 2 > 1: row 20 evicts the resident of the lower way (ties: lower way first)
-    assert module.cache_tags.tolist()[0] == 20 and module.cache_timestamps.tolist() == [2, 1]
+    assert module.cache_tags.tolist()[0] == 20 and module.cache_priority.tolist() == [2, 1]
     assert module.stats()["evictions"] == 1
 
 

@@ -12,6 +12,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -57,6 +60,17 @@ void check_table(const at::Tensor& weights, const RowFormat& f) {
               weights.sizes());
 }
 
+/// Asks for every cache line of [p, p + bytes) (for writing if `write`).
+inline void prefetch_bytes(const void* p, int64_t bytes, bool write = false) {
+  const char* c = (const char*)p;
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (write)
+      __builtin_prefetch(c + b, 1);
+    else
+      __builtin_prefetch(c + b, 0);
+  }
+}
+
 struct Cache {
   int32_t* tags;
   float* rows;
@@ -87,7 +101,7 @@ struct Cache {
   int64_t find(int64_t row) const { return find_in_set(set_of(row), row); }
 
   void prefetch_set(int64_t set) const {
-    if (set >= 0) __builtin_prefetch(tags + set * ways);
+    if (set >= 0) prefetch_bytes(tags + set * ways, ways * sizeof(int32_t));
   }
 };
 
@@ -207,29 +221,38 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
   for (int64_t l = bags.first(); l < bags.end(); ++l)
     TORCH_CHECK(bags.idx[l] >= 0 && bags.idx[l] < num_rows, "embcache: index ", bags.idx[l],
                 " out of range [0, ", num_rows, ")");
-  // Random rows are memory-latency bound: hash every lookup first, then prefetch the tags and
-  // the table row of the lookup kPrefetch ahead while working on this one.
+  // Random rows are memory-latency bound, so a chunk of bags goes in two passes that keep
+  // kPrefetch misses in flight: find every lookup's slot (prefetching the tags ahead), then
+  // pool (prefetching ahead the cache row or the table row, whichever holds the value).
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
-  std::vector<int64_t> set_of(bags.end() - bags.first());
   const int64_t base = bags.first();
-  for (int64_t l = base; l < bags.end(); ++l) set_of[l - base] = cache.set_of(idx[l]);
+  std::vector<int64_t> slot_of(bags.end() - base);
+  for (int64_t l = base; l < bags.end(); ++l) slot_of[l - base] = cache.set_of(idx[l]);
   std::atomic<int64_t> hits{0};
   at::parallel_for(0, bags.count, kGrainBags, [&](int64_t b0, int64_t b1) {
+    int64_t* slot = slot_of.data() - base;  // indexed by lookup; holds its set until found
+    for (int64_t l = off[b0]; l < off[b1]; ++l) {
+      if (l + kPrefetch < off[b1]) cache.prefetch_set(slot[l + kPrefetch]);
+      slot[l] = cache.find_in_set(slot[l], idx[l]);
+    }
+    auto prefetch_value = [&](int64_t l) {
+      if (slot[l] >= 0)
+        prefetch_bytes(cache.rows + slot[l] * dim, dim * sizeof(float));
+      else
+        prefetch_bytes(w + idx[l] * f.row_bytes(), f.row_bytes());
+    };
+    for (int64_t l = off[b0]; l < std::min(off[b1], off[b0] + kPrefetch); ++l) prefetch_value(l);
     std::vector<float> buf(dim);
     int64_t local_hits = 0;
     for (int64_t b = b0; b < b1; ++b) {
       float* acc = out + b * out_stride;
       std::fill_n(acc, dim, 0.f);
       for (int64_t l = off[b]; l < off[b + 1]; ++l) {
-        if (l + kPrefetch < off[b1]) {
-          cache.prefetch_set(set_of[l + kPrefetch - base]);
-          __builtin_prefetch(w + idx[l + kPrefetch] * f.row_bytes());
-        }
-        const int64_t slot = cache.find_in_set(set_of[l - base], idx[l]);
+        if (l + kPrefetch < off[b1]) prefetch_value(l + kPrefetch);
         const float* v;
-        if (slot >= 0) {
-          v = cache.rows + slot * dim;
+        if (slot[l] >= 0) {
+          v = cache.rows + slot[l] * dim;
           ++local_hits;
         } else {
           dequantize_row(f, w + idx[l] * f.row_bytes(), buf.data());
@@ -470,14 +493,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   int64_t* sl = slots.data_ptr<int64_t>();
   std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+    // Two passes, as in lookup_core: slots (tags prefetched ahead), then values.
+    for (int64_t u = u0; u < u1; ++u) {
+      if (u + kPrefetch < u1) cache.prefetch_set(cache.set_of(rows[u + kPrefetch]));
+      sl[u] = cache.find(rows[u]);
+    }
+    auto prefetch_value = [&](int64_t u) {
+      if (sl[u] >= 0)
+        prefetch_bytes(cache.rows + sl[u] * dim, dim * sizeof(float));
+      else
+        prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes());
+      prefetch_bytes(st + rows[u] * sw, sw * sizeof(float));
+    };
+    for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_value(u);
     std::vector<float> v(dim);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t row = rows[u];
-      if (u + kPrefetch < u1) {
-        __builtin_prefetch(w + rows[u + kPrefetch] * f.row_bytes());
-        __builtin_prefetch(st + rows[u + kPrefetch] * sw);
-      }
-      sl[u] = cache.find(row);
+      if (u + kPrefetch < u1) prefetch_value(u + kPrefetch);
       if (sl[u] >= 0)
         std::copy_n(cache.rows + sl[u] * dim, dim, v.data());
       else
@@ -495,12 +527,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   return {fresh, fresh_state, slots, bad == std::numeric_limits<int64_t>::max() ? -1 : bad};
 }
 
-/// Second half: writes the prepared values (SPEC §4 step 3). LFU counts and LRU
-/// timestamps first; then per set, updated residents stay, candidates enter by strictly
-/// higher priority, the rest bypass into the table. Sets are independent and run in
+/// Second half: writes the prepared values (SPEC §4 step 3). LFU counts first; then per
+/// set, updated residents stay, candidates enter by strictly higher priority, the rest
+/// bypass into the table. cache_priority holds each slot's priority: for LRU the step that
+/// last updated its row, for LFU a copy of its row's count (so that choosing a victim reads
+/// one set's slots, not the counts of 32 random rows). Sets are independent and run in
 /// parallel. Returns [unique hits, unique misses, insertions, evictions, bypasses].
 at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor& cache_rows,
-                         at::Tensor& cache_timestamps, at::Tensor& counts,
+                         at::Tensor& cache_priority, at::Tensor& counts,
                          at::Tensor& optimizer_state, const at::Tensor& unique_rows,
                          const at::Tensor& fresh, const at::Tensor& fresh_state,
                          const at::Tensor& slots, const at::Tensor& occurrences, int64_t bits,
@@ -511,7 +545,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   check_tensor(slots, at::kLong, "slots");
   check_tensor(occurrences, at::kLong, "occurrences");
   check_tensor(unique_rows, at::kLong, "unique_rows");
-  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(cache_priority, at::kInt, "cache_priority");
   check_tensor(counts, at::kInt, "counts");
   check_tensor(optimizer_state, at::kFloat, "optimizer_state");
   const int64_t dim = fresh.size(1), nu = unique_rows.numel();
@@ -523,8 +557,8 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
                   occurrences.numel() == nu && optimizer_state.numel() == num_rows * sw,
               "embcache: prepared update does not match the table");
   TORCH_CHECK(!lfu || counts.numel() == num_rows, "embcache: LFU needs a count per row");
-  TORCH_CHECK(lfu || num_sets == 0 || cache_timestamps.numel() == num_sets * ways,
-              "embcache: LRU needs a timestamp per slot");
+  TORCH_CHECK(cache_priority.numel() == num_sets * ways,
+              "embcache: cache_priority must hold one priority per slot");
   const int64_t* rows = unique_rows.data_ptr<int64_t>();
   const int64_t* occ = occurrences.data_ptr<int64_t>();
   const int64_t* slot_of = slots.data_ptr<int64_t>();
@@ -533,9 +567,14 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   uint8_t* w = weights.data_ptr<uint8_t>();
   float* st = optimizer_state.data_ptr<float>();
   int32_t* cnt = counts.data_ptr<int32_t>();
-  int32_t* ts = cache_timestamps.data_ptr<int32_t>();
+  int32_t* prio = cache_priority.data_ptr<int32_t>();
 
+  // Optimizer state and LFU counts of random rows: prefetched kPrefetch rows ahead.
   for (int64_t u = 0; u < nu; ++u) {
+    if (u + kPrefetch < nu) {
+      prefetch_bytes(st + rows[u + kPrefetch] * sw, sw * sizeof(float), true);
+      if (lfu) __builtin_prefetch(cnt + rows[u + kPrefetch], 1);
+    }
     std::copy_n(fs + u * sw, sw, st + rows[u] * sw);
     if (lfu) {
       const int64_t c = (int64_t)cnt[rows[u]] + occ[u];
@@ -549,42 +588,61 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   };
   if (num_sets == 0) {
     at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) store(rows[u], fr + u * dim);
+      for (int64_t u = u0; u < u1; ++u) {
+        if (u + kPrefetch < u1)
+          prefetch_bytes(w + rows[u + kPrefetch] * f.row_bytes(), f.row_bytes(), true);
+        store(rows[u], fr + u * dim);
+      }
     });
     return at::tensor({int64_t(0), nu, int64_t(0), int64_t(0), nu}, at::kLong);
   }
-  // The table rows that bypass are written at random places: bring them in first.
-  for (int64_t u = 0; u < nu; ++u)
-    if (slot_of[u] < 0) __builtin_prefetch(w + rows[u] * f.row_bytes(), 1);
   SetGroups groups;
   std::vector<uint64_t> keys, tmp;
   group_by_set(rows, nu, num_sets, groups, keys, tmp);
   const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
                             &starts = groups.starts;
   const int64_t ngroups = (int64_t)starts.size() - 1;
-  auto priority_of_row = [&](int64_t row) -> int64_t { return lfu ? cnt[row] : step; };
+  // The priority a row has once this step's counts are in.
+  auto priority_of_row = [&](int64_t row) -> int32_t { return lfu ? cnt[row] : (int32_t)step; };
+  // Brings in what group gi will touch: its set's tags and priorities, the slots of its
+  // residents and the table rows of its candidates (written if they bypass).
+  auto prefetch_group = [&](int64_t gi) {
+    const int64_t base = set_of[by_set[starts[gi]]] * ways;
+    prefetch_bytes(cache.tags + base, ways * sizeof(int32_t), true);
+    prefetch_bytes(prio + base, ways * sizeof(int32_t), true);
+    for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
+      const int64_t u = by_set[k];
+      if (slot_of[u] >= 0)
+        prefetch_bytes(cache.rows + slot_of[u] * dim, dim * sizeof(float), true);
+      else
+        prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes(), true);
+    }
+  };
+  constexpr int64_t kGroupsAhead = 4;
   std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
   at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
     std::vector<int64_t> cand, slot_prio(ways);
     int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
+    for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_group(gi);
     for (int64_t gi = g0; gi < g1; ++gi) {
+      if (gi + kGroupsAhead < g1) prefetch_group(gi + kGroupsAhead);
       cand.clear();
       for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
         const int64_t u = by_set[k], slot = slot_of[u];
         if (slot >= 0) {
           std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
-          if (!lfu) ts[slot] = (int32_t)step;
+          prio[slot] = priority_of_row(rows[u]);
           ++hits;
         } else {
           cand.push_back(u);
         }
       }
+      if (cand.empty()) continue;
       const int64_t base = set_of[by_set[starts[gi]]] * ways;
       apply_set_rule(
-          cand, [&](int64_t u) { return priority_of_row(rows[u]); },
+          cand, [&](int64_t u) -> int64_t { return priority_of_row(rows[u]); },
           [&](int64_t way) -> int64_t {
-            const int32_t tag = cache.tags[base + way];
-            return tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
+            return cache.tags[base + way] < 0 ? kEmpty : (int64_t)prio[base + way];
           },
           ways, slot_prio,
           [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
@@ -596,7 +654,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
             }
             cache.tags[slot] = (int32_t)rows[u];
             std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
-            if (!lfu) ts[slot] = (int32_t)step;
+            prio[slot] = priority_of_row(rows[u]);
             ++ins;
           },
           [&](int64_t u) {
@@ -617,11 +675,11 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
 /// Writes every cached row back into the table and empties the cache. Returns the number
 /// of rows written.
 int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tensor& cache_rows,
-                    at::Tensor& cache_timestamps, int64_t bits, bool qparams_fp16,
+                    at::Tensor& cache_priority, int64_t bits, bool qparams_fp16,
                     bool stochastic, int64_t seed, int64_t step, int64_t table) {
   check_tensor(cache_tags, at::kInt, "cache_tags");
   check_tensor(cache_rows, at::kFloat, "cache_rows");
-  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(cache_priority, at::kInt, "cache_priority");
   const int64_t slots = cache_tags.numel();
   if (slots == 0) return 0;
   const int64_t dim = cache_rows.numel() / slots;
@@ -642,7 +700,7 @@ int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tenso
     }
     written += local;
   });
-  cache_timestamps.zero_();
+  cache_priority.zero_();
   return written.load();
 }
 
@@ -652,18 +710,18 @@ int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tenso
 /// is cached before the step's update, as in a training forward. Steps are numbered from
 /// first_step. Returns [lookups, hits, unique rows, unique hits, insertions, evictions,
 /// bypasses].
-at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at::Tensor& counts,
+at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor& counts,
                         const at::Tensor& indices, const at::Tensor& step_offsets, bool lfu,
                         int64_t num_sets, int64_t ways, int64_t first_step) {
   check_tensor(cache_tags, at::kInt, "cache_tags");
-  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(cache_priority, at::kInt, "cache_priority");
   check_tensor(counts, at::kInt, "counts");
   check_tensor(indices, at::kLong, "indices");
   check_tensor(step_offsets, at::kLong, "step_offsets");
   TORCH_CHECK(num_sets > 0 && cache_tags.numel() == num_sets * ways,
               "embcache: cache_tags must hold num_sets * ways slots");
-  TORCH_CHECK(lfu || cache_timestamps.numel() == num_sets * ways,
-              "embcache: LRU needs a timestamp per slot");
+  TORCH_CHECK(cache_priority.numel() == num_sets * ways,
+              "embcache: cache_priority must hold one priority per slot");
   const int64_t* idx = indices.data_ptr<int64_t>();
   const int64_t* so = step_offsets.data_ptr<int64_t>();
   const int64_t nsteps = step_offsets.numel() - 1;
@@ -673,7 +731,7 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at
     TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31) && (!lfu || idx[l] < counts.numel()),
                 "embcache: index ", idx[l], " out of range");
   int32_t* tags = cache_tags.data_ptr<int32_t>();
-  int32_t* ts = cache_timestamps.data_ptr<int32_t>();
+  int32_t* prio = cache_priority.data_ptr<int32_t>();
   int32_t* cnt = counts.data_ptr<int32_t>();
   Cache cache{tags, nullptr, num_sets, ways};
   int64_t hits = 0, unique = 0, unique_hits = 0, ins = 0, evict = 0, bypass = 0;
@@ -712,7 +770,7 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at
         const int64_t u = groups.by_set[k];
         const int64_t slot = cache.find_in_set(base / ways, rows[u]);
         if (slot >= 0) {  // resident before the update: all its lookups of the step hit
-          if (!lfu) ts[slot] = (int32_t)step;
+          prio[slot] = lfu ? cnt[rows[u]] : (int32_t)step;
           ++unique_hits;
           hits += occ[u];
         } else {
@@ -722,14 +780,13 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at
       apply_set_rule(
           cand, [&](int64_t u) -> int64_t { return lfu ? cnt[rows[u]] : step; },
           [&](int64_t way) -> int64_t {
-            const int32_t tag = tags[base + way];
-            return tag < 0 ? kEmpty : lfu ? (int64_t)cnt[tag] : ts[base + way];
+            return tags[base + way] < 0 ? kEmpty : (int64_t)prio[base + way];
           },
           ways, slot_prio,
           [&](int64_t u, int64_t way) {
             evict += tags[base + way] >= 0;
             tags[base + way] = (int32_t)rows[u];
-            if (!lfu) ts[base + way] = (int32_t)step;
+            prio[base + way] = lfu ? cnt[rows[u]] : (int32_t)step;
             ++ins;
           },
           [&](int64_t) { ++bypass; });
@@ -744,6 +801,27 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_timestamps, at
 // KeyedJaggedTensor is bags [f * batch, (f + 1) * batch) of the global offsets and is looked
 // up in table feature_table[f]. Per-table settings come as parallel lists.
 // ---------------------------------------------------------------------------------------
+
+/// The cost of touching `n` random rows of a table of `rows` rows: bigger tables miss more
+/// levels of the memory hierarchy.
+int64_t row_work(int64_t n, int64_t rows) { return n * (1 + bits_for(rows)); }
+
+/// Runs fn(i) for every i in [0, cost.size()) on the intra-op threads: the costliest first,
+/// each thread taking the next item when it is done. (Criteo tables differ in size 10^6-fold,
+/// so at::parallel_for's static split into equal index ranges leaves threads idle.)
+template <typename Fn>
+void for_each_by_cost(const std::vector<int64_t>& cost, const Fn& fn) {
+  const int64_t n = (int64_t)cost.size();
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(order[i]);
+  });
+}
 
 void check_features(const at::Tensor& indices, const at::Tensor& offsets,
                     const c10::optional<at::Tensor>& psw, int64_t nf, int64_t batch) {
@@ -776,16 +854,18 @@ std::tuple<at::Tensor, at::Tensor> multi_lookup_forward(
   at::Tensor hits = at::zeros({nf}, at::kLong);
   int64_t* h = hits.data_ptr<int64_t>();
   const Bags all = bags_of(indices, offsets, per_sample_weights);
-  at::parallel_for(0, nf, 1, [&](int64_t f0, int64_t f1) {
-    for (int64_t f = f0; f < f1; ++f) {
-      const int64_t t = feature_table[f];
-      const RowFormat fmt = make_format(bits[t], dims[t], qparams_fp16[t] != 0);
-      check_table(weights[t], fmt);
-      const Cache cache = make_cache(cache_tags[t], cache_rows[t], num_sets[t], ways[t], dims[t]);
-      const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
-      h[f] = lookup_core(fmt, cache, weights[t].data_ptr<uint8_t>(), weights[t].size(0), bags,
-                         mean[t] != 0, out.data_ptr<float>() + col[f], col[nf]);
-    }
+  std::vector<int64_t> cost(nf);
+  for (int64_t f = 0; f < nf; ++f)
+    cost[f] = row_work(all.off[(f + 1) * batch] - all.off[f * batch],
+                       weights[feature_table[f]].size(0));
+  for_each_by_cost(cost, [&](int64_t f) {
+    const int64_t t = feature_table[f];
+    const RowFormat fmt = make_format(bits[t], dims[t], qparams_fp16[t] != 0);
+    check_table(weights[t], fmt);
+    const Cache cache = make_cache(cache_tags[t], cache_rows[t], num_sets[t], ways[t], dims[t]);
+    const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
+    h[f] = lookup_core(fmt, cache, weights[t].data_ptr<uint8_t>(), weights[t].size(0), bags,
+                       mean[t] != 0, out.data_ptr<float>() + col[f], col[nf]);
   });
   return {out, hits};
 }
@@ -806,14 +886,22 @@ std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
               "embcache: grad_output must be [batch, sum of dims]");
   const Bags all = bags_of(indices, offsets, per_sample_weights);
   std::vector<at::Tensor> out(3 * nf);
-  at::parallel_for(0, nf, 1, [&](int64_t f0, int64_t f1) {
-    for (int64_t f = f0; f < f1; ++f) {
-      const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
-      std::tie(out[3 * f], out[3 * f + 1], out[3 * f + 2]) = dedup_core(
-          bags, grad_output.data_ptr<float>() + col[f], col[nf], dims[f], mean[f] != 0);
-    }
+  std::vector<int64_t> cost(nf);
+  for (int64_t f = 0; f < nf; ++f) cost[f] = all.off[(f + 1) * batch] - all.off[f * batch];
+  for_each_by_cost(cost, [&](int64_t f) {
+    const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
+    std::tie(out[3 * f], out[3 * f + 1], out[3 * f + 2]) = dedup_core(
+        bags, grad_output.data_ptr<float>() + col[f], col[nf], dims[f], mean[f] != 0);
   });
   return out;
+}
+
+std::vector<int64_t> update_costs(at::TensorList weights, at::TensorList unique_rows) {
+  TORCH_CHECK(unique_rows.size() == weights.size(), "embcache: one list entry per table");
+  std::vector<int64_t> cost(weights.size());
+  for (size_t t = 0; t < cost.size(); ++t)
+    cost[t] = row_work(unique_rows[t].numel(), weights[t].size(0));
+  return cost;
 }
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -828,19 +916,17 @@ multi_update_prepare(at::TensorList weights, at::TensorList cache_tags,
   const int64_t nt = (int64_t)weights.size();
   std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
   std::vector<int64_t> bad(nt);
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
-          weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t],
-          grads[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t],
-          eps[t], num_sets[t], ways[t]);
-    }
+  for_each_by_cost(update_costs(weights, unique_rows), [&](int64_t t) {
+    std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
+        weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t],
+        grads[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t],
+        eps[t], num_sets[t], ways[t]);
   });
   return {fresh, fresh_state, slots, bad};
 }
 
 at::Tensor multi_update_commit(at::TensorList weights, at::TensorList cache_tags,
-                               at::TensorList cache_rows, at::TensorList cache_timestamps,
+                               at::TensorList cache_rows, at::TensorList cache_priority,
                                at::TensorList counts, at::TensorList optimizer_state,
                                at::TensorList unique_rows, at::TensorList fresh,
                                at::TensorList fresh_state, at::TensorList slots,
@@ -850,24 +936,41 @@ at::Tensor multi_update_commit(at::TensorList weights, at::TensorList cache_tags
                                at::IntArrayRef num_sets, at::IntArrayRef ways) {
   const int64_t nt = (int64_t)weights.size();
   at::Tensor stats = at::zeros({nt, 5}, at::kLong);
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
-                 ts = cache_timestamps[t], cnt = counts[t], st = optimizer_state[t];
-      stats[t].copy_(update_commit(w, tags, rows, ts, cnt, st, unique_rows[t], fresh[t],
-                                   fresh_state[t], slots[t], occurrences[t], bits[t],
-                                   qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
-                                   seed[t], steps[t], table[t], num_sets[t], ways[t]));
-    }
+  for_each_by_cost(update_costs(weights, unique_rows), [&](int64_t t) {
+    at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
+               prio = cache_priority[t], cnt = counts[t], st = optimizer_state[t];
+    stats[t].copy_(update_commit(w, tags, rows, prio, cnt, st, unique_rows[t], fresh[t],
+                                 fresh_state[t], slots[t], occurrences[t], bits[t],
+                                 qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
+                                 seed[t], steps[t], table[t], num_sets[t], ways[t]));
   });
   return stats;
+}
+
+/// Asks Linux to back the tensor's whole 2 MiB pages with transparent huge pages. Random
+/// rows of a table of hundreds of MB otherwise miss the TLB on nearly every access, which
+/// doubles the cost of a lookup. Only pages not yet touched are affected, so call it on a
+/// fresh torch.empty. Returns whether the kernel took the advice (false off Linux, with
+/// THP disabled, or for a tensor smaller than a huge page).
+bool advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(),
+              "embcache: advise_huge_pages needs a contiguous CPU tensor");
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (uintptr_t)t.data_ptr(), end = begin + t.nbytes();
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
+  return last > first && madvise((void*)first, last - first, MADV_HUGEPAGE) == 0;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY(embcache, m) {
   define_cache_ops(m);
-  m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_timestamps, Tensor(c!) counts, "
+  m.def("advise_huge_pages(Tensor t) -> bool");
+  m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_priority, Tensor(c!) counts, "
         "Tensor indices, Tensor step_offsets, bool lfu, int num_sets, int ways, "
         "int first_step) -> Tensor");
 }
@@ -885,6 +988,7 @@ TORCH_LIBRARY_IMPL(embcache, CPU, m) {
   m.impl("multi_update_commit", &multi_update_commit);
   m.impl("cache_replay", &cache_replay);
   m.impl("cache_flush", &cache_flush);
+  m.impl("advise_huge_pages", &advise_huge_pages);
 }
 
 }  // namespace embcache

@@ -66,7 +66,7 @@ int64_t update_prepare(const uint8_t* w, int64_t num_rows, const int32_t* tags,
 /// The second half: optimizer state, LFU counts, then one warp per touched set applies the
 /// insert/evict/bypass rule. stats_out (host, 5 entries) = [unique hits, unique misses,
 /// insertions, evictions, bypasses].
-void update_commit(uint8_t* w, int32_t* tags, float* cache_rows, int32_t* timestamps,
+void update_commit(uint8_t* w, int32_t* tags, float* cache_rows, int32_t* priority,
                    int32_t* counts, float* state, const int64_t* rows, int64_t nu,
                    const float* fresh, const float* fresh_state, int64_t sw,
                    const int64_t* slots, const int64_t* occ, RowFormat f, bool stochastic,

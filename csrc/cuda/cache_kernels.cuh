@@ -380,7 +380,7 @@ __global__ void commit_keys_kernel(const int64_t* rows, int64_t nu, const int32_
 /// Every row written to the table is quantized by one lane with quantize_row.
 /// stats[0..3] += unique hits, insertions, evictions, bypasses.
 __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
-                                   int32_t* timestamps, const int32_t* counts,
+                                   int32_t* priority, const int32_t* counts,
                                    const int64_t* rows, const float* fresh,
                                    const int64_t* slot_of, const uint64_t* keys,
                                    const int64_t* vals, int64_t nu, RowFormat f,
@@ -404,14 +404,15 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
     }
     const int64_t base = (int64_t)set * ways;
     unsigned long long hits = 0, ins = 0, evict = 0, bypass = 0;
-    // 1. Updated residents stay, with their new value (and LRU timestamp).
+    // 1. Updated residents stay, with their new value and priority (LRU: the step; LFU:
+    //    a copy of the row's count, so that step 2 reads no random counts).
     for (int64_t c0 = first; c0 < end; c0 += 32) {
       const int64_t k = c0 + lane;
       if (k < end) {
         const int64_t u = vals[k], slot = slot_of[u];
         if (slot >= 0) {
           for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = fresh[u * dim + j];
-          if (!lfu) timestamps[slot] = (int32_t)step;
+          priority[slot] = lfu ? counts[rows[u]] : (int32_t)step;
           ++hits;
         }
       }
@@ -420,8 +421,7 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
     // 2. Rank the slots by priority ascending, ties by way: lane w holds way w.
     int64_t prio = INT64_MAX;
     if ((int64_t)lane < ways) {
-      const int32_t tag = tags[base + lane];
-      prio = tag < 0 ? kEmpty : lfu ? (int64_t)counts[tag] : (int64_t)timestamps[base + lane];
+      prio = tags[base + lane] < 0 ? kEmpty : (int64_t)priority[base + lane];
     }
     int rank = 0;
     for (int o = 0; o < 32; ++o) {
@@ -460,7 +460,7 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
         }
         tags[slot] = (int32_t)row;
         for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = fresh[u * dim + j];
-        if (!lfu) timestamps[slot] = (int32_t)step;
+        priority[slot] = (int32_t)p;
         ++ins;
       } else {
         quantize_row(f, fresh + u * dim, stochastic, s, row, w + row * f.row_bytes());
@@ -616,7 +616,7 @@ int64_t update_prepare(const uint8_t* w, int64_t num_rows, const int32_t* tags,
 
 /// The second half: writes the prepared update. stats_out = [unique hits, unique misses,
 /// insertions, evictions, bypasses] (host memory).
-void update_commit(uint8_t* w, int32_t* tags, float* cache_rows, int32_t* timestamps,
+void update_commit(uint8_t* w, int32_t* tags, float* cache_rows, int32_t* priority,
                           int32_t* counts, float* state, const int64_t* rows, int64_t nu,
                           const float* fresh, const float* fresh_state, int64_t sw,
                           const int64_t* slots, const int64_t* occ, RowFormat f,
@@ -640,7 +640,7 @@ void update_commit(uint8_t* w, int32_t* tags, float* cache_rows, int32_t* timest
             (const int32_t*)counts, lfu, num_sets, keys.as<uint64_t>(), vals.as<int64_t>());
   sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, stream);
   EC_LAUNCH(commit_sets_kernel, grid_warps(nu), block_dim(), stream, w, tags, cache_rows,
-            timestamps, (const int32_t*)counts, rows, fresh, slots,
+            priority, (const int32_t*)counts, rows, fresh, slots,
             (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu, f,
             stochastic, lfu, s, step, ways, st.as<unsigned long long>());
   unsigned long long host[4];
@@ -653,7 +653,7 @@ void update_commit(uint8_t* w, int32_t* tags, float* cache_rows, int32_t* timest
 }
 
 /// Writes every cached row back and empties the cache; returns the number of rows written.
-/// (The caller zeroes the timestamps.)
+/// (The caller zeroes the priorities.)
 int64_t cache_flush(uint8_t* w, int32_t* tags, const float* cache_rows, int64_t slots,
                            RowFormat f, bool stochastic, RoundingStream s, Stream stream) {
   if (slots == 0) return 0;

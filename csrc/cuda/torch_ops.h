@@ -192,7 +192,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
 }
 
 inline at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags,
-                                at::Tensor& cache_rows, at::Tensor& cache_timestamps,
+                                at::Tensor& cache_rows, at::Tensor& cache_priority,
                                 at::Tensor& counts, at::Tensor& optimizer_state,
                                 const at::Tensor& unique_rows, const at::Tensor& fresh,
                                 const at::Tensor& fresh_state, const at::Tensor& slots,
@@ -205,7 +205,7 @@ inline at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags,
   check_tensor(slots, at::kLong, "slots");
   check_tensor(occurrences, at::kLong, "occurrences");
   check_tensor(unique_rows, at::kLong, "unique_rows");
-  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(cache_priority, at::kInt, "cache_priority");
   check_tensor(counts, at::kInt, "counts");
   check_tensor(optimizer_state, at::kFloat, "optimizer_state");
   TORCH_CHECK(fresh.dim() == 2 && fresh_state.dim() == 2,
@@ -219,12 +219,12 @@ inline at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags,
                   occurrences.numel() == nu && optimizer_state.numel() == num_rows * sw,
               "embcache: prepared update does not match the table");
   TORCH_CHECK(!lfu || counts.numel() == num_rows, "embcache: LFU needs a count per row");
-  TORCH_CHECK(lfu || num_sets == 0 || cache_timestamps.numel() == num_sets * ways,
-              "embcache: LRU needs a timestamp per slot");
+  TORCH_CHECK(cache_priority.numel() == num_sets * ways,
+              "embcache: cache_priority must hold one priority per slot");
   at::Tensor stats = at::zeros({5}, at::kLong);
   EMBCACHE_GPU_NS::update_commit(
       weights.data_ptr<uint8_t>(), cache_tags.data_ptr<int32_t>(), cache_rows.data_ptr<float>(),
-      cache_timestamps.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
+      cache_priority.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
       optimizer_state.data_ptr<float>(), unique_rows.data_ptr<int64_t>(), nu,
       fresh.data_ptr<float>(), fresh_state.data_ptr<float>(), sw, slots.data_ptr<int64_t>(),
       occurrences.data_ptr<int64_t>(), f, stochastic, lfu, rounding_stream(seed, step, table),
@@ -233,13 +233,13 @@ inline at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags,
 }
 
 inline int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags,
-                           const at::Tensor& cache_rows, at::Tensor& cache_timestamps,
+                           const at::Tensor& cache_rows, at::Tensor& cache_priority,
                            int64_t bits, bool qparams_fp16, bool stochastic, int64_t seed,
                            int64_t step, int64_t table) {
   EMBCACHE_DEVICE_GUARD(weights);
   check_tensor(cache_tags, at::kInt, "cache_tags");
   check_tensor(cache_rows, at::kFloat, "cache_rows");
-  check_tensor(cache_timestamps, at::kInt, "cache_timestamps");
+  check_tensor(cache_priority, at::kInt, "cache_priority");
   const int64_t slots = cache_tags.numel();
   if (slots == 0) return 0;
   const int64_t dim = cache_rows.numel() / slots;
@@ -248,7 +248,7 @@ inline int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags,
   const int64_t written = EMBCACHE_GPU_NS::cache_flush(
       weights.data_ptr<uint8_t>(), cache_tags.data_ptr<int32_t>(), cache_rows.data_ptr<float>(),
       slots, f, stochastic, rounding_stream(seed, step, table), current_stream());
-  cache_timestamps.zero_();
+  cache_priority.zero_();
   return written;
 }
 
@@ -368,7 +368,7 @@ multi_update_prepare(at::TensorList weights, at::TensorList cache_tags,
 
 inline at::Tensor multi_update_commit(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
-    at::TensorList cache_timestamps, at::TensorList counts, at::TensorList optimizer_state,
+    at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
     at::TensorList unique_rows, at::TensorList fresh, at::TensorList fresh_state,
     at::TensorList slots, at::TensorList occurrences, at::IntArrayRef bits,
     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic, at::IntArrayRef lfu,
@@ -378,7 +378,7 @@ inline at::Tensor multi_update_commit(
   at::Tensor stats = at::zeros({nt, 5}, at::kLong);
   for (int64_t t = 0; t < nt; ++t) {
     at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
-               ts = cache_timestamps[t], cnt = counts[t], st = optimizer_state[t];
+               ts = cache_priority[t], cnt = counts[t], st = optimizer_state[t];
     stats[t].copy_(update_commit(w, tags, rows, ts, cnt, st, unique_rows[t], fresh[t],
                                  fresh_state[t], slots[t], occurrences[t], bits[t],
                                  qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0, seed[t],

@@ -333,6 +333,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, cons
       oc[u] = starts[u + 1] - starts[u];
       float* acc = gr + u * dim;
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
+        // Bags come in row order, i.e. at random: fetch the gradient kPrefetch lookups ahead.
+        if (k + kPrefetch < n)
+          prefetch_bytes(g + bag_of[order[k + kPrefetch] - base] * g_stride, dim * sizeof(float));
         const int64_t l = order[k], b = bag_of[l - base];
         const float* gb = g + b * g_stride;
         if (bags.psw) {

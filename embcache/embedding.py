@@ -402,6 +402,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self._stats = dict(state["stats"])
 
 
+_HUGE_PAGE = 2 << 20
+
+
 def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor for table or cache state, on transparent huge pages where
     Linux allows it (random rows of a big table otherwise miss the TLB on almost every access,
@@ -410,9 +413,6 @@ def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     if t.nbytes >= _HUGE_PAGE and os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0":
         _ops.advise_huge_pages(t)
     return t
-
-
-_HUGE_PAGE = 2 << 20
 
 
 def _with_total(parts: dict) -> dict:

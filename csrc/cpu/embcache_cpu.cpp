@@ -103,6 +103,15 @@ struct Cache {
   void prefetch_set(int64_t set) const {
     if (set >= 0) prefetch_bytes(tags + set * ways, ways * sizeof(int32_t));
   }
+
+  /// Prefetches a row's value: its cache row if it has a slot, else its table row.
+  void prefetch_value(int64_t slot, int64_t dim, const uint8_t* table_row,
+                      int64_t row_bytes) const {
+    if (slot >= 0)
+      prefetch_bytes(rows + slot * dim, dim * sizeof(float));
+    else
+      prefetch_bytes(table_row, row_bytes);
+  }
 };
 
 Cache make_cache(const at::Tensor& tags, const at::Tensor& rows, int64_t num_sets,
@@ -237,10 +246,7 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
       slot[l] = cache.find_in_set(slot[l], idx[l]);
     }
     auto prefetch_value = [&](int64_t l) {
-      if (slot[l] >= 0)
-        prefetch_bytes(cache.rows + slot[l] * dim, dim * sizeof(float));
-      else
-        prefetch_bytes(w + idx[l] * f.row_bytes(), f.row_bytes());
+      cache.prefetch_value(slot[l], dim, w + idx[l] * f.row_bytes(), f.row_bytes());
     };
     for (int64_t l = off[b0]; l < std::min(off[b1], off[b0] + kPrefetch); ++l) prefetch_value(l);
     std::vector<float> buf(dim);
@@ -403,6 +409,20 @@ void stable_insertion_sort(std::vector<int64_t>& v, Less less) {
 
 constexpr int64_t kEmpty = std::numeric_limits<int64_t>::min();  // an empty way's priority
 
+/// A row's priority once the step's counts are in (SPEC §4): its LFU count, or the step (LRU).
+/// cache_priority keeps this value for every resident (0 for an empty slot).
+struct RowPriority {
+  bool lfu;
+  const int32_t* counts;
+  int64_t step;
+  int32_t operator()(int64_t row) const { return lfu ? counts[row] : (int32_t)step; }
+};
+
+/// The priority of a slot for the set rule: the resident's, or kEmpty.
+inline int64_t slot_priority(const int32_t* tags, const int32_t* prio, int64_t slot) {
+  return tags[slot] < 0 ? kEmpty : (int64_t)prio[slot];
+}
+
 /// Unique rows (ascending) grouped by cache set: group g is by_set[starts[g] .. starts[g+1]),
 /// rows ascending within a group; set_of[u] is the set of row u.
 struct SetGroups {
@@ -497,15 +517,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     // Two passes, as in lookup_core: slots (tags prefetched ahead), then values.
+    for (int64_t u = u0; u < u1; ++u) sl[u] = cache.set_of(rows[u]);  // the set until found
     for (int64_t u = u0; u < u1; ++u) {
-      if (u + kPrefetch < u1) cache.prefetch_set(cache.set_of(rows[u + kPrefetch]));
-      sl[u] = cache.find(rows[u]);
+      if (u + kPrefetch < u1) cache.prefetch_set(sl[u + kPrefetch]);
+      sl[u] = cache.find_in_set(sl[u], rows[u]);
     }
     auto prefetch_value = [&](int64_t u) {
-      if (sl[u] >= 0)
-        prefetch_bytes(cache.rows + sl[u] * dim, dim * sizeof(float));
-      else
-        prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes());
+      cache.prefetch_value(sl[u], dim, w + rows[u] * f.row_bytes(), f.row_bytes());
       prefetch_bytes(st + rows[u] * sw, sw * sizeof(float));
     };
     for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_value(u);
@@ -605,8 +623,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
                             &starts = groups.starts;
   const int64_t ngroups = (int64_t)starts.size() - 1;
-  // The priority a row has once this step's counts are in.
-  auto priority_of_row = [&](int64_t row) -> int32_t { return lfu ? cnt[row] : (int32_t)step; };
+  const RowPriority priority_of_row{lfu, cnt, step};
   // Brings in what group gi will touch: its set's tags and priorities, the slots of its
   // residents and the table rows of its candidates (written if they bypass).
   auto prefetch_group = [&](int64_t gi) {
@@ -644,9 +661,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
       const int64_t base = set_of[by_set[starts[gi]]] * ways;
       apply_set_rule(
           cand, [&](int64_t u) -> int64_t { return priority_of_row(rows[u]); },
-          [&](int64_t way) -> int64_t {
-            return cache.tags[base + way] < 0 ? kEmpty : (int64_t)prio[base + way];
-          },
+          [&](int64_t way) { return slot_priority(cache.tags, prio, base + way); },
           ways, slot_prio,
           [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
             const int64_t slot = base + way;
@@ -747,6 +762,7 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
   SetGroups groups;
   for (int64_t s = 0; s < nsteps; ++s) {
     const int64_t step = first_step + s;
+    const RowPriority priority_of_row{lfu, cnt, step};
     keys.clear();
     for (int64_t l = so[s]; l < so[s + 1]; ++l) keys.push_back((uint64_t)idx[l] << 32);
     radix_sort_high(keys, index_bits, tmp);
@@ -773,7 +789,7 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
         const int64_t u = groups.by_set[k];
         const int64_t slot = cache.find_in_set(base / ways, rows[u]);
         if (slot >= 0) {  // resident before the update: all its lookups of the step hit
-          prio[slot] = lfu ? cnt[rows[u]] : (int32_t)step;
+          prio[slot] = priority_of_row(rows[u]);
           ++unique_hits;
           hits += occ[u];
         } else {
@@ -781,15 +797,13 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
         }
       }
       apply_set_rule(
-          cand, [&](int64_t u) -> int64_t { return lfu ? cnt[rows[u]] : step; },
-          [&](int64_t way) -> int64_t {
-            return tags[base + way] < 0 ? kEmpty : (int64_t)prio[base + way];
-          },
+          cand, [&](int64_t u) -> int64_t { return priority_of_row(rows[u]); },
+          [&](int64_t way) { return slot_priority(tags, prio, base + way); },
           ways, slot_prio,
           [&](int64_t u, int64_t way) {
             evict += tags[base + way] >= 0;
             tags[base + way] = (int32_t)rows[u];
-            prio[base + way] = lfu ? cnt[rows[u]] : (int32_t)step;
+            prio[base + way] = priority_of_row(rows[u]);
             ++ins;
           },
           [&](int64_t) { ++bypass; });

@@ -96,3 +96,28 @@ def test_torchrec_dlrm_trains_with_cached_int8_tables():
     assert losses[-1] < 0.7 * losses[0]
     stats = ebc.stats()["t0"]
     assert stats["hits"] > 0 and stats["insertions"] > 0
+
+
+@pytest.mark.parametrize("bad", ["too_big", "negative", "negative_length"])
+def test_bad_ids_name_table_and_feature_and_change_nothing(bad):
+    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="int8", cache_ratio=0.05)
+    kjt = _kjt(torch.Generator().manual_seed(3), 8)
+    ours(kjt).values().sum().backward()
+    ours.step()  # some rows cached, counts and statistics non-zero
+    values, lengths = kjt.values().clone(), kjt.lengths().clone()
+    at = int(kjt.lengths()[:8].sum()) + 1  # a lookup of feature f1 (table t1, 3000 rows)
+    if bad == "too_big":
+        values[at], expected = 3000, "table 't1': feature 'f1' has index 3000"
+    elif bad == "negative":
+        values[at], expected = -1, "table 't1': feature 'f1' has index -1"
+    else:
+        lengths[9], lengths[10] = -1, lengths[10] + lengths[9] + 1
+        expected = "negative length"
+    broken = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths)
+    before = {k: v.clone() for k, v in ours.state_dict().items() if isinstance(v, torch.Tensor)}
+    stats = ours.stats()
+    with pytest.raises(ValueError, match=expected):
+        ours(broken)
+    after = ours.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert ours.stats() == stats

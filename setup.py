@@ -26,7 +26,8 @@ NVCC_FLAGS = ["-O3", "--fmad=false", "-gencode=arch=compute_80,code=sm_80",
 
 
 def _simd_flags():
-    """SSE4.1 turns floorf/rintf into single instructions (same IEEE results) on x86-64."""
+    """SSE4.1 turns floorf/rintf into single instructions (same IEEE results) and enables
+    the SIMD Philox of rowquant.h on x86-64."""
     return ["-msse4.1"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
@@ -57,7 +58,8 @@ def _emulator_extension():
         "embcache._cuda_emu",
         ["csrc/emulated/emu_ops.cpp"],
         include_dirs=INCLUDE,
-        extra_compile_args=["-O2", "-ffp-contract=off", "-pthread"] + _simd_flags(),
+        # EMBCACHE_PORTABLE: the header's portable code, the code the GPU runs (no SSE paths).
+        extra_compile_args=["-O2", "-ffp-contract=off", "-pthread", "-DEMBCACHE_PORTABLE"] + _simd_flags(),
         extra_link_args=["-pthread"],
     )
 

@@ -14,6 +14,14 @@
 #include <stdint.h>
 #include <string.h>
 
+// Host builds with SSE4.1 run the four Philox blocks of stream_uniforms16 in one SIMD
+// register per state word; CUDA, the warp emulator (built with EMBCACHE_PORTABLE, so that
+// the tests compare the two) and other hosts run the portable loop. Same words either way.
+#if defined(__SSE4_1__) && !defined(__CUDACC__) && !defined(EMBCACHE_PORTABLE)
+#define EMBCACHE_SSE_PHILOX 1
+#include <smmintrin.h>
+#endif
+
 #if defined(__CUDACC__)
 #define EMBCACHE_HD __host__ __device__ __forceinline__
 #else
@@ -94,33 +102,6 @@ EMBCACHE_HD uint16_t float_to_half_rn(float f) {
 // Philox4x32-10 (Salmon et al., Random123) and the stream of SPEC §3
 // ---------------------------------------------------------------------------------------
 
-struct Philox4 {
-  uint32_t v[4];
-};
-
-EMBCACHE_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
-  return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
-}
-
-EMBCACHE_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
-                                  uint32_t k0, uint32_t k1) {
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const uint32_t lo0 = 0xD2511F53u * c0, hi0 = mulhi32(0xD2511F53u, c0);
-    const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = mulhi32(0xCD9E8D57u, c2);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-  }
-  Philox4 out = {{c0, c1, c2, c3}};
-  return out;
-}
-
 /// Where a row's random numbers come from: key (seed), counter (step, table, row).
 /// Element j of the row uses word j % 4 of philox(counter = (j / 4, row, step, table)).
 struct RoundingStream {
@@ -129,18 +110,79 @@ struct RoundingStream {
   uint32_t table;
 };
 
-/// The Philox block of elements [4 * block, 4 * block + 4) of row `row`.
-EMBCACHE_HD Philox4 stream_block(const RoundingStream& s, int64_t row, int64_t block) {
-  return philox4x32_10((uint32_t)block, (uint32_t)row, s.step, s.table, (uint32_t)s.seed,
-                       (uint32_t)(s.seed >> 32));
-}
-
 /// A 32-bit word as a uniform number in [0, 1): its top 24 bits * 2^-24.
 EMBCACHE_HD float word_uniform(uint32_t w) { return (float)(w >> 8) * 5.9604644775390625e-8f; }
 
-/// The uniform number in [0, 1) of element `j` of row `row`.
-EMBCACHE_HD float stream_uniform(const RoundingStream& s, int64_t row, int64_t j) {
-  return word_uniform(stream_block(s, row, j >> 2).v[j & 3]);
+/// The uniforms of elements [16 * chunk, 16 * chunk + 16) of row `row`: u[i] is element
+/// 16 * chunk + i, i.e. word i % 4 of Philox4x32-10 block 4 * chunk + i / 4, whose counter
+/// is (4 * chunk + i / 4, row, step, table) and key the seed.
+EMBCACHE_HD void stream_uniforms16(const RoundingStream& s, int64_t row, int64_t chunk,
+                                   float* u) {
+  uint32_t k0 = (uint32_t)s.seed, k1 = (uint32_t)(s.seed >> 32);
+#if defined(EMBCACHE_SSE_PHILOX)
+  // Lane b holds block b. A round: (hi, lo) = M0 * x0 and M1 * x2 as 64-bit products
+  // (even lanes, then odd lanes shifted down), then x = (hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0).
+  const int c = (int)(4 * chunk);
+  __m128i x0 = _mm_setr_epi32(c, c + 1, c + 2, c + 3), x1 = _mm_set1_epi32((int)row),
+          x2 = _mm_set1_epi32((int)s.step), x3 = _mm_set1_epi32((int)s.table);
+  const __m128i m0 = _mm_set1_epi32((int)0xD2511F53u), m1 = _mm_set1_epi32((int)0xCD9E8D57u);
+  auto mul_hi_lo = [](__m128i a, __m128i m, __m128i* lo) {
+    const __m128i even = _mm_mul_epu32(a, m), odd = _mm_mul_epu32(_mm_srli_epi64(a, 32), m);
+    *lo = _mm_blend_epi16(even, _mm_slli_epi64(odd, 32), 0xCC);
+    return _mm_blend_epi16(_mm_srli_epi64(even, 32), odd, 0xCC);
+  };
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    __m128i lo0, lo1;
+    const __m128i hi0 = mul_hi_lo(x0, m0, &lo0), hi1 = mul_hi_lo(x2, m1, &lo1);
+    x0 = _mm_xor_si128(_mm_xor_si128(hi1, x1), _mm_set1_epi32((int)k0));
+    x2 = _mm_xor_si128(_mm_xor_si128(hi0, x3), _mm_set1_epi32((int)k1));
+    x1 = lo1;
+    x3 = lo0;
+  }
+  const __m128 scale = _mm_set1_ps(5.9604644775390625e-8f);  // word_uniform, four at a time
+  __m128 w0 = _mm_mul_ps(_mm_cvtepi32_ps(_mm_srli_epi32(x0, 8)), scale);
+  __m128 w1 = _mm_mul_ps(_mm_cvtepi32_ps(_mm_srli_epi32(x1, 8)), scale);
+  __m128 w2 = _mm_mul_ps(_mm_cvtepi32_ps(_mm_srli_epi32(x2, 8)), scale);
+  __m128 w3 = _mm_mul_ps(_mm_cvtepi32_ps(_mm_srli_epi32(x3, 8)), scale);
+  _MM_TRANSPOSE4_PS(w0, w1, w2, w3);  // now w_b = the four words of block b
+  _mm_storeu_ps(u, w0);
+  _mm_storeu_ps(u + 4, w1);
+  _mm_storeu_ps(u + 8, w2);
+  _mm_storeu_ps(u + 12, w3);
+#else
+  uint32_t x0[4], x1[4], x2[4], x3[4];
+  for (int b = 0; b < 4; ++b) {
+    x0[b] = (uint32_t)(4 * chunk + b);
+    x1[b] = (uint32_t)row;
+    x2[b] = s.step;
+    x3[b] = s.table;
+  }
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    for (int b = 0; b < 4; ++b) {
+      const uint64_t p0 = (uint64_t)0xD2511F53u * x0[b], p1 = (uint64_t)0xCD9E8D57u * x2[b];
+      const uint32_t n0 = (uint32_t)(p1 >> 32) ^ x1[b] ^ k0;
+      const uint32_t n2 = (uint32_t)(p0 >> 32) ^ x3[b] ^ k1;
+      x0[b] = n0;
+      x1[b] = (uint32_t)p1;
+      x2[b] = n2;
+      x3[b] = (uint32_t)p0;
+    }
+  }
+  for (int b = 0; b < 4; ++b) {
+    u[4 * b + 0] = word_uniform(x0[b]);
+    u[4 * b + 1] = word_uniform(x1[b]);
+    u[4 * b + 2] = word_uniform(x2[b]);
+    u[4 * b + 3] = word_uniform(x3[b]);
+  }
+#endif
 }
 
 /// 64-bit MurmurHash3 finalizer: row -> set.
@@ -304,15 +346,14 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     for (int j = 0; j < f.dim; ++j) store_f32(row + 4 * j, x[j]);
     return;
   }
-  Philox4 block = {{0, 0, 0, 0}};  // the random words of elements j & ~3 .. (j & ~3) + 3
+  float u[16] = {0.f};  // the uniforms of elements j0 .. j0 + 15
   if (f.bits == 16) {
     for (int j = 0; j < f.dim; ++j) {
       uint16_t h;
       if (stochastic) {
-        if ((j & 3) == 0) block = stream_block(stream, row_id, j >> 2);
+        if ((j & 15) == 0) stream_uniforms16(stream, row_id, j >> 4, u);
         const uint32_t b = float_bits(x[j]);
-        h = (uint16_t)((b >> 16) & 0x8000u) |
-            half_stochastic_magnitude(b & 0x7fffffffu, word_uniform(block.v[j & 3]));
+        h = (uint16_t)((b >> 16) & 0x8000u) | half_stochastic_magnitude(b & 0x7fffffffu, u[j & 15]);
       } else {
         h = float_to_half_rn(x[j]);
       }
@@ -351,15 +392,11 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
   const int lg = log2_codes_per_byte(f.bits);
   if (lg > 0)
     for (int b = 0; b < f.payload_bytes(); ++b) row[b] = 0;
-  float u[16] = {0.f};
   int code[16];
   for (int j0 = 0; j0 < f.dim; j0 += 16) {
     const int m = f.dim - j0 < 16 ? f.dim - j0 : 16;
     if (stochastic) {
-      for (int b = 0; 4 * b < m; ++b) {
-        const Philox4 block4 = stream_block(stream, row_id, (j0 >> 2) + b);
-        for (int i = 0; i < 4; ++i) u[4 * b + i] = word_uniform(block4.v[i]);
-      }
+      stream_uniforms16(stream, row_id, j0 >> 4, u);
       for (int i = 0; i < m; ++i) code[i] = round_code((x[j0 + i] - bias) * inv, true, u[i], q_max);
     } else {
       for (int i = 0; i < m; ++i) code[i] = round_code((x[j0 + i] - bias) * inv, false, 0.f, q_max);

@@ -32,16 +32,15 @@ inline void define_cache_ops(torch::Library& m) {
         "int batch) -> (Tensor, Tensor)");
   m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
         "Tensor grad_output, int[] dims, int[] mean, int batch) -> Tensor[]");
-  m.def("multi_update_prepare(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
-        "Tensor[] optimizer_state, Tensor[] unique_rows, Tensor[] grads, int[] bits, "
+  // Prepares every table's update, then commits all of them only if every table can take
+  // its update: returns ([tables, 5] commit statistics, per table the smallest row it
+  // cannot store or -1); if any table has such a row, no state is changed.
+  m.def("multi_update(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, Tensor(c!)[] cache_rows, "
+        "Tensor(d!)[] cache_priority, Tensor(e!)[] counts, Tensor(f!)[] optimizer_state, "
+        "Tensor[] unique_rows, Tensor[] grads, Tensor[] occurrences, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
-        "int[] num_sets, int[] ways) -> (Tensor[], Tensor[], Tensor[], int[])");
-  m.def("multi_update_commit(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, "
-        "Tensor(c!)[] cache_rows, Tensor(d!)[] cache_priority, Tensor(e!)[] counts, "
-        "Tensor(f!)[] optimizer_state, Tensor[] unique_rows, Tensor[] fresh, "
-        "Tensor[] fresh_state, Tensor[] slots, Tensor[] occurrences, int[] bits, "
-        "int[] qparams_fp16, int[] stochastic, int[] lfu, int[] seed, int[] steps, "
-        "int[] table, int[] num_sets, int[] ways) -> Tensor");
+        "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, int[] steps) "
+        "-> (Tensor, int[])");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
         "Tensor(c!) cache_priority, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");

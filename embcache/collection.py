@@ -129,6 +129,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         if features.values().dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {features.values().dtype}")
         tables = self.tables()
+        state = [t._state_tensors() for t in tables]
         values = features.values().long().contiguous()
         offsets = features.offsets().long().contiguous()
         psw = features.weights_or_none()
@@ -136,8 +137,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         batch = features.stride()
         try:
             pooled, hits = _ops.multi_lookup_forward(
-                [t.weights for t in tables], [t.cache_tags for t in tables],
-                [t.cache_rows for t in tables], values, offsets, psw, table_of,
+                [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
+                values, offsets, psw, table_of,
                 *self._static_lookup_args, batch,
             )
         except RuntimeError:
@@ -175,26 +176,16 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         if not pending:
             return
         tables = [t for t, _ in pending]
-        rows = [p[0] for _, p in pending]
-        cfgs = [t.config for t in tables]
-        fresh, fresh_state, slots, bad = _ops.multi_update_prepare(
-            [t.weights for t in tables], [t.cache_tags for t in tables],
-            [t.cache_rows for t in tables], [t.optimizer_state for t in tables], rows,
-            [p[1] for _, p in pending], [c.bits for c in cfgs],
-            [int(c.qparams_fp16) for c in cfgs], [int(c.rounding == "stochastic") for c in cfgs],
-            [c.optimizer_code for c in cfgs],
-            [c.lr for c in cfgs], [c.eps for c in cfgs], [c.num_sets for c in cfgs],
-            [c.ways for c in cfgs],
+        rows, grads, occurrences = (list(x) for x in zip(*(p for _, p in pending)))
+        stats, bad = _ops.multi_update(
+            *(list(x) for x in zip(*(t._state_tensors() for t in tables))),
+            rows, grads, occurrences,
+            *(list(x) for x in zip(*(t._update_settings for t in tables))),
+            [t.step_count + 1 for t in tables],
         )
         for t, b in zip(tables, bad):
             t._raise_if_bad(b)
-        state = list(zip(*(t._state_tensors() for t in tables)))
-        per_table = list(zip(*(t._commit_args() for t in tables)))
-        counts = _ops.multi_update_commit(
-            *[list(x) for x in state], rows, fresh, fresh_state, slots,
-            [p[2] for _, p in pending], *[[int(v) for v in x] for x in per_table],
-        )
-        for t, r, c in zip(tables, rows, counts.tolist()):
+        for t, r, c in zip(tables, rows, stats.tolist()):
             t._record_step(r.numel(), c)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,6 +1,7 @@
 """A low-precision embedding-bag table behind an FP32 set-associative cache (SPEC §2-4)."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -92,7 +93,6 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.register_buffer("counts", _state_tensor((counts_rows,), torch.int32).zero_())
         width = cfg.optimizer_state_width
         self.register_buffer("optimizer_state", _state_tensor((rows * width,), torch.float32).zero_())
-        self.step_count = 0
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._grad_anchor = torch.empty(0, requires_grad=True)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -100,8 +100,23 @@ class CachedLowPrecisionEmbedding(nn.Module):
     # ------------------------------------------------------------------ construction helpers
 
     @property
+    def step_count(self) -> int:
+        """The number of updates applied so far."""
+        return self._stats["steps"]
+
+    @property
     def _lfu(self) -> bool:
         return self.config.policy == "lfu" and self.config.num_slots > 0
+
+    @functools.cached_property
+    def _update_settings(self) -> tuple:
+        """This table's settings in the order of the multi_update op (between the gradients
+        and the step number)."""
+        cfg = self.config
+        return (
+            cfg.bits, int(cfg.qparams_fp16), int(cfg.rounding == "stochastic"), cfg.optimizer_code,
+            cfg.lr, cfg.eps, int(self._lfu), cfg.seed, cfg.table_id, cfg.num_sets, cfg.ways,
+        )
 
     def _format_args(self) -> tuple[int, bool]:
         return self.config.bits, self.config.qparams_fp16
@@ -304,21 +319,22 @@ class CachedLowPrecisionEmbedding(nn.Module):
         )
 
     def _state_tensors(self) -> tuple:
-        return (self.weights, self.cache_tags, self.cache_rows, self.cache_priority,
-                self.counts, self.optimizer_state)
+        """(weights, cache_tags, cache_rows, cache_priority, counts, optimizer_state)."""
+        b = self._buffers  # read directly: nn.Module.__getattr__ is slow on a per-step path
+        return (b["weights"], b["cache_tags"], b["cache_rows"], b["cache_priority"],
+                b["counts"], b["optimizer_state"])
 
     def _commit_step(self, prepared: tuple) -> None:
         counts = _ops.update_commit(*self._state_tensors(), *prepared, *self._commit_args())
         self._record_step(prepared[0].numel(), counts.tolist())
 
     def _record_step(self, unique_rows: int, counts: list) -> None:
-        self.step_count += 1
         s = self._stats
         s["steps"] += 1
         s["unique_rows"] += unique_rows
         for name, n in zip(("unique_hits", "unique_misses", "insertions", "evictions", "bypasses"), counts):
             s[name] += n
-        self._pending = []
+        self._pending.clear()
 
     def flush(self) -> int:
         """Round every cached row down into the table and empty the cache.
@@ -398,8 +414,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 f"table '{self.config.name}': checkpoint was saved with another configuration "
                 f"(field: (saved, current)) {diff}"
             )
-        self.step_count = int(state["step_count"])
         self._stats = dict(state["stats"])
+        self._stats["steps"] = int(state["step_count"])
 
 
 _HUGE_PAGE = 2 << 20

@@ -921,39 +921,29 @@ std::vector<int64_t> update_costs(at::TensorList weights, at::TensorList unique_
   return cost;
 }
 
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-           std::vector<int64_t>>
-multi_update_prepare(at::TensorList weights, at::TensorList cache_tags,
-                     at::TensorList cache_rows, at::TensorList optimizer_state,
-                     at::TensorList unique_rows, at::TensorList grads, at::IntArrayRef bits,
-                     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
-                     at::IntArrayRef optimizer,
-                     at::ArrayRef<double> lr, at::ArrayRef<double> eps,
-                     at::IntArrayRef num_sets, at::IntArrayRef ways) {
+/// Every table's update_prepare, then, if no table has a row it cannot store, every
+/// table's update_commit (tables in parallel, costliest first in both phases).
+std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
+    at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
+    at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
+    at::TensorList unique_rows, at::TensorList grads, at::TensorList occurrences,
+    at::IntArrayRef bits, at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
+    at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
+    at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
+    at::IntArrayRef ways, at::IntArrayRef steps) {
   const int64_t nt = (int64_t)weights.size();
   std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
   std::vector<int64_t> bad(nt);
-  for_each_by_cost(update_costs(weights, unique_rows), [&](int64_t t) {
+  at::Tensor stats = at::zeros({nt, 5}, at::kLong);
+  const std::vector<int64_t> cost = update_costs(weights, unique_rows);
+  for_each_by_cost(cost, [&](int64_t t) {
     std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
         weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t],
         grads[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t],
         eps[t], num_sets[t], ways[t]);
   });
-  return {fresh, fresh_state, slots, bad};
-}
-
-at::Tensor multi_update_commit(at::TensorList weights, at::TensorList cache_tags,
-                               at::TensorList cache_rows, at::TensorList cache_priority,
-                               at::TensorList counts, at::TensorList optimizer_state,
-                               at::TensorList unique_rows, at::TensorList fresh,
-                               at::TensorList fresh_state, at::TensorList slots,
-                               at::TensorList occurrences, at::IntArrayRef bits,
-                               at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
-                               at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef steps, at::IntArrayRef table,
-                               at::IntArrayRef num_sets, at::IntArrayRef ways) {
-  const int64_t nt = (int64_t)weights.size();
-  at::Tensor stats = at::zeros({nt, 5}, at::kLong);
-  for_each_by_cost(update_costs(weights, unique_rows), [&](int64_t t) {
+  if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return {stats, bad};
+  for_each_by_cost(cost, [&](int64_t t) {
     at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
                prio = cache_priority[t], cnt = counts[t], st = optimizer_state[t];
     stats[t].copy_(update_commit(w, tags, rows, prio, cnt, st, unique_rows[t], fresh[t],
@@ -961,7 +951,7 @@ at::Tensor multi_update_commit(at::TensorList weights, at::TensorList cache_tags
                                  qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
                                  seed[t], steps[t], table[t], num_sets[t], ways[t]));
   });
-  return stats;
+  return {stats, bad};
 }
 
 /// Asks Linux to back the tensor's whole 2 MiB pages with transparent huge pages. Random
@@ -1001,8 +991,7 @@ TORCH_LIBRARY_IMPL(embcache, CPU, m) {
   m.impl("update_commit", &update_commit);
   m.impl("multi_lookup_forward", &multi_lookup_forward);
   m.impl("multi_dedup_backward", &multi_dedup_backward);
-  m.impl("multi_update_prepare", &multi_update_prepare);
-  m.impl("multi_update_commit", &multi_update_commit);
+  m.impl("multi_update", &multi_update);
   m.impl("cache_replay", &cache_replay);
   m.impl("cache_flush", &cache_flush);
   m.impl("advise_huge_pages", &advise_huge_pages);

@@ -346,36 +346,27 @@ inline std::vector<at::Tensor> multi_dedup_backward(
   return out;
 }
 
-inline std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                  std::vector<int64_t>>
-multi_update_prepare(at::TensorList weights, at::TensorList cache_tags,
-                     at::TensorList cache_rows, at::TensorList optimizer_state,
-                     at::TensorList unique_rows, at::TensorList grads, at::IntArrayRef bits,
-                     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
-                     at::IntArrayRef optimizer,
-                     at::ArrayRef<double> lr, at::ArrayRef<double> eps,
-                     at::IntArrayRef num_sets, at::IntArrayRef ways) {
+inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
+    at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
+    at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
+    at::TensorList unique_rows, at::TensorList grads, at::TensorList occurrences,
+    at::IntArrayRef bits, at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
+    at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
+    at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
+    at::IntArrayRef ways, at::IntArrayRef steps) {
   const int64_t nt = (int64_t)weights.size();
   std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
   std::vector<int64_t> bad(nt);
-  for (int64_t t = 0; t < nt; ++t)
+  at::Tensor stats = at::zeros({nt, 5}, at::kLong);
+  bool any_bad = false;
+  for (int64_t t = 0; t < nt; ++t) {
     std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
         weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t], grads[t],
         bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t], eps[t],
         num_sets[t], ways[t]);
-  return {fresh, fresh_state, slots, bad};
-}
-
-inline at::Tensor multi_update_commit(
-    at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
-    at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
-    at::TensorList unique_rows, at::TensorList fresh, at::TensorList fresh_state,
-    at::TensorList slots, at::TensorList occurrences, at::IntArrayRef bits,
-    at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic, at::IntArrayRef lfu,
-    at::IntArrayRef seed, at::IntArrayRef steps, at::IntArrayRef table, at::IntArrayRef num_sets,
-    at::IntArrayRef ways) {
-  const int64_t nt = (int64_t)weights.size();
-  at::Tensor stats = at::zeros({nt, 5}, at::kLong);
+    any_bad = any_bad || bad[t] >= 0;
+  }
+  if (any_bad) return {stats, bad};
   for (int64_t t = 0; t < nt; ++t) {
     at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
                ts = cache_priority[t], cnt = counts[t], st = optimizer_state[t];
@@ -384,7 +375,7 @@ inline at::Tensor multi_update_commit(
                                  qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0, seed[t],
                                  steps[t], table[t], num_sets[t], ways[t]));
   }
-  return stats;
+  return {stats, bad};
 }
 
 }  // namespace ops
@@ -403,7 +394,6 @@ inline at::Tensor multi_update_commit(
     m.impl("update_commit", &o::update_commit);                                \
     m.impl("multi_lookup_forward", &o::multi_lookup_forward);                  \
     m.impl("multi_dedup_backward", &o::multi_dedup_backward);                  \
-    m.impl("multi_update_prepare", &o::multi_update_prepare);                  \
-    m.impl("multi_update_commit", &o::multi_update_commit);                    \
+    m.impl("multi_update", &o::multi_update);                                  \
     m.impl("cache_flush", &o::cache_flush);                                    \
   } while (0)

@@ -19,7 +19,7 @@ inline void define_cache_ops(torch::Library& m) {
   m.def("update_prepare(Tensor weights, Tensor cache_tags, Tensor cache_rows, "
         "Tensor optimizer_state, Tensor unique_rows, Tensor grads, int bits, "
         "bool qparams_fp16, bool stochastic, int optimizer, float lr, float eps, "
-        "int num_sets, int ways) "
+        "int num_sets, int ways, Tensor? slot_hint=None) "
         "-> (Tensor, Tensor, Tensor, int)");
   m.def("update_commit(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
         "Tensor(d!) cache_priority, Tensor(e!) counts, Tensor(f!) optimizer_state, "
@@ -29,15 +29,17 @@ inline void define_cache_ops(torch::Library& m) {
   m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
         "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
         "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
-        "int batch) -> (Tensor, Tensor)");
+        "int batch) -> (Tensor, Tensor, Tensor)");
   m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
-        "Tensor grad_output, int[] dims, int[] mean, int batch) -> Tensor[]");
+        "Tensor grad_output, int[] dims, int[] mean, int batch, Tensor? lookup_slots=None) "
+        "-> Tensor[]");
   // Prepares every table's update, then commits all of them only if every table can take
   // its update: returns ([tables, 5] commit statistics, per table the smallest row it
   // cannot store or -1); if any table has such a row, no state is changed.
   m.def("multi_update(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, Tensor(c!)[] cache_rows, "
         "Tensor(d!)[] cache_priority, Tensor(e!)[] counts, Tensor(f!)[] optimizer_state, "
-        "Tensor[] unique_rows, Tensor[] grads, Tensor[] occurrences, int[] bits, "
+        "Tensor[] unique_rows, Tensor[] grads, Tensor[] occurrences, Tensor[] slot_hints, "
+        "int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
         "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, int[] steps) "
         "-> (Tensor, int[])");

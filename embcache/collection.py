@@ -8,9 +8,10 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from embcache.embedding import CachedLowPrecisionEmbedding, _ops
+from embcache.embedding import CachedLowPrecisionEmbedding, PendingGradient, _ops
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+_NO_HINT = torch.empty(0, dtype=torch.int64)
 
 
 class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
@@ -136,7 +137,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         psw = None if psw is None else psw.detach().float().contiguous()
         batch = features.stride()
         try:
-            pooled, hits = _ops.multi_lookup_forward(
+            pooled, hits, slots = _ops.multi_lookup_forward(
                 [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
                 values, offsets, psw, table_of,
                 *self._static_lookup_args, batch,
@@ -152,7 +153,10 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             anchor = tables[0]._grad_anchor
         else:
             anchor = tables[0]._grad_anchor.detach()
-        pooled = _FusedLookup.apply(self, values, offsets, psw, table_of, dims, batch, anchor, pooled)
+        versions = [t._cache_version for t in tables]
+        pooled = _FusedLookup.apply(
+            self, values, offsets, psw, slots, versions, table_of, dims, batch, anchor, pooled
+        )
         return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
 
     # -------------------------------------------------------------- the sparse optimizer
@@ -176,10 +180,16 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         if not pending:
             return
         tables = [t for t, _ in pending]
-        rows, grads, occurrences = (list(x) for x in zip(*(p for _, p in pending)))
+        rows = [p.rows for _, p in pending]
+        grads = [p.grads for _, p in pending]
+        occurrences = [p.occurrences for _, p in pending]
+        hints = [  # the forward's slots, while the cache is as that forward saw it
+            p.slots if p.slots is not None and p.cache_version == t._cache_version else _NO_HINT
+            for t, p in pending
+        ]
         stats, bad = _ops.multi_update(
             *(list(x) for x in zip(*(t._state_tensors() for t in tables))),
-            rows, grads, occurrences,
+            rows, grads, occurrences, hints,
             *(list(x) for x in zip(*(t._update_settings for t in tables))),
             [t.step_count + 1 for t in tables],
         )
@@ -216,25 +226,33 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 class _FusedLookup(torch.autograd.Function):
     """Passes the table-batched forward's output through; backward deduplicates every
     feature's gradient in one table-batched call and hands each to its table for
-    :meth:`CachedLowPrecisionEmbeddingBagCollection.step`."""
+    :meth:`CachedLowPrecisionEmbeddingBagCollection.step`, with each row's cache slot as the
+    forward found it (``slots``, per lookup) and the cache versions the forward saw."""
 
     @staticmethod
-    def forward(ctx, collection, values, offsets, psw, table_of, dims, batch, anchor, pooled):
+    def forward(ctx, collection, values, offsets, psw, slots, versions, table_of, dims, batch,
+                anchor, pooled):
         ctx.collection, ctx.table_of, ctx.dims, ctx.batch = collection, table_of, dims, batch
+        ctx.versions = versions
         ctx.has_psw = psw is not None
-        ctx.save_for_backward(values, offsets, *(() if psw is None else (psw,)))
+        ctx.save_for_backward(values, offsets, slots, *(() if psw is None else (psw,)))
         return pooled
 
     @staticmethod
     def backward(ctx, grad):
-        values, offsets, *psw = ctx.saved_tensors
+        values, offsets, slots, *psw = ctx.saved_tensors
         tables = ctx.collection.tables()
-        if ctx.needs_input_grad[7]:
+        if ctx.needs_input_grad[9]:
             modes = [int(tables[t].config.mode == "mean") for t in ctx.table_of]
             flat = _ops.multi_dedup_backward(
                 values, offsets, psw[0] if ctx.has_psw else None,
                 grad.float().contiguous(), ctx.dims, modes, ctx.batch,
+                slots if slots.numel() else None,
             )
             for f, t in enumerate(ctx.table_of):
-                tables[t]._pending.append(tuple(flat[3 * f : 3 * f + 3]))
-        return (None,) * 9
+                rows, grads, occ, row_slots = flat[4 * f : 4 * f + 4]
+                hint = row_slots if row_slots.numel() == rows.numel() else None
+                tables[t]._pending.append(
+                    PendingGradient(rows, grads, occ, hint, ctx.versions[t])
+                )
+        return (None,) * 11

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -26,6 +26,18 @@ _STAT_NAMES = (
     "bypasses",
     "flushed",
 )
+
+
+class PendingGradient(NamedTuple):
+    """A stored gradient: unique rows (ascending), their summed gradients and how often each
+    occurs, and optionally each row's cache slot as the forward found it while the cache was
+    at version ``cache_version`` (a hint the update uses only if the cache is unchanged)."""
+
+    rows: torch.Tensor
+    grads: torch.Tensor
+    occurrences: torch.Tensor
+    slots: Optional[torch.Tensor] = None
+    cache_version: int = -1
 
 
 class EmbeddingUpdateError(ValueError):
@@ -95,7 +107,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.register_buffer("optimizer_state", _state_tensor((rows * width,), torch.float32).zero_())
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._grad_anchor = torch.empty(0, requires_grad=True)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[PendingGradient] = []
+        self._cache_version = 0  # changes whenever the cache may have changed
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -233,37 +246,37 @@ class CachedLowPrecisionEmbedding(nn.Module):
         rows, grads, occ = _ops.dedup_backward(
             indices, offsets, psw, grad_output.float().contiguous(), self.config.mode == "mean"
         )
-        self._pending.append((rows, grads, occ))
+        self._pending.append(PendingGradient(rows, grads, occ))
 
     # ------------------------------------------------------------------ the update
 
-    def _pending_gradient(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _pending_gradient(self) -> Optional[PendingGradient]:
         """The stored gradient summed per unique row (rows ascending)."""
         if not self._pending:
             return None
         if len(self._pending) == 1:
             return self._pending[0]
-        rows = torch.cat([p[0] for p in self._pending])
+        rows = torch.cat([p.rows for p in self._pending])
         unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
         grads = rows.new_zeros(unique.numel(), self.config.embedding_dim, dtype=torch.float32)
-        grads.index_add_(0, inverse, torch.cat([p[1] for p in self._pending]))
+        grads.index_add_(0, inverse, torch.cat([p.grads for p in self._pending]))
         occ = rows.new_zeros(unique.numel())
-        occ.index_add_(0, inverse, torch.cat([p[2] for p in self._pending]))
-        self._pending = [(unique, grads, occ)]
+        occ.index_add_(0, inverse, torch.cat([p.occurrences for p in self._pending]))
+        self._pending = [PendingGradient(unique, grads, occ)]
         return self._pending[0]
 
     def has_nonfinite_grad(self) -> bool:
         """Whether the stored gradient holds an inf or NaN (the overflow check of SPEC §6)."""
-        return any(not bool(torch.isfinite(p[1]).all()) for p in self._pending)
+        return any(not bool(torch.isfinite(p.grads).all()) for p in self._pending)
 
     def pending_grads(self) -> list[torch.Tensor]:
         """The stored FP32 gradient tensors (rows of unique ids), for gradient statistics."""
-        return [p[1] for p in self._pending]
+        return [p.grads for p in self._pending]
 
     def unscale_grad_(self, inv_scale: float) -> None:
         """Multiply the stored gradient by ``inv_scale`` (in FP32), e.g. ``1 / loss_scale``."""
         for p in self._pending:
-            p[1].mul_(inv_scale)
+            p.grads.mul_(inv_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the stored gradient (a skipped step)."""
@@ -285,7 +298,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         pending = self._pending_gradient()
         if pending is None:
             return None
-        rows, grads, occ = pending
+        rows, grads, occ = pending.rows, pending.grads, pending.occurrences
         cfg = self.config
         bits, qfp16 = self._format_args()
         fresh, fresh_state, slots, bad_row = _ops.update_prepare(
@@ -299,7 +312,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
     def _raise_if_bad(self, bad_row: int) -> None:
         if bad_row < 0:
             return
-        rows, grads, _ = self._pending[0]
+        rows, grads = self._pending[0].rows, self._pending[0].grads
         at = int(torch.searchsorted(rows, bad_row))
         what = (
             "non-finite gradient"
@@ -328,7 +341,13 @@ class CachedLowPrecisionEmbedding(nn.Module):
         counts = _ops.update_commit(*self._state_tensors(), *prepared, *self._commit_args())
         self._record_step(prepared[0].numel(), counts.tolist())
 
+    def _bump_cache_version(self) -> None:
+        # A plain int: object.__setattr__ skips nn.Module.__setattr__'s checks, which cost
+        # microseconds per call on this per-step path.
+        object.__setattr__(self, "_cache_version", self._cache_version + 1)
+
     def _record_step(self, unique_rows: int, counts: list) -> None:
+        self._bump_cache_version()
         s = self._stats
         s["steps"] += 1
         s["unique_rows"] += unique_rows
@@ -348,6 +367,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             cfg.rounding == "stochastic", cfg.seed, self.step_count, cfg.table_id,
         )
         self.cache_rows.zero_()
+        self._bump_cache_version()
         self._stats["flushed"] += n
         return n
 
@@ -416,6 +436,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             )
         self._stats = dict(state["stats"])
         self._stats["steps"] = int(state["step_count"])
+        self._bump_cache_version()  # the buffers are being replaced too
 
 
 _HUGE_PAGE = 2 << 20

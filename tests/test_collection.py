@@ -121,3 +121,61 @@ def test_bad_ids_name_table_and_feature_and_change_nothing(bad):
     after = ours.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert ours.stats() == stats
+
+
+def _state(module):
+    return {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("schedule", ["plain", "forward_ahead_of_step", "flush_before_step", "two_forwards"])
+def test_table_batched_step_equals_one_table_at_a_time(schedule):
+    """The collection's update (which reuses the forward's cache slots while the cache is
+    unchanged) leaves the same bytes as its tables trained one by one (slots searched anew),
+    also when the cache changes between a forward and the step that applies its gradient."""
+    options = dict(precision="int8", cache_ratio=0.005, associativity=4, policy="lfu", lr=0.5)
+    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(4), **options)
+    alone = CachedLowPrecisionEmbeddingBagCollection(_tables(4), **options)
+    gen = torch.Generator().manual_seed(7)
+    batches = [_kjt(gen, 64) for _ in range(16)]
+    grads = [torch.randn(64, 4 * len(CARDS), generator=gen) for _ in batches]
+
+    def forward(module, k):
+        return module(batches[k]).values()
+
+    def step(module):
+        if module is ours:
+            module.step()
+        else:  # the single-table path, which never takes slot hints
+            for t in module.tables():
+                t.step()
+
+    for module in (ours, alone):
+        k = 0
+        while k + 1 < len(batches):
+            if schedule == "plain":
+                forward(module, k).backward(grads[k])
+                step(module)
+            elif schedule == "forward_ahead_of_step":  # forward k+1 sees the cache before step k
+                out = forward(module, k)
+                out_next = forward(module, k + 1)
+                out.backward(grads[k])
+                step(module)
+                out_next.backward(grads[k + 1])
+                step(module)
+                k += 1
+            elif schedule == "flush_before_step":
+                forward(module, k).backward(grads[k])
+                module.flush()
+                step(module)
+            else:  # two forwards, one step: gradients merged per table
+                forward(module, k).backward(grads[k])
+                forward(module, k + 1).backward(grads[k + 1])
+                step(module)
+                k += 1
+            k += 1
+    changes = sum(t.stats()["evictions"] + t.stats()["flushed"] for t in ours.tables())
+    assert changes > 0  # the cache did change under the pending gradients
+    a, b = _state(ours), _state(alone)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

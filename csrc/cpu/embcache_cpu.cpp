@@ -222,10 +222,11 @@ Bags bags_of(const at::Tensor& indices, const at::Tensor& offsets,
               psw ? psw->data_ptr<float>() : nullptr};
 }
 
-/// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j]; returns the number of
-/// lookups that found their row cached. Throws before writing if an index is out of range.
+/// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j], and the slot of every
+/// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l; returns the number
+/// of lookups that found their row cached. Throws before writing if an index is out of range.
 int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, int64_t num_rows,
-                    const Bags& bags, bool mean, float* out, int64_t out_stride) {
+                    const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot) {
   const int64_t dim = f.dim;
   for (int64_t l = bags.first(); l < bags.end(); ++l)
     TORCH_CHECK(bags.idx[l] >= 0 && bags.idx[l] < num_rows, "embcache: index ", bags.idx[l],
@@ -235,15 +236,13 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
   // pool (prefetching ahead the cache row or the table row, whichever holds the value).
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
-  const int64_t base = bags.first();
-  std::vector<int64_t> slot_of(bags.end() - base);
-  for (int64_t l = base; l < bags.end(); ++l) slot_of[l - base] = cache.set_of(idx[l]);
+  for (int64_t l = bags.first(); l < bags.end(); ++l) slot[l] = (int32_t)cache.set_of(idx[l]);
   std::atomic<int64_t> hits{0};
   at::parallel_for(0, bags.count, kGrainBags, [&](int64_t b0, int64_t b1) {
-    int64_t* slot = slot_of.data() - base;  // indexed by lookup; holds its set until found
+    // slot[l] holds the set of lookup l until its slot is found
     for (int64_t l = off[b0]; l < off[b1]; ++l) {
       if (l + kPrefetch < off[b1]) cache.prefetch_set(slot[l + kPrefetch]);
-      slot[l] = cache.find_in_set(slot[l], idx[l]);
+      slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);
     }
     auto prefetch_value = [&](int64_t l) {
       cache.prefetch_value(slot[l], dim, w + idx[l] * f.row_bytes(), f.row_bytes());
@@ -290,17 +289,19 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
   const Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
   const Bags bags = bags_of(indices, offsets, per_sample_weights);
   at::Tensor out = at::empty({bags.count, dim}, cache_rows.options());
+  std::vector<int32_t> slots(indices.numel());
   const int64_t hits = lookup_core(f, cache, weights.data_ptr<uint8_t>(), weights.size(0), bags,
-                                   mean, out.data_ptr<float>(), dim);
+                                   mean, out.data_ptr<float>(), dim, slots.data());
   return {out, at::scalar_tensor(hits, at::kLong)};
 }
 
 /// Gradient per unique row (SPEC §4 step 2) from grad_output[b * g_stride + j]: rows
 /// ascending, each row's contributions summed in lookup order; also how often each row
-/// occurs in the bags.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, const float* g,
-                                                          int64_t g_stride, int64_t dim,
-                                                          bool mean) {
+/// occurs in the bags and, given the forward's slot of every lookup (lookup_slot, or
+/// nullptr), each row's slot (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_core(
+    const Bags& bags, const float* g, int64_t g_stride, int64_t dim, bool mean,
+    const int32_t* lookup_slot) {
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
   const int64_t base = bags.first(), n = bags.end() - base;
@@ -330,6 +331,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, cons
   at::Tensor rows = at::empty({nu}, at::kLong);
   at::Tensor grads = at::zeros({nu, dim}, at::kFloat);
   at::Tensor occ = at::empty({nu}, at::kLong);
+  at::Tensor slots = at::empty({lookup_slot ? nu : 0}, at::kLong);
+  int64_t* sl = slots.data_ptr<int64_t>();
   int64_t* r = rows.data_ptr<int64_t>();
   float* gr = grads.data_ptr<float>();
   int64_t* oc = occ.data_ptr<int64_t>();
@@ -337,6 +340,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, cons
     for (int64_t u = u0; u < u1; ++u) {
       r[u] = idx[order[starts[u]]];
       oc[u] = starts[u + 1] - starts[u];
+      if (lookup_slot) sl[u] = lookup_slot[order[starts[u]]];
       float* acc = gr + u * dim;
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
         // Bags come in row order, i.e. at random: fetch the gradient kPrefetch lookups ahead.
@@ -355,7 +359,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_core(const Bags& bags, cons
       }
     }
   });
-  return {rows, grads, occ};
+  return {rows, grads, occ, slots};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
@@ -367,7 +371,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == bags.count,
               "embcache: grad_output must be [bags, dim]");
   const int64_t dim = grad_output.size(1);
-  return dedup_core(bags, grad_output.data_ptr<float>(), dim, dim, mean);
+  auto [rows, grads, occ, slots] =
+      dedup_core(bags, grad_output.data_ptr<float>(), dim, dim, mean, nullptr);
+  return {rows, grads, occ};
 }
 
 /// The optimizer step of one row: new value and new state from the fetched value v and
@@ -480,12 +486,14 @@ void apply_set_rule(std::vector<int64_t>& cand, CandPrio cand_prio, WayPrio way_
 /// First half of a training step's update (SPEC §4 step 3), changing nothing: for each
 /// unique row, its slot (-1 if not cached) and the optimizer's new value and state from
 /// the fetched value. Also returns the smallest row whose new value cannot be stored in
-/// the table's format (non-finite, or beyond its range), or -1.
+/// the table's format (non-finite, or beyond its range), or -1. `slot_hint`, if given,
+/// holds each row's slot as found by a forward over the same cache state (the caller
+/// vouches that the cache has not changed since); it saves searching the sets again.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
     const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
     const at::Tensor& optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
     int64_t bits, bool qparams_fp16, bool stochastic, int64_t optimizer, double lr, double eps,
-    int64_t num_sets, int64_t ways) {
+    int64_t num_sets, int64_t ways, const c10::optional<at::Tensor>& slot_hint) {
   check_tensor(grads, at::kFloat, "grads");
   TORCH_CHECK(grads.dim() == 2, "embcache: grads must be [unique rows, dim]");
   const int64_t dim = grads.size(1);
@@ -504,6 +512,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   for (int64_t u = 0; u < nu; ++u)
     TORCH_CHECK(rows[u] >= 0 && rows[u] < num_rows && (u == 0 || rows[u] > rows[u - 1]),
                 "embcache: unique rows must be ascending and in range");
+  const int64_t* hint = nullptr;
+  if (slot_hint.has_value()) {
+    check_tensor(*slot_hint, at::kLong, "slot_hint");
+    TORCH_CHECK(slot_hint->numel() == nu, "embcache: slot_hint must hold one slot per row");
+    hint = slot_hint->data_ptr<int64_t>();
+    for (int64_t u = 0; u < nu; ++u)
+      TORCH_CHECK(hint[u] >= -1 && hint[u] < num_sets * ways, "embcache: slot_hint ", hint[u],
+                  " is not a slot");
+  }
 
   at::Tensor fresh = at::empty({nu, dim}, grads.options());
   at::Tensor fresh_state = at::empty({nu, sw}, grads.options());
@@ -517,10 +534,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     // Two passes, as in lookup_core: slots (tags prefetched ahead), then values.
-    for (int64_t u = u0; u < u1; ++u) sl[u] = cache.set_of(rows[u]);  // the set until found
-    for (int64_t u = u0; u < u1; ++u) {
-      if (u + kPrefetch < u1) cache.prefetch_set(sl[u + kPrefetch]);
-      sl[u] = cache.find_in_set(sl[u], rows[u]);
+    if (hint) {
+      std::copy(hint + u0, hint + u1, sl + u0);
+    } else {
+      for (int64_t u = u0; u < u1; ++u) sl[u] = cache.set_of(rows[u]);  // the set until found
+      for (int64_t u = u0; u < u1; ++u) {
+        if (u + kPrefetch < u1) cache.prefetch_set(sl[u + kPrefetch]);
+        sl[u] = cache.find_in_set(sl[u], rows[u]);
+      }
     }
     auto prefetch_value = [&](int64_t u) {
       cache.prefetch_value(sl[u], dim, w + rows[u] * f.row_bytes(), f.row_bytes());
@@ -854,9 +875,9 @@ std::vector<int64_t> column_offsets(at::IntArrayRef dims) {
   return col;
 }
 
-/// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, and
-/// the number of cached lookups per feature.
-std::tuple<at::Tensor, at::Tensor> multi_lookup_forward(
+/// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, the
+/// number of cached lookups per feature, and every lookup's slot (int32, -1 if not cached).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
@@ -870,6 +891,7 @@ std::tuple<at::Tensor, at::Tensor> multi_lookup_forward(
   at::Tensor out = at::empty({batch, col[nf]}, at::kFloat);
   at::Tensor hits = at::zeros({nf}, at::kLong);
   int64_t* h = hits.data_ptr<int64_t>();
+  at::Tensor slots = at::empty({indices.numel()}, at::kInt);
   const Bags all = bags_of(indices, offsets, per_sample_weights);
   std::vector<int64_t> cost(nf);
   for (int64_t f = 0; f < nf; ++f)
@@ -882,18 +904,21 @@ std::tuple<at::Tensor, at::Tensor> multi_lookup_forward(
     const Cache cache = make_cache(cache_tags[t], cache_rows[t], num_sets[t], ways[t], dims[t]);
     const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
     h[f] = lookup_core(fmt, cache, weights[t].data_ptr<uint8_t>(), weights[t].size(0), bags,
-                       mean[t] != 0, out.data_ptr<float>() + col[f], col[nf]);
+                       mean[t] != 0, out.data_ptr<float>() + col[f], col[nf],
+                       slots.data_ptr<int32_t>());
   });
-  return {out, hits};
+  return {out, hits, slots};
 }
 
-/// Per feature, the deduplicated gradient (rows, grads, occurrences, flattened) from the
-/// gradient of multi_lookup_forward's output, [batch, sum of dims].
+/// Per feature, the deduplicated gradient (rows, grads, occurrences, slots; flattened) from
+/// the gradient of multi_lookup_forward's output, [batch, sum of dims]. Given the forward's
+/// lookup_slots, each row's slot; else empty slot tensors.
 std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
                                              const at::Tensor& offsets,
                                              const c10::optional<at::Tensor>& per_sample_weights,
                                              const at::Tensor& grad_output, at::IntArrayRef dims,
-                                             at::IntArrayRef mean, int64_t batch) {
+                                             at::IntArrayRef mean, int64_t batch,
+                                             const c10::optional<at::Tensor>& lookup_slots) {
   const int64_t nf = (int64_t)dims.size();
   check_features(indices, offsets, per_sample_weights, nf, batch);
   const std::vector<int64_t> col = column_offsets(dims);
@@ -902,13 +927,21 @@ std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
                   grad_output.size(1) == col[nf],
               "embcache: grad_output must be [batch, sum of dims]");
   const Bags all = bags_of(indices, offsets, per_sample_weights);
-  std::vector<at::Tensor> out(3 * nf);
+  const int32_t* lookup_slot = nullptr;
+  if (lookup_slots.has_value()) {
+    check_tensor(*lookup_slots, at::kInt, "lookup_slots");
+    TORCH_CHECK(lookup_slots->numel() == indices.numel(),
+                "embcache: lookup_slots must hold one slot per index");
+    lookup_slot = lookup_slots->data_ptr<int32_t>();
+  }
+  std::vector<at::Tensor> out(4 * nf);
   std::vector<int64_t> cost(nf);
   for (int64_t f = 0; f < nf; ++f) cost[f] = all.off[(f + 1) * batch] - all.off[f * batch];
   for_each_by_cost(cost, [&](int64_t f) {
     const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
-    std::tie(out[3 * f], out[3 * f + 1], out[3 * f + 2]) = dedup_core(
-        bags, grad_output.data_ptr<float>() + col[f], col[nf], dims[f], mean[f] != 0);
+    std::tie(out[4 * f], out[4 * f + 1], out[4 * f + 2], out[4 * f + 3]) =
+        dedup_core(bags, grad_output.data_ptr<float>() + col[f], col[nf], dims[f], mean[f] != 0,
+                   lookup_slot);
   });
   return out;
 }
@@ -922,12 +955,14 @@ std::vector<int64_t> update_costs(at::TensorList weights, at::TensorList unique_
 }
 
 /// Every table's update_prepare, then, if no table has a row it cannot store, every
-/// table's update_commit (tables in parallel, costliest first in both phases).
+/// table's update_commit (tables in parallel, costliest first in both phases). A table's
+/// slot_hints entry is its update_prepare slot_hint, or an empty tensor for none.
 std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
     at::TensorList unique_rows, at::TensorList grads, at::TensorList occurrences,
-    at::IntArrayRef bits, at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
+    at::TensorList slot_hints, at::IntArrayRef bits, at::IntArrayRef qparams_fp16,
+    at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
     at::IntArrayRef ways, at::IntArrayRef steps) {
@@ -940,7 +975,8 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
         weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t],
         grads[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t],
-        eps[t], num_sets[t], ways[t]);
+        eps[t], num_sets[t], ways[t],
+        slot_hints[t].numel() > 0 ? c10::optional<at::Tensor>(slot_hints[t]) : c10::nullopt);
   });
   if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return {stats, bad};
   for_each_by_cost(cost, [&](int64_t t) {

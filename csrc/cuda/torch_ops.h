@@ -164,7 +164,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
     const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
     const at::Tensor& optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
     int64_t bits, bool qparams_fp16, bool stochastic, int64_t optimizer, double lr,
-    double eps, int64_t num_sets, int64_t ways) {
+    double eps, int64_t num_sets, int64_t ways,
+    const c10::optional<at::Tensor>& /*slot_hint: the kernel finds the slots itself*/) {
   EMBCACHE_DEVICE_GUARD(weights);
   check_tensor(grads, at::kFloat, "grads");
   TORCH_CHECK(grads.dim() == 2, "embcache: grads must be [unique rows, dim]");
@@ -280,7 +281,9 @@ inline std::vector<int64_t> column_offsets(const std::vector<int64_t>& dims) {
   return col;
 }
 
-inline std::tuple<at::Tensor, at::Tensor> multi_lookup_forward(
+/// The third output, every lookup's slot, is empty here: the CUDA update finds the slots
+/// itself, so it takes no slot hints (an empty hint means none).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
@@ -309,13 +312,14 @@ inline std::tuple<at::Tensor, at::Tensor> multi_lookup_forward(
         per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr, fmt, num_sets[t],
         ways[t], mean[t] != 0, out.data_ptr<float>() + col[f], col[nf], current_stream());
   }
-  return {out, hits};
+  return {out, hits, at::empty({0}, indices.options().dtype(at::kInt))};
 }
 
 inline std::vector<at::Tensor> multi_dedup_backward(
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
-    at::IntArrayRef dims, at::IntArrayRef mean, int64_t batch) {
+    at::IntArrayRef dims, at::IntArrayRef mean, int64_t batch,
+    const c10::optional<at::Tensor>& /*lookup_slots: no hints on CUDA*/) {
   EMBCACHE_DEVICE_GUARD(indices);
   const int64_t nf = (int64_t)dims.size();
   const at::Tensor off_host =
@@ -326,7 +330,7 @@ inline std::vector<at::Tensor> multi_dedup_backward(
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == batch &&
                   grad_output.size(1) == col[nf],
               "embcache: grad_output must be [batch, sum of dims]");
-  std::vector<at::Tensor> out(3 * nf);
+  std::vector<at::Tensor> out(4 * nf);
   for (int64_t f = 0; f < nf; ++f) {
     DedupTensors t{indices.options(), grad_output.options(), dims[f], {}, {}, {}};
     if (batch == 0) {
@@ -339,9 +343,10 @@ inline std::vector<at::Tensor> multi_dedup_backward(
           grad_output.data_ptr<float>() + col[f], col[nf], (int)dims[f], mean[f] != 0,
           &dedup_alloc, &t, current_stream());
     }
-    out[3 * f] = t.rows;
-    out[3 * f + 1] = t.grads;
-    out[3 * f + 2] = t.occ;
+    out[4 * f] = t.rows;
+    out[4 * f + 1] = t.grads;
+    out[4 * f + 2] = t.occ;
+    out[4 * f + 3] = at::empty({0}, indices.options());
   }
   return out;
 }
@@ -350,7 +355,8 @@ inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
     at::TensorList unique_rows, at::TensorList grads, at::TensorList occurrences,
-    at::IntArrayRef bits, at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
+    at::TensorList /*slot_hints: unused on CUDA*/, at::IntArrayRef bits,
+    at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
     at::IntArrayRef ways, at::IntArrayRef steps) {
@@ -363,7 +369,7 @@ inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
         weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t], grads[t],
         bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t], eps[t],
-        num_sets[t], ways[t]);
+        num_sets[t], ways[t], c10::nullopt);
     any_bad = any_bad || bad[t] >= 0;
   }
   if (any_bad) return {stats, bad};

@@ -9,7 +9,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__SSE2__)
+#if defined(__SSE4_1__)
+#include <smmintrin.h>
+#elif defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 #if defined(__linux__)
@@ -413,7 +415,8 @@ void stable_insertion_sort(std::vector<int64_t>& v, Less less) {
   }
 }
 
-constexpr int64_t kEmpty = std::numeric_limits<int64_t>::min();  // an empty way's priority
+// An empty way's priority, below every resident's (counts are >= 0, steps >= 1).
+constexpr int32_t kEmpty = std::numeric_limits<int32_t>::min();
 
 /// A row's priority once the step's counts are in (SPEC §4): its LFU count, or the step (LRU).
 /// cache_priority keeps this value for every resident (0 for an empty slot).
@@ -425,8 +428,29 @@ struct RowPriority {
 };
 
 /// The priority of a slot for the set rule: the resident's, or kEmpty.
-inline int64_t slot_priority(const int32_t* tags, const int32_t* prio, int64_t slot) {
-  return tags[slot] < 0 ? kEmpty : (int64_t)prio[slot];
+inline int32_t slot_priority(const int32_t* tags, const int32_t* prio, int64_t slot) {
+  return tags[slot] < 0 ? kEmpty : prio[slot];
+}
+
+/// The first of the `ways` (a power of two) of lowest priority.
+inline int64_t lowest_way(const int32_t* p, int64_t ways) {
+#if defined(__SSE4_1__)
+  if (ways >= 4) {  // the minimum in every lane, then the first lane that holds it
+    __m128i m = _mm_loadu_si128((const __m128i*)p);
+    for (int64_t w = 4; w < ways; w += 4) m = _mm_min_epi32(m, _mm_loadu_si128((const __m128i*)(p + w)));
+    m = _mm_min_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm_min_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+    for (int64_t w = 0;; w += 4) {
+      const __m128i eq = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i*)(p + w)), m);
+      const int mask = _mm_movemask_ps(_mm_castsi128_ps(eq));
+      if (mask) return w + __builtin_ctz(mask);
+    }
+  }
+#endif
+  int64_t best = 0;
+  for (int64_t w = 1; w < ways; ++w)
+    if (p[w] < p[best]) best = w;
+  return best;
 }
 
 /// Unique rows (ascending) grouped by cache set: group g is by_set[starts[g] .. starts[g+1]),
@@ -456,13 +480,14 @@ void group_by_set(const int64_t* rows, int64_t nu, int64_t num_sets, SetGroups& 
 
 /// The insert/evict/bypass rule of SPEC §4 for one set, given its non-resident updated rows
 /// `cand` (reordered here by priority descending, ties by smaller row, i.e. original order)
-/// and the priorities of its ways (empty = INT64_MIN). Candidate k meets the way of k-th
+/// and the priorities of its ways (empty = kEmpty). Candidate k meets the way of k-th
 /// lowest priority (ties: lower way) and enters iff its priority is strictly higher; once one
 /// fails, every later one would too (candidates descend, ways ascend), so the k-th way is
-/// found by selection on demand rather than by sorting all ways.
+/// found by selection on demand rather than by sorting all ways. A taken way is marked with
+/// the highest priority, which no candidate exceeds, so it is never chosen to be replaced.
 template <typename CandPrio, typename WayPrio, typename Enter, typename Bypass>
 void apply_set_rule(std::vector<int64_t>& cand, CandPrio cand_prio, WayPrio way_prio,
-                    int64_t ways, std::vector<int64_t>& slot_prio,
+                    int64_t ways, std::vector<int32_t>& slot_prio,
                     Enter enter, Bypass bypass) {
   auto higher = [&](int64_t a, int64_t b) { return cand_prio(a) > cand_prio(b); };
   if (cand.size() <= 32)
@@ -470,14 +495,11 @@ void apply_set_rule(std::vector<int64_t>& cand, CandPrio cand_prio, WayPrio way_
   else
     std::stable_sort(cand.begin(), cand.end(), higher);
   for (int64_t way = 0; way < ways; ++way) slot_prio[way] = way_prio(way);
-  uint64_t taken = 0;
   size_t k = 0;
   for (; k < cand.size() && (int64_t)k < ways; ++k) {
-    int64_t best = -1;
-    for (int64_t way = 0; way < ways; ++way)
-      if (!(taken >> way & 1) && (best < 0 || slot_prio[way] < slot_prio[best])) best = way;
+    const int64_t best = lowest_way(slot_prio.data(), ways);
     if (!(cand_prio(cand[k]) > slot_prio[best])) break;
-    taken |= uint64_t(1) << best;
+    slot_prio[best] = std::numeric_limits<int32_t>::max();
     enter(cand[k], best);
   }
   for (; k < cand.size(); ++k) bypass(cand[k]);
@@ -662,7 +684,8 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   constexpr int64_t kGroupsAhead = 4;
   std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
   at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
-    std::vector<int64_t> cand, slot_prio(ways);
+    std::vector<int64_t> cand;
+    std::vector<int32_t> slot_prio(ways);
     int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
     for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_group(gi);
     for (int64_t gi = g0; gi < g1; ++gi) {
@@ -779,7 +802,8 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
   const int index_bits = bits_for(max_index + 1);
   // Buffers reused across steps.
   std::vector<uint64_t> keys, set_keys, tmp;
-  std::vector<int64_t> rows, occ, cand, slot_prio(ways);
+  std::vector<int64_t> rows, occ, cand;
+  std::vector<int32_t> slot_prio(ways);
   SetGroups groups;
   for (int64_t s = 0; s < nsteps; ++s) {
     const int64_t step = first_step + s;

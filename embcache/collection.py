@@ -66,6 +66,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             )
         self._layout = self._feature_layout()
         self._static_lookup_args = self._lookup_args()
+        mean = self._static_lookup_args[-1]
+        self._feature_means = [mean[t] for t in self._layout[1]]  # per feature, for backward
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -243,10 +245,9 @@ class _FusedLookup(torch.autograd.Function):
         values, offsets, slots, *psw = ctx.saved_tensors
         tables = ctx.collection.tables()
         if ctx.needs_input_grad[9]:
-            modes = [int(tables[t].config.mode == "mean") for t in ctx.table_of]
             flat = _ops.multi_dedup_backward(
                 values, offsets, psw[0] if ctx.has_psw else None,
-                grad.float().contiguous(), ctx.dims, modes, ctx.batch,
+                grad.float().contiguous(), ctx.dims, ctx.collection._feature_means, ctx.batch,
                 slots if slots.numel() else None,
             )
             for f, t in enumerate(ctx.table_of):

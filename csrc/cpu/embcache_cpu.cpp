@@ -39,7 +39,7 @@ constexpr int64_t kGrainBags = 4096;
 constexpr int64_t kGrainRows = 2048;
 constexpr int64_t kGrainSets = 1024;
 // How many random rows ahead to prefetch.
-constexpr int64_t kPrefetch = 8;
+constexpr int64_t kPrefetch = 16;
 
 RowFormat make_format(int64_t bits, int64_t dim, bool qparams_fp16) {
   TORCH_CHECK(bits == 32 || bits == 16 || bits == 8 || bits == 4 || bits == 2,

@@ -174,7 +174,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             t.unscale_grad_(inv_scale)
 
     def step(self) -> None:
-        """Apply every table's stored gradient in two table-batched calls, all or nothing:
+        """Apply every table's stored gradient in one table-batched call, all or nothing:
         if any table refuses its update (non-finite or unstorable values), no table is
         changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
         pending = [(t, t._pending_gradient()) for t in self.tables()]

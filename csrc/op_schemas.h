@@ -22,8 +22,8 @@ inline void define_cache_ops(torch::Library& m) {
         "int num_sets, int ways, Tensor? slot_hint=None) "
         "-> (Tensor, Tensor, Tensor, int)");
   m.def("update_commit(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor(c!) cache_rows, "
-        "Tensor(d!) cache_priority, Tensor(e!) counts, Tensor(f!) optimizer_state, "
-        "Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
+        "Tensor(d!) cache_priority, Tensor(g!) cache_set_floor, Tensor(e!) counts, "
+        "Tensor(f!) optimizer_state, Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
         "Tensor occurrences, int bits, bool qparams_fp16, bool stochastic, bool lfu, "
         "int seed, int step, int table, int num_sets, int ways) -> Tensor");
   m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
@@ -37,14 +37,15 @@ inline void define_cache_ops(torch::Library& m) {
   // its update: returns ([tables, 5] commit statistics, per table the smallest row it
   // cannot store or -1); if any table has such a row, no state is changed.
   m.def("multi_update(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, Tensor(c!)[] cache_rows, "
-        "Tensor(d!)[] cache_priority, Tensor(e!)[] counts, Tensor(f!)[] optimizer_state, "
+        "Tensor(d!)[] cache_priority, Tensor(g!)[] cache_set_floor, Tensor(e!)[] counts, "
+        "Tensor(f!)[] optimizer_state, "
         "Tensor[] unique_rows, Tensor[] grads, Tensor[] occurrences, Tensor[] slot_hints, "
         "int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
         "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, int[] steps) "
         "-> (Tensor, int[])");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
-        "Tensor(c!) cache_priority, int bits, bool qparams_fp16, bool stochastic, "
+        "Tensor(c!) cache_priority, Tensor(d!) cache_set_floor, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");
 }
 

@@ -66,7 +66,11 @@ class CachedLowPrecisionEmbedding(nn.Module):
       ``murmur_fmix64(i) % sets``. ``cache_rows`` holds the FP32 values of the slots.
     * LFU keeps ``counts`` (int32 per table row, saturating: lookups during training steps).
       ``cache_priority`` (int32 per slot, 0 when empty) holds a resident's priority: for LRU
-      the step that last updated it, for LFU a copy of its row's count.
+      the step that last updated it, for LFU a copy of its row's count. Priorities only rise
+      until :meth:`flush` empties the cache.
+    * ``cache_set_floor`` (int32 per set, not saved) is a lower bound of the set's slot
+      priorities (INT32_MIN while a way is empty or the bound is unknown). It only saves the
+      update from reading a set that no candidate can enter; it never changes a result.
     * ``optimizer_state`` holds FP32 accumulators for every row (0, 1 or dim per row).
     * ``step_count`` is the number of applied updates. Stochastic rounding at update ``t`` is
       keyed by ``(seed, t, table_id, row, element)``, so ``state_dict()`` (tensors, plus the
@@ -101,6 +105,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.register_buffer("cache_tags", _state_tensor((cfg.num_slots,), torch.int32).fill_(-1))
         self.register_buffer("cache_rows", _state_tensor((cfg.num_slots, dim), torch.float32).zero_())
         self.register_buffer("cache_priority", _state_tensor((cfg.num_slots,), torch.int32).zero_())
+        self.register_buffer("cache_set_floor", torch.full((cfg.num_sets,), _NO_FLOOR, dtype=torch.int32),
+                             persistent=False)
         counts_rows = rows if cfg.policy == "lfu" and cfg.num_slots > 0 else 0
         self.register_buffer("counts", _state_tensor((counts_rows,), torch.int32).zero_())
         width = cfg.optimizer_state_width
@@ -332,10 +338,11 @@ class CachedLowPrecisionEmbedding(nn.Module):
         )
 
     def _state_tensors(self) -> tuple:
-        """(weights, cache_tags, cache_rows, cache_priority, counts, optimizer_state)."""
+        """(weights, cache_tags, cache_rows, cache_priority, cache_set_floor, counts,
+        optimizer_state): the mutable arguments of the update ops."""
         b = self._buffers  # read directly: nn.Module.__getattr__ is slow on a per-step path
         return (b["weights"], b["cache_tags"], b["cache_rows"], b["cache_priority"],
-                b["counts"], b["optimizer_state"])
+                b["cache_set_floor"], b["counts"], b["optimizer_state"])
 
     def _commit_step(self, prepared: tuple) -> None:
         counts = _ops.update_commit(*self._state_tensors(), *prepared, *self._commit_args())
@@ -363,7 +370,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         cfg = self.config
         bits, qfp16 = self._format_args()
         n = _ops.cache_flush(
-            self.weights, self.cache_tags, self.cache_rows, self.cache_priority, bits, qfp16,
+            self.weights, self.cache_tags, self.cache_rows, self.cache_priority,
+            self.cache_set_floor, bits, qfp16,
             cfg.rounding == "stochastic", cfg.seed, self.step_count, cfg.table_id,
         )
         self.cache_rows.zero_()
@@ -403,6 +411,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 "cache_rows": self.cache_rows.nbytes,
                 "cache_tags": self.cache_tags.nbytes,
                 "cache_priority": self.cache_priority.nbytes,
+                "cache_set_floor": self.cache_set_floor.nbytes,
                 "lfu_counts": self.counts.nbytes,
                 "optimizer_state": self.optimizer_state.nbytes,
             }
@@ -436,10 +445,17 @@ class CachedLowPrecisionEmbedding(nn.Module):
             )
         self._stats = dict(state["stats"])
         self._stats["steps"] = int(state["step_count"])
-        self._bump_cache_version()  # the buffers are being replaced too
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        try:
+            super()._load_from_state_dict(*args, **kwargs)
+        finally:  # the cache may have been replaced: forget forward slots and set floors
+            self._bump_cache_version()
+            self.cache_set_floor.fill_(_NO_FLOOR)
 
 
 _HUGE_PAGE = 2 << 20
+_NO_FLOOR = torch.iinfo(torch.int32).min  # a set floor that every priority beats
 
 
 def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -6,8 +6,9 @@ from embcache.config import TableConfig
 
 def memory_breakdown(config: TableConfig) -> dict:
     """Bytes by component that a table with this configuration allocates (SPEC §5):
-    table payload and qparams, FP32 cache rows, int32 tags and priorities per slot, int32
-    LFU counts per table row, FP32 optimizer accumulators for every row."""
+    table payload and qparams, FP32 cache rows, int32 tags and priorities per slot, an int32
+    priority floor per set, int32 LFU counts per table row, FP32 optimizer accumulators for
+    every row."""
     rows, dim, slots = config.num_embeddings, config.embedding_dim, config.num_slots
     lfu = config.policy == "lfu" and slots > 0
     parts = {
@@ -16,6 +17,7 @@ def memory_breakdown(config: TableConfig) -> dict:
         "cache_rows": slots * dim * 4,
         "cache_tags": slots * 4,
         "cache_priority": slots * 4,
+        "cache_set_floor": config.num_sets * 4,
         "lfu_counts": rows * 4 if lfu else 0,
         "optimizer_state": rows * config.optimizer_state_width * 4,
     }
@@ -24,7 +26,7 @@ def memory_breakdown(config: TableConfig) -> dict:
 
 
 def compression_factor(config: TableConfig) -> float:
-    """(payload + qparams + cache rows + tags + priorities + optimizer state) /
+    """(payload + qparams + cache rows + tags + priorities + set floors + optimizer state) /
     (FP32 table + the same optimizer state). E.g. dim 128: fp16 0.5, int8 0.2656."""
     parts = memory_breakdown(config)
     fp32 = config.num_embeddings * config.embedding_dim * 4

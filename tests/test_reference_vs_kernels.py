@@ -69,6 +69,11 @@ def check_cache_invariants(module, when: str) -> None:
                 assert 1 <= prio[slot] <= int(module.step_count), f"{when}: timestamp of slot {slot}"
             else:
                 assert prio[slot] == counts[tag], f"{when}: slot {slot} priority is not row {tag}'s count"
+        # Each set's floor is a lower bound of its slots' priorities (an empty way: INT32_MIN).
+        lowest = torch.where(module.cache_tags < 0, torch.iinfo(torch.int32).min, module.cache_priority)
+        lowest = lowest.view(cfg.num_sets, cfg.ways).amin(dim=1)
+        above = torch.nonzero(module.cache_set_floor > lowest).flatten().tolist()
+        assert not above, f"{when}: sets {above[:5]} have a floor above their lowest priority"
 
 
 def make_batch(gen: torch.Generator, rows: int, perm: torch.Tensor, bags: int = 32,

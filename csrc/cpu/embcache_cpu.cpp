@@ -62,14 +62,16 @@ void check_table(const at::Tensor& weights, const RowFormat& f) {
               weights.sizes());
 }
 
-/// Asks for every cache line of [p, p + bytes) (for writing if `write`).
+/// Asks for every cache line that [p, p + bytes) touches (for writing if `write`). A row
+/// need not start on a line: an int8 row of dim 16 is 24 bytes, and one in four spans two.
 inline void prefetch_bytes(const void* p, int64_t bytes, bool write = false) {
-  const char* c = (const char*)p;
-  for (int64_t b = 0; b < bytes; b += 64) {
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t first = (uintptr_t)p & ~(kLine - 1), end = (uintptr_t)p + bytes;
+  for (uintptr_t line = first; line < end; line += kLine) {
     if (write)
-      __builtin_prefetch(c + b, 1);
+      __builtin_prefetch((const void*)line, 1);
     else
-      __builtin_prefetch(c + b, 0);
+      __builtin_prefetch((const void*)line, 0);
   }
 }
 
@@ -595,21 +597,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
 /// set, updated residents stay, candidates enter by strictly higher priority, the rest
 /// bypass into the table. cache_priority holds each slot's priority: for LRU the step that
 /// last updated its row, for LFU a copy of its row's count (so that choosing a victim reads
-/// one set's slots, not the counts of 32 random rows). Sets are independent and run in
-/// parallel. Returns [unique hits, unique misses, insertions, evictions, bypasses].
+/// one set's slots, not the counts of 32 random rows). cache_set_floor holds, per set, a
+/// lower bound of its slots' priorities (kEmpty if a way is empty, or unknown): when no
+/// candidate of a set beats it, they all bypass without the set's tags and priorities being
+/// read. Priorities only rise between flushes, so a bound stays a bound; this op makes it
+/// exact whenever it applies the rule to a set. Returns [unique hits, unique misses,
+/// insertions, evictions, bypasses].
+///
+/// The work goes in three passes so that random memory is touched in a prefetchable order:
+/// counts and optimizer state by row; the set rule by set, deciding each row's destination
+/// (its slot, or the table) and writing evicted residents back; the new values by row.
 at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor& cache_rows,
-                         at::Tensor& cache_priority, at::Tensor& counts,
-                         at::Tensor& optimizer_state, const at::Tensor& unique_rows,
-                         const at::Tensor& fresh, const at::Tensor& fresh_state,
-                         const at::Tensor& slots, const at::Tensor& occurrences, int64_t bits,
-                         bool qparams_fp16, bool stochastic, bool lfu, int64_t seed,
-                         int64_t step, int64_t table, int64_t num_sets, int64_t ways) {
+                         at::Tensor& cache_priority, at::Tensor& cache_set_floor,
+                         at::Tensor& counts, at::Tensor& optimizer_state,
+                         const at::Tensor& unique_rows, const at::Tensor& fresh,
+                         const at::Tensor& fresh_state, const at::Tensor& slots,
+                         const at::Tensor& occurrences, int64_t bits, bool qparams_fp16,
+                         bool stochastic, bool lfu, int64_t seed, int64_t step, int64_t table,
+                         int64_t num_sets, int64_t ways) {
   check_tensor(fresh, at::kFloat, "fresh");
   check_tensor(fresh_state, at::kFloat, "fresh_state");
   check_tensor(slots, at::kLong, "slots");
   check_tensor(occurrences, at::kLong, "occurrences");
   check_tensor(unique_rows, at::kLong, "unique_rows");
   check_tensor(cache_priority, at::kInt, "cache_priority");
+  check_tensor(cache_set_floor, at::kInt, "cache_set_floor");
   check_tensor(counts, at::kInt, "counts");
   check_tensor(optimizer_state, at::kFloat, "optimizer_state");
   const int64_t dim = fresh.size(1), nu = unique_rows.numel();
@@ -623,6 +635,8 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   TORCH_CHECK(!lfu || counts.numel() == num_rows, "embcache: LFU needs a count per row");
   TORCH_CHECK(cache_priority.numel() == num_sets * ways,
               "embcache: cache_priority must hold one priority per slot");
+  TORCH_CHECK(cache_set_floor.numel() == num_sets,
+              "embcache: cache_set_floor must hold one priority per set");
   const int64_t* rows = unique_rows.data_ptr<int64_t>();
   const int64_t* occ = occurrences.data_ptr<int64_t>();
   const int64_t* slot_of = slots.data_ptr<int64_t>();
@@ -632,8 +646,11 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
   float* st = optimizer_state.data_ptr<float>();
   int32_t* cnt = counts.data_ptr<int32_t>();
   int32_t* prio = cache_priority.data_ptr<int32_t>();
+  int32_t* floor = cache_set_floor.data_ptr<int32_t>();
 
-  // Optimizer state and LFU counts of random rows: prefetched kPrefetch rows ahead.
+  // Pass 1, by row: optimizer state and LFU counts (prefetched kPrefetch rows ahead), and
+  // each row's priority once its count is in.
+  std::vector<int32_t> row_prio(nu);
   for (int64_t u = 0; u < nu; ++u) {
     if (u + kPrefetch < nu) {
       prefetch_bytes(st + rows[u + kPrefetch] * sw, sw * sizeof(float), true);
@@ -644,104 +661,136 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
       const int64_t c = (int64_t)cnt[rows[u]] + occ[u];
       cnt[rows[u]] = (int32_t)std::min<int64_t>(c, std::numeric_limits<int32_t>::max());
     }
+    row_prio[u] = RowPriority{lfu, cnt, step}(rows[u]);
   }
 
+  // Pass 2, by set: each row's destination, dest[u] = its slot or -1 (the table).
   const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
   auto store = [&](int64_t row, const float* x) {
     quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes());
   };
-  if (num_sets == 0) {
-    at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) {
-        if (u + kPrefetch < u1)
-          prefetch_bytes(w + rows[u + kPrefetch] * f.row_bytes(), f.row_bytes(), true);
-        store(rows[u], fr + u * dim);
-      }
-    });
-    return at::tensor({int64_t(0), nu, int64_t(0), int64_t(0), nu}, at::kLong);
-  }
-  SetGroups groups;
-  std::vector<uint64_t> keys, tmp;
-  group_by_set(rows, nu, num_sets, groups, keys, tmp);
-  const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
-                            &starts = groups.starts;
-  const int64_t ngroups = (int64_t)starts.size() - 1;
-  const RowPriority priority_of_row{lfu, cnt, step};
-  // Brings in what group gi will touch: its set's tags and priorities, the slots of its
-  // residents and the table rows of its candidates (written if they bypass).
-  auto prefetch_group = [&](int64_t gi) {
-    const int64_t base = set_of[by_set[starts[gi]]] * ways;
-    prefetch_bytes(cache.tags + base, ways * sizeof(int32_t), true);
-    prefetch_bytes(prio + base, ways * sizeof(int32_t), true);
-    for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
-      const int64_t u = by_set[k];
-      if (slot_of[u] >= 0)
-        prefetch_bytes(cache.rows + slot_of[u] * dim, dim * sizeof(float), true);
-      else
-        prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes(), true);
-    }
-  };
-  constexpr int64_t kGroupsAhead = 4;
-  std::atomic<int64_t> n_hits{0}, n_ins{0}, n_evict{0}, n_bypass{0};
-  at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
-    std::vector<int64_t> cand;
-    std::vector<int32_t> slot_prio(ways);
-    int64_t hits = 0, ins = 0, evict = 0, bypass = 0;
-    for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_group(gi);
-    for (int64_t gi = g0; gi < g1; ++gi) {
-      if (gi + kGroupsAhead < g1) prefetch_group(gi + kGroupsAhead);
-      cand.clear();
+  std::vector<int64_t> dest(nu, -1);
+  std::atomic<int64_t> hits{0}, ins{0}, evict{0}, bypass{num_sets > 0 ? 0 : nu};
+  if (num_sets > 0) {
+    SetGroups groups;
+    std::vector<uint64_t> keys, tmp;
+    group_by_set(rows, nu, num_sets, groups, keys, tmp);
+    const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
+                              &starts = groups.starts;
+    const int64_t ngroups = (int64_t)starts.size() - 1;
+    // Whether group gi's candidates must meet its set: one of them beats the set's floor.
+    auto meets_set = [&](int64_t gi) {
+      const int64_t set = set_of[by_set[starts[gi]]];
       for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
-        const int64_t u = by_set[k], slot = slot_of[u];
-        if (slot >= 0) {
-          std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
-          prio[slot] = priority_of_row(rows[u]);
-          ++hits;
-        } else {
-          cand.push_back(u);
-        }
+        const int64_t u = by_set[k];
+        if (slot_of[u] < 0 && row_prio[u] > floor[set]) return true;
       }
-      if (cand.empty()) continue;
+      return false;
+    };
+    // Brings in what group gi will touch: its residents' priorities, and the set's tags and
+    // priorities if its candidates meet the set.
+    auto prefetch_group = [&](int64_t gi) {
       const int64_t base = set_of[by_set[starts[gi]]] * ways;
-      apply_set_rule(
-          cand, [&](int64_t u) -> int64_t { return priority_of_row(rows[u]); },
-          [&](int64_t way) { return slot_priority(cache.tags, prio, base + way); },
-          ways, slot_prio,
-          [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
-            const int64_t slot = base + way;
-            const int32_t old = cache.tags[slot];
-            if (old >= 0) {
-              store(old, cache.rows + slot * dim);
-              ++evict;
-            }
-            cache.tags[slot] = (int32_t)rows[u];
-            std::copy_n(fr + u * dim, dim, cache.rows + slot * dim);
-            prio[slot] = priority_of_row(rows[u]);
-            ++ins;
-          },
-          [&](int64_t u) {
-            store(rows[u], fr + u * dim);
-            ++bypass;
-          });
+      for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k)
+        if (slot_of[by_set[k]] >= 0) __builtin_prefetch(prio + slot_of[by_set[k]], 1);
+      if (meets_set(gi)) {
+        prefetch_bytes(cache.tags + base, ways * sizeof(int32_t), true);
+        prefetch_bytes(prio + base, ways * sizeof(int32_t), true);
+      }
+    };
+    constexpr int64_t kGroupsAhead = 8;
+    at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
+      std::vector<int64_t> cand, updated_residents;
+      std::vector<int32_t> slot_prio(ways);
+      int64_t n_hits = 0, n_ins = 0, n_evict = 0, n_bypass = 0;
+      for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_group(gi);
+      for (int64_t gi = g0; gi < g1; ++gi) {
+        if (gi + kGroupsAhead < g1) prefetch_group(gi + kGroupsAhead);
+        cand.clear();
+        updated_residents.clear();
+        for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
+          const int64_t u = by_set[k], slot = slot_of[u];
+          if (slot >= 0) {
+            dest[u] = slot;
+            prio[slot] = row_prio[u];
+            updated_residents.push_back(u);
+          } else {
+            cand.push_back(u);
+          }
+        }
+        n_hits += (int64_t)updated_residents.size();
+        if (cand.empty()) continue;
+        if (!meets_set(gi)) {  // every candidate bypasses: dest stays -1
+          n_bypass += (int64_t)cand.size();
+          continue;
+        }
+        const int64_t set = set_of[by_set[starts[gi]]], base = set * ways;
+        apply_set_rule(
+            cand, [&](int64_t u) -> int64_t { return row_prio[u]; },
+            [&](int64_t way) { return slot_priority(cache.tags, prio, base + way); },
+            ways, slot_prio,
+            [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
+              const int64_t slot = base + way;
+              if (cache.tags[slot] >= 0) {
+                // A resident updated in this step takes its new value to the table in
+                // pass 3; any other is written back from its slot now.
+                auto it = std::find_if(updated_residents.begin(), updated_residents.end(),
+                                       [&](int64_t r) { return dest[r] == slot; });
+                if (it != updated_residents.end())
+                  dest[*it] = -1;
+                else
+                  store(cache.tags[slot], cache.rows + slot * dim);
+                ++n_evict;
+              }
+              cache.tags[slot] = (int32_t)rows[u];
+              prio[slot] = row_prio[u];
+              dest[u] = slot;
+              ++n_ins;
+            },
+            [&](int64_t) { ++n_bypass; });
+        int32_t lowest = slot_priority(cache.tags, prio, base);
+        for (int64_t way = 1; way < ways; ++way)
+          lowest = std::min(lowest, slot_priority(cache.tags, prio, base + way));
+        floor[set] = lowest;
+      }
+      hits += n_hits;
+      ins += n_ins;
+      evict += n_evict;
+      bypass += n_bypass;
+    });
+  }
+
+  // Pass 3, by row: every new value to its destination, prefetched kPrefetch rows ahead.
+  auto prefetch_dest = [&](int64_t u) {
+    if (dest[u] >= 0)
+      prefetch_bytes(cache.rows + dest[u] * dim, dim * sizeof(float), true);
+    else
+      prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes(), true);
+  };
+  at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_dest(u);
+    for (int64_t u = u0; u < u1; ++u) {
+      if (u + kPrefetch < u1) prefetch_dest(u + kPrefetch);
+      if (dest[u] >= 0)
+        std::copy_n(fr + u * dim, dim, cache.rows + dest[u] * dim);
+      else
+        store(rows[u], fr + u * dim);
     }
-    n_hits += hits;
-    n_ins += ins;
-    n_evict += evict;
-    n_bypass += bypass;
   });
-  return at::tensor({n_hits.load(), nu - n_hits.load(), n_ins.load(), n_evict.load(),
-                     n_bypass.load()},
+  return at::tensor({hits.load(), nu - hits.load(), ins.load(), evict.load(), bypass.load()},
                     at::kLong);
 }
 
-/// Writes every cached row back into the table and empties the cache. Returns the number
-/// of rows written.
+/// Writes every cached row back into the table and empties the cache (every set's floor
+/// becomes kEmpty). Returns the number of rows written.
 int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tensor& cache_rows,
-                    at::Tensor& cache_priority, int64_t bits, bool qparams_fp16,
-                    bool stochastic, int64_t seed, int64_t step, int64_t table) {
+                    at::Tensor& cache_priority, at::Tensor& cache_set_floor, int64_t bits,
+                    bool qparams_fp16, bool stochastic, int64_t seed, int64_t step,
+                    int64_t table) {
   check_tensor(cache_tags, at::kInt, "cache_tags");
   check_tensor(cache_rows, at::kFloat, "cache_rows");
   check_tensor(cache_priority, at::kInt, "cache_priority");
+  check_tensor(cache_set_floor, at::kInt, "cache_set_floor");
   const int64_t slots = cache_tags.numel();
   if (slots == 0) return 0;
   const int64_t dim = cache_rows.numel() / slots;
@@ -763,6 +812,7 @@ int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tenso
     written += local;
   });
   cache_priority.zero_();
+  cache_set_floor.fill_(kEmpty);
   return written.load();
 }
 
@@ -983,9 +1033,9 @@ std::vector<int64_t> update_costs(at::TensorList weights, at::TensorList unique_
 /// slot_hints entry is its update_prepare slot_hint, or an empty tensor for none.
 std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
-    at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
-    at::TensorList unique_rows, at::TensorList grads, at::TensorList occurrences,
-    at::TensorList slot_hints, at::IntArrayRef bits, at::IntArrayRef qparams_fp16,
+    at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
+    at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
+    at::TensorList occurrences, at::TensorList slot_hints, at::IntArrayRef bits, at::IntArrayRef qparams_fp16,
     at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
@@ -1005,8 +1055,9 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
   if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return {stats, bad};
   for_each_by_cost(cost, [&](int64_t t) {
     at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
-               prio = cache_priority[t], cnt = counts[t], st = optimizer_state[t];
-    stats[t].copy_(update_commit(w, tags, rows, prio, cnt, st, unique_rows[t], fresh[t],
+               prio = cache_priority[t], floor = cache_set_floor[t], cnt = counts[t],
+               st = optimizer_state[t];
+    stats[t].copy_(update_commit(w, tags, rows, prio, floor, cnt, st, unique_rows[t], fresh[t],
                                  fresh_state[t], slots[t], occurrences[t], bits[t],
                                  qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
                                  seed[t], steps[t], table[t], num_sets[t], ways[t]));

@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -192,9 +193,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   return {fresh, fresh_state, slots, bad};
 }
 
+/// As on the CPU, except that cache_set_floor is left alone: the kernels apply the set rule
+/// to every set, and as priorities only rise between flushes the floors stay lower bounds.
 inline at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags,
                                 at::Tensor& cache_rows, at::Tensor& cache_priority,
-                                at::Tensor& counts, at::Tensor& optimizer_state,
+                                at::Tensor& /*cache_set_floor*/, at::Tensor& counts, at::Tensor& optimizer_state,
                                 const at::Tensor& unique_rows, const at::Tensor& fresh,
                                 const at::Tensor& fresh_state, const at::Tensor& slots,
                                 const at::Tensor& occurrences, int64_t bits, bool qparams_fp16,
@@ -235,7 +238,7 @@ inline at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags,
 
 inline int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags,
                            const at::Tensor& cache_rows, at::Tensor& cache_priority,
-                           int64_t bits, bool qparams_fp16, bool stochastic, int64_t seed,
+                           at::Tensor& cache_set_floor, int64_t bits, bool qparams_fp16, bool stochastic, int64_t seed,
                            int64_t step, int64_t table) {
   EMBCACHE_DEVICE_GUARD(weights);
   check_tensor(cache_tags, at::kInt, "cache_tags");
@@ -250,6 +253,7 @@ inline int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags,
       weights.data_ptr<uint8_t>(), cache_tags.data_ptr<int32_t>(), cache_rows.data_ptr<float>(),
       slots, f, stochastic, rounding_stream(seed, step, table), current_stream());
   cache_priority.zero_();
+  cache_set_floor.fill_(std::numeric_limits<int32_t>::min());
   return written;
 }
 
@@ -353,9 +357,9 @@ inline std::vector<at::Tensor> multi_dedup_backward(
 
 inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
-    at::TensorList cache_priority, at::TensorList counts, at::TensorList optimizer_state,
-    at::TensorList unique_rows, at::TensorList grads, at::TensorList occurrences,
-    at::TensorList /*slot_hints: unused on CUDA*/, at::IntArrayRef bits,
+    at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
+    at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
+    at::TensorList occurrences, at::TensorList /*slot_hints: unused on CUDA*/, at::IntArrayRef bits,
     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
@@ -375,8 +379,9 @@ inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
   if (any_bad) return {stats, bad};
   for (int64_t t = 0; t < nt; ++t) {
     at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
-               ts = cache_priority[t], cnt = counts[t], st = optimizer_state[t];
-    stats[t].copy_(update_commit(w, tags, rows, ts, cnt, st, unique_rows[t], fresh[t],
+               ts = cache_priority[t], floor = cache_set_floor[t], cnt = counts[t],
+               st = optimizer_state[t];
+    stats[t].copy_(update_commit(w, tags, rows, ts, floor, cnt, st, unique_rows[t], fresh[t],
                                  fresh_state[t], slots[t], occurrences[t], bits[t],
                                  qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0, seed[t],
                                  steps[t], table[t], num_sets[t], ways[t]));

@@ -226,6 +226,42 @@ Bags bags_of(const at::Tensor& indices, const at::Tensor& offsets,
               psw ? psw->data_ptr<float>() : nullptr};
 }
 
+/// acc[j] = (first ? 0 : acc[j]) + w * v(j) for j < dim (w == nullptr: + v(j)), with v(j)
+/// the row's value j. The first term is added to +0.f, as a sum from zero would be (it turns
+/// -0.f into +0.f). acc may be a cold output row: it is written before it is read, in the
+/// same 16-byte pieces, so its loads are served from the store buffer.
+template <typename Value>
+inline void add_values(int64_t dim, const Value& v, const float* w, bool first, float* acc) {
+  if (w) {
+    const float s = *w;
+    if (first)
+      for (int64_t j = 0; j < dim; ++j) acc[j] = 0.f + s * v(j);
+    else
+      for (int64_t j = 0; j < dim; ++j) acc[j] += s * v(j);
+  } else {
+    if (first)
+      for (int64_t j = 0; j < dim; ++j) acc[j] = 0.f + v(j);
+    else
+      for (int64_t j = 0; j < dim; ++j) acc[j] += v(j);
+  }
+}
+
+/// add_values of a stored row, its values computed as dequantize_row computes them: fp32
+/// and int8 rows straight from the table, other formats through `buf` (dim floats).
+inline void add_stored_row(const RowFormat& f, const uint8_t* row, const float* w, bool first,
+                           float* acc, float* buf) {
+  if (f.bits == 32) {
+    add_values(f.dim, [&](int64_t j) { return load_f32(row + 4 * j); }, w, first, acc);
+  } else if (f.bits == 8) {
+    float scale, bias;
+    load_qparams(f, row, &scale, &bias);
+    add_values(f.dim, [&](int64_t j) { return (float)row[j] * scale + bias; }, w, first, acc);
+  } else {
+    dequantize_row(f, row, buf);
+    add_values(f.dim, [&](int64_t j) { return buf[j]; }, w, first, acc);
+  }
+}
+
 /// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j], and the slot of every
 /// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l; returns the number
 /// of lookups that found their row cached. Throws before writing if an index is out of range.
@@ -256,22 +292,17 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
     int64_t local_hits = 0;
     for (int64_t b = b0; b < b1; ++b) {
       float* acc = out + b * out_stride;
-      std::fill_n(acc, dim, 0.f);
+      if (off[b] == off[b + 1]) std::fill_n(acc, dim, 0.f);
       for (int64_t l = off[b]; l < off[b + 1]; ++l) {
         if (l + kPrefetch < off[b1]) prefetch_value(l + kPrefetch);
-        const float* v;
+        const float* weight = bags.psw ? bags.psw + l : nullptr;
+        const bool first = l == off[b];
         if (slot[l] >= 0) {
-          v = cache.rows + slot[l] * dim;
+          const float* v = cache.rows + slot[l] * dim;
+          add_values(dim, [&](int64_t j) { return v[j]; }, weight, first, acc);
           ++local_hits;
         } else {
-          dequantize_row(f, w + idx[l] * f.row_bytes(), buf.data());
-          v = buf.data();
-        }
-        if (bags.psw) {
-          const float s = bags.psw[l];
-          for (int64_t j = 0; j < dim; ++j) acc[j] += s * v[j];
-        } else {
-          for (int64_t j = 0; j < dim; ++j) acc[j] += v[j];
+          add_stored_row(f, w + idx[l] * f.row_bytes(), weight, first, acc, buf.data());
         }
       }
       const int64_t len = off[b + 1] - off[b];

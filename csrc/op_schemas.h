@@ -29,7 +29,7 @@ inline void define_cache_ops(torch::Library& m) {
   m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
         "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
         "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
-        "int batch) -> (Tensor, Tensor, Tensor)");
+        "int batch) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
         "Tensor grad_output, int[] dims, int[] mean, int batch, Tensor? lookup_slots=None) "
         "-> Tensor[]");
@@ -40,7 +40,7 @@ inline void define_cache_ops(torch::Library& m) {
         "Tensor(d!)[] cache_priority, Tensor(g!)[] cache_set_floor, Tensor(e!)[] counts, "
         "Tensor(f!)[] optimizer_state, "
         "Tensor[] unique_rows, Tensor[] grads, Tensor[] occurrences, Tensor[] slot_hints, "
-        "int[] bits, "
+        "float[] value_bounds, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
         "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, int[] steps) "
         "-> (Tensor, int[])");

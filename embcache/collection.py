@@ -139,7 +139,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         psw = None if psw is None else psw.detach().float().contiguous()
         batch = features.stride()
         try:
-            pooled, hits, slots = _ops.multi_lookup_forward(
+            pooled, hits, slots, bounds = _ops.multi_lookup_forward(
                 [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
                 values, offsets, psw, table_of,
                 *self._static_lookup_args, batch,
@@ -155,9 +155,9 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             anchor = tables[0]._grad_anchor
         else:
             anchor = tables[0]._grad_anchor.detach()
-        versions = [t._cache_version for t in tables]
+        hints = ([t._cache_version for t in tables], bounds.tolist())
         pooled = _FusedLookup.apply(
-            self, values, offsets, psw, slots, versions, table_of, dims, batch, anchor, pooled
+            self, values, offsets, psw, slots, hints, table_of, dims, batch, anchor, pooled
         )
         return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
 
@@ -185,13 +185,13 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         rows = [p.rows for _, p in pending]
         grads = [p.grads for _, p in pending]
         occurrences = [p.occurrences for _, p in pending]
-        hints = [  # the forward's slots, while the cache is as that forward saw it
-            p.slots if p.slots is not None and p.cache_version == t._cache_version else _NO_HINT
-            for t, p in pending
-        ]
+        # the forward's slots and value bound, while the cache is as that forward saw it
+        hinted = [p.slots is not None and p.cache_version == t._cache_version for t, p in pending]
+        hints = [p.slots if h else _NO_HINT for h, (_, p) in zip(hinted, pending)]
+        bounds = [p.value_bound if h else -1.0 for h, (_, p) in zip(hinted, pending)]
         stats, bad = _ops.multi_update(
             *(list(x) for x in zip(*(t._state_tensors() for t in tables))),
-            rows, grads, occurrences, hints,
+            rows, grads, occurrences, hints, bounds,
             *(list(x) for x in zip(*(t._update_settings for t in tables))),
             [t.step_count + 1 for t in tables],
         )
@@ -229,13 +229,14 @@ class _FusedLookup(torch.autograd.Function):
     """Passes the table-batched forward's output through; backward deduplicates every
     feature's gradient in one table-batched call and hands each to its table for
     :meth:`CachedLowPrecisionEmbeddingBagCollection.step`, with each row's cache slot as the
-    forward found it (``slots``, per lookup) and the cache versions the forward saw."""
+    forward found it (``slots``, per lookup) and, in ``hints``, the cache versions the forward
+    saw (per table) and the largest |value| it read (per feature)."""
 
     @staticmethod
-    def forward(ctx, collection, values, offsets, psw, slots, versions, table_of, dims, batch,
+    def forward(ctx, collection, values, offsets, psw, slots, hints, table_of, dims, batch,
                 anchor, pooled):
         ctx.collection, ctx.table_of, ctx.dims, ctx.batch = collection, table_of, dims, batch
-        ctx.versions = versions
+        ctx.versions, ctx.bounds = hints
         ctx.has_psw = psw is not None
         ctx.save_for_backward(values, offsets, slots, *(() if psw is None else (psw,)))
         return pooled
@@ -253,7 +254,8 @@ class _FusedLookup(torch.autograd.Function):
             for f, t in enumerate(ctx.table_of):
                 rows, grads, occ, row_slots = flat[4 * f : 4 * f + 4]
                 hint = row_slots if row_slots.numel() == rows.numel() else None
+                bound = ctx.bounds[f] if ctx.bounds else -1.0
                 tables[t]._pending.append(
-                    PendingGradient(rows, grads, occ, hint, ctx.versions[t])
+                    PendingGradient(rows, grads, occ, hint, ctx.versions[t], bound)
                 )
         return (None,) * 11

@@ -31,13 +31,15 @@ _STAT_NAMES = (
 class PendingGradient(NamedTuple):
     """A stored gradient: unique rows (ascending), their summed gradients and how often each
     occurs, and optionally each row's cache slot as the forward found it while the cache was
-    at version ``cache_version`` (a hint the update uses only if the cache is unchanged)."""
+    at version ``cache_version``, with the largest |value| that forward read (``value_bound``,
+    negative if unknown). Hints the update uses only while the cache is unchanged."""
 
     rows: torch.Tensor
     grads: torch.Tensor
     occurrences: torch.Tensor
     slots: Optional[torch.Tensor] = None
     cache_version: int = -1
+    value_bound: float = -1.0
 
 
 class EmbeddingUpdateError(ValueError):

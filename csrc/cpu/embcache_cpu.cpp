@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -227,46 +228,45 @@ Bags bags_of(const at::Tensor& indices, const at::Tensor& offsets,
 }
 
 /// acc[j] = (first ? 0 : acc[j]) + w * v(j) for j < dim (w == nullptr: + v(j)), with v(j)
-/// the row's value j. The first term is added to +0.f, as a sum from zero would be (it turns
-/// -0.f into +0.f). acc may be a cold output row: it is written before it is read, in the
-/// same 16-byte pieces, so its loads are served from the store buffer.
+/// the row's value j, and vmax[j] = max(vmax[j], |v(j)|). The first term is added to +0.f,
+/// as a sum from zero would be (it turns -0.f into +0.f). acc may be a cold output row: it
+/// is written before it is read, in the same 16-byte pieces, so its loads are served from
+/// the store buffer.
 template <typename Value>
-inline void add_values(int64_t dim, const Value& v, const float* w, bool first, float* acc) {
-  if (w) {
-    const float s = *w;
-    if (first)
-      for (int64_t j = 0; j < dim; ++j) acc[j] = 0.f + s * v(j);
-    else
-      for (int64_t j = 0; j < dim; ++j) acc[j] += s * v(j);
-  } else {
-    if (first)
-      for (int64_t j = 0; j < dim; ++j) acc[j] = 0.f + v(j);
-    else
-      for (int64_t j = 0; j < dim; ++j) acc[j] += v(j);
+inline void add_values(int64_t dim, const Value& v, const float* w, bool first, float* acc,
+                       float* vmax) {
+  const float s = w ? *w : 1.f;  // s * x == x exactly for s == 1
+  for (int64_t j = 0; j < dim; ++j) {
+    const float x = v(j), a = std::fabs(x);
+    acc[j] = (first ? 0.f : acc[j]) + s * x;
+    vmax[j] = a > vmax[j] ? a : vmax[j];
   }
 }
 
 /// add_values of a stored row, its values computed as dequantize_row computes them: fp32
 /// and int8 rows straight from the table, other formats through `buf` (dim floats).
 inline void add_stored_row(const RowFormat& f, const uint8_t* row, const float* w, bool first,
-                           float* acc, float* buf) {
+                           float* acc, float* vmax, float* buf) {
   if (f.bits == 32) {
-    add_values(f.dim, [&](int64_t j) { return load_f32(row + 4 * j); }, w, first, acc);
+    add_values(f.dim, [&](int64_t j) { return load_f32(row + 4 * j); }, w, first, acc, vmax);
   } else if (f.bits == 8) {
     float scale, bias;
     load_qparams(f, row, &scale, &bias);
-    add_values(f.dim, [&](int64_t j) { return (float)row[j] * scale + bias; }, w, first, acc);
+    add_values(f.dim, [&](int64_t j) { return (float)row[j] * scale + bias; }, w, first, acc,
+               vmax);
   } else {
     dequantize_row(f, row, buf);
-    add_values(f.dim, [&](int64_t j) { return buf[j]; }, w, first, acc);
+    add_values(f.dim, [&](int64_t j) { return buf[j]; }, w, first, acc, vmax);
   }
 }
 
-/// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j], and the slot of every
-/// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l; returns the number
-/// of lookups that found their row cached. Throws before writing if an index is out of range.
+/// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j], the slot of every
+/// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l, and the largest
+/// |value| the lookups read into *max_abs (0 if none); returns the number of lookups that
+/// found their row cached. Throws before writing if an index is out of range.
 int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, int64_t num_rows,
-                    const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot) {
+                    const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot,
+                    float* max_abs) {
   const int64_t dim = f.dim;
   for (int64_t l = bags.first(); l < bags.end(); ++l)
     TORCH_CHECK(bags.idx[l] >= 0 && bags.idx[l] < num_rows, "embcache: index ", bags.idx[l],
@@ -278,6 +278,8 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
   const int64_t* off = bags.off;
   for (int64_t l = bags.first(); l < bags.end(); ++l) slot[l] = (int32_t)cache.set_of(idx[l]);
   std::atomic<int64_t> hits{0};
+  std::mutex max_abs_mutex;
+  *max_abs = 0.f;
   at::parallel_for(0, bags.count, kGrainBags, [&](int64_t b0, int64_t b1) {
     // slot[l] holds the set of lookup l until its slot is found
     for (int64_t l = off[b0]; l < off[b1]; ++l) {
@@ -288,7 +290,7 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
       cache.prefetch_value(slot[l], dim, w + idx[l] * f.row_bytes(), f.row_bytes());
     };
     for (int64_t l = off[b0]; l < std::min(off[b1], off[b0] + kPrefetch); ++l) prefetch_value(l);
-    std::vector<float> buf(dim);
+    std::vector<float> buf(dim), vmax(dim, 0.f);
     int64_t local_hits = 0;
     for (int64_t b = b0; b < b1; ++b) {
       float* acc = out + b * out_stride;
@@ -299,10 +301,11 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
         const bool first = l == off[b];
         if (slot[l] >= 0) {
           const float* v = cache.rows + slot[l] * dim;
-          add_values(dim, [&](int64_t j) { return v[j]; }, weight, first, acc);
+          add_values(dim, [&](int64_t j) { return v[j]; }, weight, first, acc, vmax.data());
           ++local_hits;
         } else {
-          add_stored_row(f, w + idx[l] * f.row_bytes(), weight, first, acc, buf.data());
+          add_stored_row(f, w + idx[l] * f.row_bytes(), weight, first, acc, vmax.data(),
+                         buf.data());
         }
       }
       const int64_t len = off[b + 1] - off[b];
@@ -310,6 +313,9 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
         for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)len;
     }
     hits += local_hits;
+    const float m = *std::max_element(vmax.begin(), vmax.end());
+    std::lock_guard<std::mutex> lock(max_abs_mutex);
+    *max_abs = std::max(*max_abs, m);
   });
   return hits.load();
 }
@@ -325,8 +331,9 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
   const Bags bags = bags_of(indices, offsets, per_sample_weights);
   at::Tensor out = at::empty({bags.count, dim}, cache_rows.options());
   std::vector<int32_t> slots(indices.numel());
+  float max_abs;
   const int64_t hits = lookup_core(f, cache, weights.data_ptr<uint8_t>(), weights.size(0), bags,
-                                   mean, out.data_ptr<float>(), dim, slots.data());
+                                   mean, out.data_ptr<float>(), dim, slots.data(), &max_abs);
   return {out, at::scalar_tensor(hits, at::kLong)};
 }
 
@@ -538,17 +545,45 @@ void apply_set_rule(std::vector<int64_t>& cand, CandPrio cand_prio, WayPrio way_
   for (; k < cand.size(); ++k) bypass(cand[k]);
 }
 
-/// First half of a training step's update (SPEC §4 step 3), changing nothing: for each
-/// unique row, its slot (-1 if not cached) and the optimizer's new value and state from
-/// the fetched value. Also returns the smallest row whose new value cannot be stored in
-/// the table's format (non-finite, or beyond its range), or -1. `slot_hint`, if given,
-/// holds each row's slot as found by a forward over the same cache state (the caller
-/// vouches that the cache has not changed since); it saves searching the sets again.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
-    const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
-    const at::Tensor& optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
-    int64_t bits, bool qparams_fp16, bool stochastic, int64_t optimizer, double lr, double eps,
-    int64_t num_sets, int64_t ways, const c10::optional<at::Tensor>& slot_hint) {
+/// One table's update inputs, checked: the unique rows (ascending), their gradients and
+/// the state their new values are computed from (SPEC §4 step 3, "Optimizers").
+struct RowUpdate {
+  RowFormat f;
+  Cache cache;
+  const uint8_t* w;
+  int64_t num_rows;
+  const int64_t* rows;
+  int64_t nu;
+  const float* g;
+  float* st;
+  int64_t sw;
+  int64_t optimizer;
+  float lr, eps;
+
+  /// Row u's new value into out and new optimizer state into state_out, from its value in
+  /// `slot` (or in the table if slot < 0; `buf` holds dim floats). out and state_out may be
+  /// where the value and state are read from.
+  void compute(int64_t u, int64_t slot, float* buf, float* out, float* state_out) const {
+    const float* v = buf;
+    if (slot >= 0)
+      v = cache.rows + slot * f.dim;
+    else
+      dequantize_row(f, w + rows[u] * f.row_bytes(), buf);
+    optimizer_row(optimizer, lr, eps, f.dim, v, g + u * f.dim, st + rows[u] * sw, out, state_out);
+  }
+
+  /// Prefetches what compute(u, slot) reads.
+  void prefetch_sources(int64_t u, int64_t slot) const {
+    cache.prefetch_value(slot, f.dim, w + rows[u] * f.row_bytes(), f.row_bytes());
+    prefetch_bytes(st + rows[u] * sw, sw * sizeof(float));
+  }
+};
+
+RowUpdate make_row_update(const at::Tensor& weights, const at::Tensor& cache_tags,
+                          const at::Tensor& cache_rows, const at::Tensor& optimizer_state,
+                          const at::Tensor& unique_rows, const at::Tensor& grads, int64_t bits,
+                          bool qparams_fp16, int64_t optimizer, double lr, double eps,
+                          int64_t num_sets, int64_t ways) {
   check_tensor(grads, at::kFloat, "grads");
   TORCH_CHECK(grads.dim() == 2, "embcache: grads must be [unique rows, dim]");
   const int64_t dim = grads.size(1);
@@ -567,127 +602,150 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   for (int64_t u = 0; u < nu; ++u)
     TORCH_CHECK(rows[u] >= 0 && rows[u] < num_rows && (u == 0 || rows[u] > rows[u - 1]),
                 "embcache: unique rows must be ascending and in range");
-  const int64_t* hint = nullptr;
+  return RowUpdate{f,  cache, weights.data_ptr<uint8_t>(), num_rows, rows, nu,
+                   grads.data_ptr<float>(), optimizer_state.data_ptr<float>(), sw, optimizer,
+                   (float)lr, (float)eps};
+}
+
+/// Each unique row's slot (-1 if not cached) into sl[0..nu): the caller's hint if given
+/// (the slots a forward found over the same cache state), else found in the sets.
+void find_slots(const RowUpdate& up, const c10::optional<at::Tensor>& slot_hint, int64_t* sl) {
   if (slot_hint.has_value()) {
     check_tensor(*slot_hint, at::kLong, "slot_hint");
-    TORCH_CHECK(slot_hint->numel() == nu, "embcache: slot_hint must hold one slot per row");
-    hint = slot_hint->data_ptr<int64_t>();
-    for (int64_t u = 0; u < nu; ++u)
-      TORCH_CHECK(hint[u] >= -1 && hint[u] < num_sets * ways, "embcache: slot_hint ", hint[u],
+    TORCH_CHECK(slot_hint->numel() == up.nu, "embcache: slot_hint must hold one slot per row");
+    const int64_t* hint = slot_hint->data_ptr<int64_t>();
+    const int64_t slots = up.cache.num_sets * up.cache.ways;
+    for (int64_t u = 0; u < up.nu; ++u)
+      TORCH_CHECK(hint[u] >= -1 && hint[u] < slots, "embcache: slot_hint ", hint[u],
                   " is not a slot");
+    std::copy(hint, hint + up.nu, sl);
+    return;
   }
+  // the set of each row until its slot is found (tags prefetched kPrefetch rows ahead)
+  for (int64_t u = 0; u < up.nu; ++u) sl[u] = up.cache.set_of(up.rows[u]);
+  for (int64_t u = 0; u < up.nu; ++u) {
+    if (u + kPrefetch < up.nu) up.cache.prefetch_set(sl[u + kPrefetch]);
+    sl[u] = up.cache.find_in_set(sl[u], up.rows[u]);
+  }
+}
 
-  at::Tensor fresh = at::empty({nu, dim}, grads.options());
-  at::Tensor fresh_state = at::empty({nu, sw}, grads.options());
-  at::Tensor slots = at::empty({nu}, unique_rows.options());
-  const float* g = grads.data_ptr<float>();
-  const uint8_t* w = weights.data_ptr<uint8_t>();
-  const float* st = optimizer_state.data_ptr<float>();
-  float* fr = fresh.data_ptr<float>();
-  float* fs = fresh_state.data_ptr<float>();
-  int64_t* sl = slots.data_ptr<int64_t>();
+/// Runs each(u, out, state_out) on every unique row's new value and state, computed in
+/// scratch buffers (the values prefetched kPrefetch rows ahead); returns the smallest row
+/// whose new value cannot be stored in the table's format (non-finite, or beyond its
+/// range), or -1.
+template <typename Each>
+int64_t for_each_new_value(const RowUpdate& up, const int64_t* sl, bool stochastic,
+                           const Each& each) {
   std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
-  at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
-    // Two passes, as in lookup_core: slots (tags prefetched ahead), then values.
-    if (hint) {
-      std::copy(hint + u0, hint + u1, sl + u0);
-    } else {
-      for (int64_t u = u0; u < u1; ++u) sl[u] = cache.set_of(rows[u]);  // the set until found
-      for (int64_t u = u0; u < u1; ++u) {
-        if (u + kPrefetch < u1) cache.prefetch_set(sl[u + kPrefetch]);
-        sl[u] = cache.find_in_set(sl[u], rows[u]);
-      }
-    }
-    auto prefetch_value = [&](int64_t u) {
-      cache.prefetch_value(sl[u], dim, w + rows[u] * f.row_bytes(), f.row_bytes());
-      prefetch_bytes(st + rows[u] * sw, sw * sizeof(float));
-    };
-    for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_value(u);
-    std::vector<float> v(dim);
+  at::parallel_for(0, up.nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+    std::vector<float> buf(up.f.dim), out(up.f.dim), state(up.sw);
+    for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) up.prefetch_sources(u, sl[u]);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t row = rows[u];
-      if (u + kPrefetch < u1) prefetch_value(u + kPrefetch);
-      if (sl[u] >= 0)
-        std::copy_n(cache.rows + sl[u] * dim, dim, v.data());
-      else
-        dequantize_row(f, w + row * f.row_bytes(), v.data());
-      optimizer_row(optimizer, (float)lr, (float)eps, dim, v.data(), g + u * dim,
-                    st + row * sw, fr + u * dim, fs + u * sw);
-      if (!row_is_storable(f, fr + u * dim, stochastic)) {
+      if (u + kPrefetch < u1) up.prefetch_sources(u + kPrefetch, sl[u + kPrefetch]);
+      up.compute(u, sl[u], buf.data(), out.data(), state.data());
+      if (!row_is_storable(up.f, out.data(), stochastic)) {
         int64_t cur = first_bad.load();
-        while (row < cur && !first_bad.compare_exchange_weak(cur, row)) {
+        while (up.rows[u] < cur && !first_bad.compare_exchange_weak(cur, up.rows[u])) {
         }
       }
+      each(u, out.data(), state.data());
     }
   });
   const int64_t bad = first_bad.load();
-  return {fresh, fresh_state, slots, bad == std::numeric_limits<int64_t>::max() ? -1 : bad};
+  return bad == std::numeric_limits<int64_t>::max() ? -1 : bad;
 }
 
-/// Second half: writes the prepared values (SPEC §4 step 3). LFU counts first; then per
-/// set, updated residents stay, candidates enter by strictly higher priority, the rest
-/// bypass into the table. cache_priority holds each slot's priority: for LRU the step that
-/// last updated its row, for LFU a copy of its row's count (so that choosing a victim reads
-/// one set's slots, not the counts of 32 random rows). cache_set_floor holds, per set, a
-/// lower bound of its slots' priorities (kEmpty if a way is empty, or unknown): when no
-/// candidate of a set beats it, they all bypass without the set's tags and priorities being
-/// read. Priorities only rise between flushes, so a bound stays a bound; this op makes it
-/// exact whenever it applies the rule to a set. Returns [unique hits, unique misses,
-/// insertions, evictions, bypasses].
+/// First half of a training step's update (SPEC §4 step 3), changing nothing: for each
+/// unique row, its slot (-1 if not cached) and the optimizer's new value and state from
+/// the fetched value. Also returns the smallest row whose new value cannot be stored in
+/// the table's format (non-finite, or beyond its range), or -1. `slot_hint`, if given,
+/// holds each row's slot as found by a forward over the same cache state (the caller
+/// vouches that the cache has not changed since); it saves searching the sets again.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
+    const at::Tensor& weights, const at::Tensor& cache_tags, const at::Tensor& cache_rows,
+    const at::Tensor& optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
+    int64_t bits, bool qparams_fp16, bool stochastic, int64_t optimizer, double lr, double eps,
+    int64_t num_sets, int64_t ways, const c10::optional<at::Tensor>& slot_hint) {
+  const RowUpdate up = make_row_update(weights, cache_tags, cache_rows, optimizer_state,
+                                       unique_rows, grads, bits, qparams_fp16, optimizer, lr,
+                                       eps, num_sets, ways);
+  const int64_t dim = up.f.dim, sw = up.sw;
+  at::Tensor fresh = at::empty({up.nu, dim}, grads.options());
+  at::Tensor fresh_state = at::empty({up.nu, sw}, grads.options());
+  at::Tensor slots = at::empty({up.nu}, unique_rows.options());
+  float* fr = fresh.data_ptr<float>();
+  float* fs = fresh_state.data_ptr<float>();
+  find_slots(up, slot_hint, slots.data_ptr<int64_t>());
+  const int64_t bad = for_each_new_value(
+      up, slots.data_ptr<int64_t>(), stochastic, [&](int64_t u, const float* out, const float* st) {
+        std::copy_n(out, dim, fr + u * dim);
+        std::copy_n(st, sw, fs + u * sw);
+      });
+  return {fresh, fresh_state, slots, bad};
+}
+
+/// Whether every new value of an SGD update is storable, judged from the gradients and a
+/// bound on the rows' current values (|v| <= value_bound) alone; false when that cannot
+/// tell, or a gradient is not finite. |v - lr * g| <= (|v| + |lr| max|g|) (1 + 2^-24), and
+/// the margins below also cover rows read back after rounding (within 2^-11 of their value).
+bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
+                     double value_bound) {
+  float gmax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    finite &= is_finite(g[i]);
+    gmax = std::max(gmax, std::fabs(g[i]));
+  }
+  if (!finite || !(value_bound >= 0.0)) return false;
+  const double m = 1.01 * (1.01 * value_bound + std::fabs(lr) * (double)gmax);
+  if (f.bits == 16) return m <= 65000.0;  // binary16 keeps |x| <= 65504 finite
+  // binary16 qparams: |min| and (max - min) / q_max stay finite for |x| < 30000
+  if (f.is_int() && f.qparams_fp16) return m < 30000.0;
+  return m < 1e37;  // fp32 values, and fp32 qparams whose range max - min stays finite
+}
+
+/// The slot that each updated row's new value goes to (or kToTable, or kDone once written).
+constexpr int64_t kToTable = -1, kDone = -2;
+
+/// Writes one table's update (SPEC §4 step 3): LFU counts (and, given fresh_state, the
+/// optimizer state) first; then per set, updated residents stay, candidates enter by
+/// strictly higher priority, the rest bypass into the table; then the new values.
+/// value_of(u, out, scratch) writes row u's new value into out (a scratch row, or its cache
+/// slot; scratch holds dim floats), once per row: for a resident evicted by this update,
+/// before its slot is reused.
+///
+/// cache_priority holds each slot's priority: for LRU the step that last updated its row,
+/// for LFU a copy of its row's count (so that choosing a victim reads one set's slots, not
+/// the counts of 32 random rows). cache_set_floor holds, per set, a lower bound of its
+/// slots' priorities (kEmpty if a way is empty, or unknown): when no candidate of a set beats
+/// it, they all bypass without the set's tags and priorities being read. Priorities only
+/// rise between flushes, so a bound stays a bound; the rule makes it exact whenever it runs
+/// on a set. Returns [unique hits, unique misses, insertions, evictions, bypasses].
 ///
 /// The work goes in three passes so that random memory is touched in a prefetchable order:
-/// counts and optimizer state by row; the set rule by set, deciding each row's destination
-/// (its slot, or the table) and writing evicted residents back; the new values by row.
-at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor& cache_rows,
-                         at::Tensor& cache_priority, at::Tensor& cache_set_floor,
-                         at::Tensor& counts, at::Tensor& optimizer_state,
-                         const at::Tensor& unique_rows, const at::Tensor& fresh,
-                         const at::Tensor& fresh_state, const at::Tensor& slots,
-                         const at::Tensor& occurrences, int64_t bits, bool qparams_fp16,
-                         bool stochastic, bool lfu, int64_t seed, int64_t step, int64_t table,
-                         int64_t num_sets, int64_t ways) {
-  check_tensor(fresh, at::kFloat, "fresh");
-  check_tensor(fresh_state, at::kFloat, "fresh_state");
-  check_tensor(slots, at::kLong, "slots");
-  check_tensor(occurrences, at::kLong, "occurrences");
-  check_tensor(unique_rows, at::kLong, "unique_rows");
-  check_tensor(cache_priority, at::kInt, "cache_priority");
-  check_tensor(cache_set_floor, at::kInt, "cache_set_floor");
-  check_tensor(counts, at::kInt, "counts");
-  check_tensor(optimizer_state, at::kFloat, "optimizer_state");
-  const int64_t dim = fresh.size(1), nu = unique_rows.numel();
-  const RowFormat f = make_format(bits, dim, qparams_fp16);
-  check_table(weights, f);
-  Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
-  const int64_t num_rows = weights.size(0), sw = fresh_state.size(1);
-  TORCH_CHECK(fresh.size(0) == nu && fresh_state.size(0) == nu && slots.numel() == nu &&
-                  occurrences.numel() == nu && optimizer_state.numel() == num_rows * sw,
-              "embcache: prepared update does not match the table");
-  TORCH_CHECK(!lfu || counts.numel() == num_rows, "embcache: LFU needs a count per row");
-  TORCH_CHECK(cache_priority.numel() == num_sets * ways,
-              "embcache: cache_priority must hold one priority per slot");
-  TORCH_CHECK(cache_set_floor.numel() == num_sets,
-              "embcache: cache_set_floor must hold one priority per set");
-  const int64_t* rows = unique_rows.data_ptr<int64_t>();
-  const int64_t* occ = occurrences.data_ptr<int64_t>();
-  const int64_t* slot_of = slots.data_ptr<int64_t>();
-  const float* fr = fresh.data_ptr<float>();
-  const float* fs = fresh_state.data_ptr<float>();
-  uint8_t* w = weights.data_ptr<uint8_t>();
-  float* st = optimizer_state.data_ptr<float>();
-  int32_t* cnt = counts.data_ptr<int32_t>();
-  int32_t* prio = cache_priority.data_ptr<int32_t>();
-  int32_t* floor = cache_set_floor.data_ptr<int32_t>();
+/// counts by row; the set rule by set, deciding each row's destination (its slot, or the
+/// table) and writing evicted residents back; the new values by row.
+template <typename ValueOf, typename PrefetchSources>
+at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* floor,
+                       int32_t* cnt, const float* fresh_state, const int64_t* slot_of,
+                       const int64_t* occ, bool stochastic, bool lfu, int64_t seed, int64_t step,
+                       int64_t table, const ValueOf& value_of,
+                       const PrefetchSources& prefetch_sources) {
+  const RowFormat& f = up.f;
+  const Cache& cache = up.cache;
+  const int64_t dim = f.dim, nu = up.nu, sw = up.sw, ways = cache.ways;
+  const int64_t* rows = up.rows;
+  float* st = up.st;
 
-  // Pass 1, by row: optimizer state and LFU counts (prefetched kPrefetch rows ahead), and
-  // each row's priority once its count is in.
+  // Pass 1, by row: LFU counts and prepared optimizer state (prefetched kPrefetch rows
+  // ahead), and each row's priority once its count is in.
   std::vector<int32_t> row_prio(nu);
   for (int64_t u = 0; u < nu; ++u) {
     if (u + kPrefetch < nu) {
-      prefetch_bytes(st + rows[u + kPrefetch] * sw, sw * sizeof(float), true);
+      if (fresh_state) prefetch_bytes(st + rows[u + kPrefetch] * sw, sw * sizeof(float), true);
       if (lfu) __builtin_prefetch(cnt + rows[u + kPrefetch], 1);
     }
-    std::copy_n(fs + u * sw, sw, st + rows[u] * sw);
+    if (fresh_state) std::copy_n(fresh_state + u * sw, sw, st + rows[u] * sw);
     if (lfu) {
       const int64_t c = (int64_t)cnt[rows[u]] + occ[u];
       cnt[rows[u]] = (int32_t)std::min<int64_t>(c, std::numeric_limits<int32_t>::max());
@@ -695,17 +753,17 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
     row_prio[u] = RowPriority{lfu, cnt, step}(rows[u]);
   }
 
-  // Pass 2, by set: each row's destination, dest[u] = its slot or -1 (the table).
+  // Pass 2, by set: each row's destination.
   const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
   auto store = [&](int64_t row, const float* x) {
     quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes());
   };
-  std::vector<int64_t> dest(nu, -1);
-  std::atomic<int64_t> hits{0}, ins{0}, evict{0}, bypass{num_sets > 0 ? 0 : nu};
-  if (num_sets > 0) {
+  std::vector<int64_t> dest(nu, kToTable);
+  std::atomic<int64_t> hits{0}, ins{0}, evict{0}, bypass{cache.num_sets > 0 ? 0 : nu};
+  if (cache.num_sets > 0) {
     SetGroups groups;
     std::vector<uint64_t> keys, tmp;
-    group_by_set(rows, nu, num_sets, groups, keys, tmp);
+    group_by_set(rows, nu, cache.num_sets, groups, keys, tmp);
     const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
                               &starts = groups.starts;
     const int64_t ngroups = (int64_t)starts.size() - 1;
@@ -733,6 +791,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
     at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
       std::vector<int64_t> cand, updated_residents;
       std::vector<int32_t> slot_prio(ways);
+      std::vector<float> value(dim), scratch(dim);
       int64_t n_hits = 0, n_ins = 0, n_evict = 0, n_bypass = 0;
       for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_group(gi);
       for (int64_t gi = g0; gi < g1; ++gi) {
@@ -751,7 +810,7 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
         }
         n_hits += (int64_t)updated_residents.size();
         if (cand.empty()) continue;
-        if (!meets_set(gi)) {  // every candidate bypasses: dest stays -1
+        if (!meets_set(gi)) {  // every candidate bypasses: dest stays kToTable
           n_bypass += (int64_t)cand.size();
           continue;
         }
@@ -763,14 +822,17 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
             [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
               const int64_t slot = base + way;
               if (cache.tags[slot] >= 0) {
-                // A resident updated in this step takes its new value to the table in
-                // pass 3; any other is written back from its slot now.
+                // A resident updated in this step goes to the table with its new value,
+                // any other with the value in its slot; either before the slot is reused.
                 auto it = std::find_if(updated_residents.begin(), updated_residents.end(),
                                        [&](int64_t r) { return dest[r] == slot; });
-                if (it != updated_residents.end())
-                  dest[*it] = -1;
-                else
+                if (it != updated_residents.end()) {
+                  value_of(*it, value.data(), scratch.data());
+                  store(rows[*it], value.data());
+                  dest[*it] = kDone;
+                } else {
                   store(cache.tags[slot], cache.rows + slot * dim);
+                }
                 ++n_evict;
               }
               cache.tags[slot] = (int32_t)rows[u];
@@ -791,25 +853,85 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
     });
   }
 
-  // Pass 3, by row: every new value to its destination, prefetched kPrefetch rows ahead.
-  auto prefetch_dest = [&](int64_t u) {
+  // Pass 3, by row: every new value to its destination, sources and destinations
+  // prefetched kPrefetch rows ahead.
+  auto prefetch_row = [&](int64_t u) {
+    prefetch_sources(u);
     if (dest[u] >= 0)
       prefetch_bytes(cache.rows + dest[u] * dim, dim * sizeof(float), true);
-    else
+    else if (dest[u] == kToTable)
       prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes(), true);
   };
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_dest(u);
+    std::vector<float> value(dim), scratch(dim);
+    for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_row(u);
     for (int64_t u = u0; u < u1; ++u) {
-      if (u + kPrefetch < u1) prefetch_dest(u + kPrefetch);
-      if (dest[u] >= 0)
-        std::copy_n(fr + u * dim, dim, cache.rows + dest[u] * dim);
-      else
-        store(rows[u], fr + u * dim);
+      if (u + kPrefetch < u1) prefetch_row(u + kPrefetch);
+      if (dest[u] >= 0) {
+        value_of(u, cache.rows + dest[u] * dim, scratch.data());
+      } else if (dest[u] == kToTable) {
+        value_of(u, value.data(), scratch.data());
+        store(rows[u], value.data());
+      }
     }
   });
   return at::tensor({hits.load(), nu - hits.load(), ins.load(), evict.load(), bypass.load()},
                     at::kLong);
+}
+
+struct CommitState {
+  uint8_t* w;
+  int32_t *prio, *floor, *counts;
+};
+
+CommitState check_commit_state(const RowUpdate& up, at::Tensor& weights,
+                               at::Tensor& cache_priority, at::Tensor& cache_set_floor,
+                               at::Tensor& counts, bool lfu) {
+  check_tensor(cache_priority, at::kInt, "cache_priority");
+  check_tensor(cache_set_floor, at::kInt, "cache_set_floor");
+  check_tensor(counts, at::kInt, "counts");
+  TORCH_CHECK(!lfu || counts.numel() == up.num_rows, "embcache: LFU needs a count per row");
+  TORCH_CHECK(cache_priority.numel() == up.cache.num_sets * up.cache.ways,
+              "embcache: cache_priority must hold one priority per slot");
+  TORCH_CHECK(cache_set_floor.numel() == up.cache.num_sets,
+              "embcache: cache_set_floor must hold one priority per set");
+  return CommitState{weights.data_ptr<uint8_t>(), cache_priority.data_ptr<int32_t>(),
+                     cache_set_floor.data_ptr<int32_t>(), counts.data_ptr<int32_t>()};
+}
+
+/// Second half: writes the values update_prepare computed (see commit_core).
+at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor& cache_rows,
+                         at::Tensor& cache_priority, at::Tensor& cache_set_floor,
+                         at::Tensor& counts, at::Tensor& optimizer_state,
+                         const at::Tensor& unique_rows, const at::Tensor& fresh,
+                         const at::Tensor& fresh_state, const at::Tensor& slots,
+                         const at::Tensor& occurrences, int64_t bits, bool qparams_fp16,
+                         bool stochastic, bool lfu, int64_t seed, int64_t step, int64_t table,
+                         int64_t num_sets, int64_t ways) {
+  check_tensor(fresh, at::kFloat, "fresh");
+  check_tensor(fresh_state, at::kFloat, "fresh_state");
+  check_tensor(slots, at::kLong, "slots");
+  check_tensor(occurrences, at::kLong, "occurrences");
+  TORCH_CHECK(fresh.dim() == 2 && fresh_state.dim() == 2,
+              "embcache: fresh values and state must be 2-D");
+  // No optimizer step is computed here: the optimizer only sets the state's width.
+  const int64_t optimizer = fresh_state.size(1) == 0 ? kSGD
+                            : fresh_state.size(1) == 1 ? kRowwiseAdagrad : kAdagrad;
+  const RowUpdate up = make_row_update(weights, cache_tags, cache_rows, optimizer_state,
+                                       unique_rows, fresh, bits, qparams_fp16, optimizer, 0.0,
+                                       0.0, num_sets, ways);
+  TORCH_CHECK(fresh_state.size(0) == up.nu && slots.numel() == up.nu &&
+                  occurrences.numel() == up.nu && fresh_state.size(1) == up.sw,
+              "embcache: prepared update does not match the table");
+  const CommitState cs =
+      check_commit_state(up, weights, cache_priority, cache_set_floor, counts, lfu);
+  const float* fr = fresh.data_ptr<float>();
+  const int64_t dim = up.f.dim;
+  return commit_core(
+      up, cs.w, cs.prio, cs.floor, cs.counts, fresh_state.data_ptr<float>(),
+      slots.data_ptr<int64_t>(), occurrences.data_ptr<int64_t>(), stochastic, lfu, seed, step,
+      table, [&](int64_t u, float* out, float*) { std::copy_n(fr + u * dim, dim, out); },
+      [&](int64_t u) { prefetch_bytes(fr + u * dim, dim * sizeof(float)); });
 }
 
 /// Writes every cached row back into the table and empties the cache (every set's floor
@@ -981,8 +1103,9 @@ std::vector<int64_t> column_offsets(at::IntArrayRef dims) {
 }
 
 /// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, the
-/// number of cached lookups per feature, and every lookup's slot (int32, -1 if not cached).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
+/// number of cached lookups per feature, every lookup's slot (int32, -1 if not cached), and
+/// per feature the largest |value| its lookups read (float32; multi_update's value bound).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
@@ -997,6 +1120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
   at::Tensor hits = at::zeros({nf}, at::kLong);
   int64_t* h = hits.data_ptr<int64_t>();
   at::Tensor slots = at::empty({indices.numel()}, at::kInt);
+  at::Tensor max_abs = at::empty({nf}, at::kFloat);
   const Bags all = bags_of(indices, offsets, per_sample_weights);
   std::vector<int64_t> cost(nf);
   for (int64_t f = 0; f < nf; ++f)
@@ -1010,9 +1134,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
     h[f] = lookup_core(fmt, cache, weights[t].data_ptr<uint8_t>(), weights[t].size(0), bags,
                        mean[t] != 0, out.data_ptr<float>() + col[f], col[nf],
-                       slots.data_ptr<int32_t>());
+                       slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f);
   });
-  return {out, hits, slots};
+  return {out, hits, slots, max_abs};
 }
 
 /// Per feature, the deduplicated gradient (rows, grads, occurrences, slots; flattened) from
@@ -1059,39 +1183,63 @@ std::vector<int64_t> update_costs(at::TensorList weights, at::TensorList unique_
   return cost;
 }
 
-/// Every table's update_prepare, then, if no table has a row it cannot store, every
-/// table's update_commit (tables in parallel, costliest first in both phases). A table's
-/// slot_hints entry is its update_prepare slot_hint, or an empty tensor for none.
+/// Every table's update, all or nothing: first each table's slots and a check that all its
+/// new values can be stored (from the gradients alone when value_bounds[t] >= 0 bounds |v|
+/// of its rows, as the forward that found slot_hints[t] read them, and the optimizer is SGD;
+/// else by computing them); then, if no table has a row it cannot store, each table's
+/// commit, which computes every new value where it writes it (tables in parallel, costliest
+/// first in both phases). A table's slot_hints entry is its update_prepare slot_hint, or an
+/// empty tensor for none (then its value bound is not used either).
 std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
     at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
-    at::TensorList occurrences, at::TensorList slot_hints, at::IntArrayRef bits, at::IntArrayRef qparams_fp16,
-    at::IntArrayRef stochastic,
+    at::TensorList occurrences, at::TensorList slot_hints, at::ArrayRef<double> value_bounds,
+    at::IntArrayRef bits, at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
     at::IntArrayRef ways, at::IntArrayRef steps) {
   const int64_t nt = (int64_t)weights.size();
-  std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
-  std::vector<int64_t> bad(nt);
+  TORCH_CHECK((int64_t)value_bounds.size() == nt, "embcache: one value bound per table");
+  std::vector<RowUpdate> updates;
+  for (int64_t t = 0; t < nt; ++t)
+    updates.push_back(make_row_update(weights[t], cache_tags[t], cache_rows[t],
+                                      optimizer_state[t], unique_rows[t], grads[t], bits[t],
+                                      qparams_fp16[t] != 0, optimizer[t], lr[t], eps[t],
+                                      num_sets[t], ways[t]));
+  std::vector<at::Tensor> slots(nt);
+  std::vector<int64_t> bad(nt, -1);
   at::Tensor stats = at::zeros({nt, 5}, at::kLong);
   const std::vector<int64_t> cost = update_costs(weights, unique_rows);
   for_each_by_cost(cost, [&](int64_t t) {
-    std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
-        weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t],
-        grads[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t],
-        eps[t], num_sets[t], ways[t],
-        slot_hints[t].numel() > 0 ? c10::optional<at::Tensor>(slot_hints[t]) : c10::nullopt);
+    const RowUpdate& up = updates[t];
+    const bool hinted = slot_hints[t].numel() > 0;
+    slots[t] = at::empty({up.nu}, at::kLong);
+    find_slots(up, hinted ? c10::optional<at::Tensor>(slot_hints[t]) : c10::nullopt,
+               slots[t].data_ptr<int64_t>());
+    if (hinted && optimizer[t] == kSGD &&
+        surely_storable(up.f, up.g, up.nu * up.f.dim, lr[t], value_bounds[t]))
+      return;
+    bad[t] = for_each_new_value(up, slots[t].data_ptr<int64_t>(), stochastic[t] != 0,
+                                [](int64_t, const float*, const float*) {});
   });
   if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return {stats, bad};
   for_each_by_cost(cost, [&](int64_t t) {
-    at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
-               prio = cache_priority[t], floor = cache_set_floor[t], cnt = counts[t],
-               st = optimizer_state[t];
-    stats[t].copy_(update_commit(w, tags, rows, prio, floor, cnt, st, unique_rows[t], fresh[t],
-                                 fresh_state[t], slots[t], occurrences[t], bits[t],
-                                 qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
-                                 seed[t], steps[t], table[t], num_sets[t], ways[t]));
+    const RowUpdate& up = updates[t];
+    at::Tensor w = weights[t], prio = cache_priority[t], floor = cache_set_floor[t],
+               cnt = counts[t];
+    const CommitState cs = check_commit_state(up, w, prio, floor, cnt, lfu[t] != 0);
+    TORCH_CHECK(occurrences[t].numel() == up.nu, "embcache: one occurrence count per row");
+    check_tensor(occurrences[t], at::kLong, "occurrences");
+    const int64_t* sl = slots[t].data_ptr<int64_t>();
+    // The new value (and optimizer state) computed in place: read, then written.
+    stats[t].copy_(commit_core(
+        up, cs.w, cs.prio, cs.floor, cs.counts, nullptr, sl, occurrences[t].data_ptr<int64_t>(),
+        stochastic[t] != 0, lfu[t] != 0, seed[t], steps[t], table[t],
+        [&](int64_t u, float* out, float* scratch) {
+          up.compute(u, sl[u], scratch, out, up.st + up.rows[u] * up.sw);
+        },
+        [&](int64_t u) { up.prefetch_sources(u, sl[u]); }));
   });
   return {stats, bad};
 }

@@ -285,9 +285,10 @@ inline std::vector<int64_t> column_offsets(const std::vector<int64_t>& dims) {
   return col;
 }
 
-/// The third output, every lookup's slot, is empty here: the CUDA update finds the slots
-/// itself, so it takes no slot hints (an empty hint means none).
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
+/// The third and fourth outputs, every lookup's slot and each feature's value bound, are
+/// empty here: the CUDA update finds the slots and checks the values itself, so it takes no
+/// slot hints (an empty hint means none) and no value bounds.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
@@ -316,7 +317,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
         per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr, fmt, num_sets[t],
         ways[t], mean[t] != 0, out.data_ptr<float>() + col[f], col[nf], current_stream());
   }
-  return {out, hits, at::empty({0}, indices.options().dtype(at::kInt))};
+  return {out, hits, at::empty({0}, indices.options().dtype(at::kInt)),
+          at::empty({0}, at::kFloat)};
 }
 
 inline std::vector<at::Tensor> multi_dedup_backward(
@@ -359,7 +361,8 @@ inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
     at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
-    at::TensorList occurrences, at::TensorList /*slot_hints: unused on CUDA*/, at::IntArrayRef bits,
+    at::TensorList occurrences, at::TensorList /*slot_hints: unused on CUDA*/,
+    at::ArrayRef<double> /*value_bounds: unused on CUDA*/, at::IntArrayRef bits,
     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,

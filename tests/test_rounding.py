@@ -112,11 +112,14 @@ def signed_zero_rows(dim):
     """Rows whose min (or max) is both 0.0 and -0.0: the first one in the row is taken, as
     std::min_element does (the stored bias keeps its sign bit)."""
     rows = [torch.full((dim,), -0.0), torch.full((dim,), 0.0)]
-    if dim >= 2:
+    # zeros at positions 0 and 1, or 1 and 4 (which a 4-lane SIMD scan meets in the other order)
+    for i, k in ((0, 1), (1, 4)):
+        if dim <= k:
+            continue
         for a, b in ((0.0, -0.0), (-0.0, 0.0)):
             for tail in (1.0, -1.0):
                 r = torch.full((dim,), tail)
-                r[0], r[1] = a, b
+                r[i], r[k] = a, b
                 rows.append(r)
                 rows.append(r.flip(0))
     return torch.stack(rows)

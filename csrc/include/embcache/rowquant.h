@@ -15,10 +15,11 @@
 #include <string.h>
 
 // Host builds with SSE4.1 run the four Philox blocks of stream_uniforms16 in one SIMD
-// register per state word; CUDA, the warp emulator (built with EMBCACHE_PORTABLE, so that
-// the tests compare the two) and other hosts run the portable loop. Same words either way.
+// register per state word, and an integer row's min/max and int8 rounding four elements at
+// a time; CUDA, the warp emulator (built with EMBCACHE_PORTABLE, so that the tests compare
+// the two) and other hosts run the portable loops. Same bytes either way.
 #if defined(__SSE4_1__) && !defined(__CUDACC__) && !defined(EMBCACHE_PORTABLE)
-#define EMBCACHE_SSE_PHILOX 1
+#define EMBCACHE_SSE 1
 #include <smmintrin.h>
 #endif
 
@@ -119,7 +120,7 @@ EMBCACHE_HD float word_uniform(uint32_t w) { return (float)(w >> 8) * 5.96046447
 EMBCACHE_HD void stream_uniforms16(const RoundingStream& s, int64_t row, int64_t chunk,
                                    float* u) {
   uint32_t k0 = (uint32_t)s.seed, k1 = (uint32_t)(s.seed >> 32);
-#if defined(EMBCACHE_SSE_PHILOX)
+#if defined(EMBCACHE_SSE)
   // Lane b holds block b. A round: (hi, lo) = M0 * x0 and M1 * x2 as 64-bit products
   // (even lanes, then odd lanes shifted down), then x = (hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0).
   const int c = (int)(4 * chunk);
@@ -310,6 +311,49 @@ EMBCACHE_HD bool row_is_storable(const RowFormat& f, const float* x, bool stocha
   return true;
 }
 
+/// The smallest and largest of the finite x[0..n), as the loops mn = x[j] < mn ? x[j] : mn
+/// and mx = x[j] > mx ? x[j] : mx from x[0] find them: of equal zeros, the first one.
+EMBCACHE_HD void row_min_max(const float* x, int n, float* min_out, float* max_out) {
+  float mn = x[0], mx = x[0];
+#if defined(EMBCACHE_SSE)
+  if (n >= 8) {  // four lanes, each by the same rule (minps(a, b) = a < b ? a : b)
+    __m128 vmn = _mm_loadu_ps(x), vmx = vmn;
+    int j = 4;
+    for (; j + 4 <= n; j += 4) {
+      const __m128 v = _mm_loadu_ps(x + j);
+      vmn = _mm_min_ps(v, vmn);
+      vmx = _mm_max_ps(v, vmx);
+    }
+    float lane_mn[4], lane_mx[4];
+    _mm_storeu_ps(lane_mn, vmn);
+    _mm_storeu_ps(lane_mx, vmx);
+    mn = lane_mn[0];
+    mx = lane_mx[0];
+    for (int k = 1; k < 4; ++k) {
+      mn = lane_mn[k] < mn ? lane_mn[k] : mn;
+      mx = lane_mx[k] > mx ? lane_mx[k] : mx;
+    }
+    for (; j < n; ++j) {
+      mn = x[j] < mn ? x[j] : mn;
+      mx = x[j] > mx ? x[j] : mx;
+    }
+    // Any order finds the same non-zero extremes; which zero comes first needs the loop.
+    if (mn != 0.f && mx != 0.f) {
+      *min_out = mn;
+      *max_out = mx;
+      return;
+    }
+    mn = mx = x[0];
+  }
+#endif
+  for (int j = 1; j < n; ++j) {
+    mn = x[j] < mn ? x[j] : mn;
+    mx = x[j] > mx ? x[j] : mx;
+  }
+  *min_out = mn;
+  *max_out = mx;
+}
+
 /// Round x >= 0 (as bits, < 65536) to one of its binary16 neighbours with probability
 /// proportional to closeness (SPEC §3): hi with probability (x - lo) / (hi - lo).
 EMBCACHE_HD uint16_t half_stochastic_magnitude(uint32_t abs_bits, float u) {
@@ -362,11 +406,8 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     return;
   }
   const int q_max = (1 << f.bits) - 1;
-  float mn = x[0], mx = x[0];
-  for (int j = 1; j < f.dim; ++j) {
-    mn = x[j] < mn ? x[j] : mn;
-    mx = x[j] > mx ? x[j] : mx;
-  }
+  float mn, mx;
+  row_min_max(x, f.dim, &mn, &mx);
   float scale, bias, inv;
   uint8_t* q = row + f.payload_bytes();
   if (f.qparams_fp16) {
@@ -395,12 +436,29 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
   int code[16];
   for (int j0 = 0; j0 < f.dim; j0 += 16) {
     const int m = f.dim - j0 < 16 ? f.dim - j0 : 16;
-    if (stochastic) {
-      stream_uniforms16(stream, row_id, j0 >> 4, u);
-      for (int i = 0; i < m; ++i) code[i] = round_code((x[j0 + i] - bias) * inv, true, u[i], q_max);
-    } else {
-      for (int i = 0; i < m; ++i) code[i] = round_code((x[j0 + i] - bias) * inv, false, 0.f, q_max);
+    if (stochastic) stream_uniforms16(stream, row_id, j0 >> 4, u);
+#if defined(EMBCACHE_SSE)
+    if (m == 16 && lg == 0) {  // round_code on four lanes, then 16 codes packed into bytes
+      const __m128 vbias = _mm_set1_ps(bias), vinv = _mm_set1_ps(inv), one = _mm_set1_ps(1.f);
+      __m128i c[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m128 y = _mm_mul_ps(_mm_sub_ps(_mm_loadu_ps(x + j0 + 4 * k), vbias), vinv);
+        __m128 r = _mm_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (stochastic) {
+          const __m128 lo = _mm_sub_ps(r, _mm_and_ps(_mm_cmpgt_ps(r, y), one));
+          r = _mm_add_ps(lo, _mm_and_ps(_mm_cmplt_ps(_mm_loadu_ps(u + 4 * k), _mm_sub_ps(y, lo)), one));
+        }
+        r = _mm_min_ps(_mm_max_ps(r, _mm_setzero_ps()), _mm_set1_ps((float)q_max));
+        c[k] = _mm_cvttps_epi32(r);
+      }
+      const __m128i bytes =
+          _mm_packus_epi16(_mm_packs_epi32(c[0], c[1]), _mm_packs_epi32(c[2], c[3]));
+      _mm_storeu_si128((__m128i*)(row + j0), bytes);
+      continue;
     }
+#endif
+    for (int i = 0; i < m; ++i)
+      code[i] = round_code((x[j0 + i] - bias) * inv, stochastic, u[i], q_max);
     if (lg == 0) {
       for (int i = 0; i < m; ++i) row[j0 + i] = (uint8_t)code[i];
     } else {

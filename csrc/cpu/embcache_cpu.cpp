@@ -723,8 +723,9 @@ constexpr int64_t kToTable = -1, kDone = -2;
 /// on a set. Returns [unique hits, unique misses, insertions, evictions, bypasses].
 ///
 /// The work goes in three passes so that random memory is touched in a prefetchable order:
-/// counts by row; the set rule by set, deciding each row's destination (its slot, or the
-/// table) and writing evicted residents back; the new values by row.
+/// by row, counts and every destination but those of candidates that beat their set's floor;
+/// by set, the rule for those (a few percent of the rows once the cache is warm), with
+/// evicted residents written back; by row, the new values.
 template <typename ValueOf, typename PrefetchSources>
 at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* floor,
                        int32_t* cnt, const float* fresh_state, const int64_t* slot_of,
@@ -737,13 +738,25 @@ at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* 
   const int64_t* rows = up.rows;
   float* st = up.st;
 
-  // Pass 1, by row: LFU counts and prepared optimizer state (prefetched kPrefetch rows
-  // ahead), and each row's priority once its count is in.
+  // Pass 1, by row (random lines prefetched kPrefetch rows ahead): LFU counts and prepared
+  // optimizer state; each row's priority once its count is in; updated residents stay in
+  // their slots with that priority; a candidate that does not beat its set's floor bypasses
+  // (it could enter no way, whatever the other candidates of its set do); the others contend
+  // for their sets in pass 2.
+  const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
+  auto store = [&](int64_t row, const float* x) {
+    quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes());
+  };
   std::vector<int32_t> row_prio(nu);
+  std::vector<int64_t> dest(nu, kToTable);
+  std::vector<uint64_t> contenders;  // (set, u) packed, u ascending
+  int64_t hits = 0, bypass = 0;
   for (int64_t u = 0; u < nu; ++u) {
     if (u + kPrefetch < nu) {
-      if (fresh_state) prefetch_bytes(st + rows[u + kPrefetch] * sw, sw * sizeof(float), true);
-      if (lfu) __builtin_prefetch(cnt + rows[u + kPrefetch], 1);
+      const int64_t ahead = u + kPrefetch;
+      if (fresh_state) prefetch_bytes(st + rows[ahead] * sw, sw * sizeof(float), true);
+      if (lfu) __builtin_prefetch(cnt + rows[ahead], 1);
+      if (slot_of[ahead] >= 0) __builtin_prefetch(prio + slot_of[ahead], 1);
     }
     if (fresh_state) std::copy_n(fresh_state + u * sw, sw, st + rows[u] * sw);
     if (lfu) {
@@ -751,107 +764,78 @@ at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* 
       cnt[rows[u]] = (int32_t)std::min<int64_t>(c, std::numeric_limits<int32_t>::max());
     }
     row_prio[u] = RowPriority{lfu, cnt, step}(rows[u]);
+    if (slot_of[u] >= 0) {
+      dest[u] = slot_of[u];
+      prio[slot_of[u]] = row_prio[u];
+      ++hits;
+    } else if (cache.num_sets > 0 && row_prio[u] > floor[cache.set_of(rows[u])]) {
+      contenders.push_back(((uint64_t)cache.set_of(rows[u]) << 32) | (uint64_t)u);
+    } else {
+      ++bypass;
+    }
   }
 
-  // Pass 2, by set: each row's destination.
-  const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
-  auto store = [&](int64_t row, const float* x) {
-    quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes());
+  // Pass 2, by set: the set rule for the contenders, each set's floor made exact.
+  std::vector<uint64_t> tmp;
+  radix_sort_high(contenders, bits_for(cache.num_sets), tmp);
+  std::vector<int64_t> starts;  // group g: contenders[starts[g] .. starts[g + 1])
+  for (size_t k = 0; k < contenders.size(); ++k)
+    if (k == 0 || (contenders[k] >> 32) != (contenders[k - 1] >> 32)) starts.push_back((int64_t)k);
+  starts.push_back((int64_t)contenders.size());
+  const int64_t ngroups = (int64_t)starts.size() - 1;
+  auto set_of_group = [&](int64_t gi) { return (int64_t)(contenders[starts[gi]] >> 32); };
+  auto prefetch_set = [&](int64_t gi) {
+    prefetch_bytes(cache.tags + set_of_group(gi) * ways, ways * sizeof(int32_t), true);
+    prefetch_bytes(prio + set_of_group(gi) * ways, ways * sizeof(int32_t), true);
   };
-  std::vector<int64_t> dest(nu, kToTable);
-  std::atomic<int64_t> hits{0}, ins{0}, evict{0}, bypass{cache.num_sets > 0 ? 0 : nu};
-  if (cache.num_sets > 0) {
-    SetGroups groups;
-    std::vector<uint64_t> keys, tmp;
-    group_by_set(rows, nu, cache.num_sets, groups, keys, tmp);
-    const std::vector<int64_t>&set_of = groups.set_of, &by_set = groups.by_set,
-                              &starts = groups.starts;
-    const int64_t ngroups = (int64_t)starts.size() - 1;
-    // Whether group gi's candidates must meet its set: one of them beats the set's floor.
-    auto meets_set = [&](int64_t gi) {
-      const int64_t set = set_of[by_set[starts[gi]]];
-      for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
-        const int64_t u = by_set[k];
-        if (slot_of[u] < 0 && row_prio[u] > floor[set]) return true;
-      }
-      return false;
-    };
-    // Brings in what group gi will touch: its residents' priorities, and the set's tags and
-    // priorities if its candidates meet the set.
-    auto prefetch_group = [&](int64_t gi) {
-      const int64_t base = set_of[by_set[starts[gi]]] * ways;
+  constexpr int64_t kGroupsAhead = 8;
+  std::atomic<int64_t> ins{0}, evict{0}, rule_bypass{0};
+  at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
+    std::vector<int64_t> cand;
+    std::vector<int32_t> slot_prio(ways);
+    std::vector<float> value(dim), scratch(dim);
+    int64_t n_ins = 0, n_evict = 0, n_bypass = 0;
+    for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_set(gi);
+    for (int64_t gi = g0; gi < g1; ++gi) {
+      if (gi + kGroupsAhead < g1) prefetch_set(gi + kGroupsAhead);
+      cand.clear();
       for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k)
-        if (slot_of[by_set[k]] >= 0) __builtin_prefetch(prio + slot_of[by_set[k]], 1);
-      if (meets_set(gi)) {
-        prefetch_bytes(cache.tags + base, ways * sizeof(int32_t), true);
-        prefetch_bytes(prio + base, ways * sizeof(int32_t), true);
-      }
-    };
-    constexpr int64_t kGroupsAhead = 8;
-    at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
-      std::vector<int64_t> cand, updated_residents;
-      std::vector<int32_t> slot_prio(ways);
-      std::vector<float> value(dim), scratch(dim);
-      int64_t n_hits = 0, n_ins = 0, n_evict = 0, n_bypass = 0;
-      for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_group(gi);
-      for (int64_t gi = g0; gi < g1; ++gi) {
-        if (gi + kGroupsAhead < g1) prefetch_group(gi + kGroupsAhead);
-        cand.clear();
-        updated_residents.clear();
-        for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
-          const int64_t u = by_set[k], slot = slot_of[u];
-          if (slot >= 0) {
-            dest[u] = slot;
-            prio[slot] = row_prio[u];
-            updated_residents.push_back(u);
-          } else {
-            cand.push_back(u);
-          }
-        }
-        n_hits += (int64_t)updated_residents.size();
-        if (cand.empty()) continue;
-        if (!meets_set(gi)) {  // every candidate bypasses: dest stays kToTable
-          n_bypass += (int64_t)cand.size();
-          continue;
-        }
-        const int64_t set = set_of[by_set[starts[gi]]], base = set * ways;
-        apply_set_rule(
-            cand, [&](int64_t u) -> int64_t { return row_prio[u]; },
-            [&](int64_t way) { return slot_priority(cache.tags, prio, base + way); },
-            ways, slot_prio,
-            [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
-              const int64_t slot = base + way;
-              if (cache.tags[slot] >= 0) {
-                // A resident updated in this step goes to the table with its new value,
-                // any other with the value in its slot; either before the slot is reused.
-                auto it = std::find_if(updated_residents.begin(), updated_residents.end(),
-                                       [&](int64_t r) { return dest[r] == slot; });
-                if (it != updated_residents.end()) {
-                  value_of(*it, value.data(), scratch.data());
-                  store(rows[*it], value.data());
-                  dest[*it] = kDone;
-                } else {
-                  store(cache.tags[slot], cache.rows + slot * dim);
-                }
-                ++n_evict;
+        cand.push_back((int64_t)(contenders[k] & 0xffffffffu));
+      const int64_t set = set_of_group(gi), base = set * ways;
+      apply_set_rule(
+          cand, [&](int64_t u) -> int64_t { return row_prio[u]; },
+          [&](int64_t way) { return slot_priority(cache.tags, prio, base + way); },
+          ways, slot_prio,
+          [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
+            const int64_t slot = base + way, old = cache.tags[slot];
+            if (old >= 0) {
+              // A resident updated in this step goes to the table with its new value,
+              // any other with the value in its slot; either before the slot is reused.
+              const int64_t* r = std::lower_bound(rows, rows + nu, old);
+              if (r != rows + nu && *r == old) {
+                value_of(r - rows, value.data(), scratch.data());
+                store(old, value.data());
+                dest[r - rows] = kDone;
+              } else {
+                store(old, cache.rows + slot * dim);
               }
-              cache.tags[slot] = (int32_t)rows[u];
-              prio[slot] = row_prio[u];
-              dest[u] = slot;
-              ++n_ins;
-            },
-            [&](int64_t) { ++n_bypass; });
-        int32_t lowest = slot_priority(cache.tags, prio, base);
-        for (int64_t way = 1; way < ways; ++way)
-          lowest = std::min(lowest, slot_priority(cache.tags, prio, base + way));
-        floor[set] = lowest;
-      }
-      hits += n_hits;
-      ins += n_ins;
-      evict += n_evict;
-      bypass += n_bypass;
-    });
-  }
+              ++n_evict;
+            }
+            cache.tags[slot] = (int32_t)rows[u];
+            prio[slot] = row_prio[u];
+            dest[u] = slot;
+            ++n_ins;
+          },
+          [&](int64_t) { ++n_bypass; });
+      int32_t lowest = slot_priority(cache.tags, prio, base);
+      for (int64_t way = 1; way < ways; ++way)
+        lowest = std::min(lowest, slot_priority(cache.tags, prio, base + way));
+      floor[set] = lowest;
+    }
+    ins += n_ins;
+    evict += n_evict;
+    rule_bypass += n_bypass;
+  });
 
   // Pass 3, by row: every new value to its destination, sources and destinations
   // prefetched kPrefetch rows ahead.
@@ -875,7 +859,7 @@ at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* 
       }
     }
   });
-  return at::tensor({hits.load(), nu - hits.load(), ins.load(), evict.load(), bypass.load()},
+  return at::tensor({hits, nu - hits, ins.load(), evict.load(), bypass + rule_bypass.load()},
                     at::kLong);
 }
 

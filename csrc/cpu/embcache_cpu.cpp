@@ -201,6 +201,18 @@ void radix_sort_high(std::vector<uint64_t>& keys, int bits, std::vector<uint64_t
   }
 }
 
+/// Sorts keys as radix_sort_high does and returns where each run of equal values starts,
+/// then keys.size(): run r is keys[runs[r] .. runs[r + 1]), positions ascending.
+std::vector<int64_t> sort_into_runs(std::vector<uint64_t>& keys, int bits,
+                                    std::vector<uint64_t>& tmp) {
+  radix_sort_high(keys, bits, tmp);
+  std::vector<int64_t> runs;
+  for (size_t k = 0; k < keys.size(); ++k)
+    if (k == 0 || (keys[k] >> 32) != (keys[k - 1] >> 32)) runs.push_back((int64_t)k);
+  runs.push_back((int64_t)keys.size());
+  return runs;
+}
+
 /// The number of bits needed for values below n.
 int bits_for(int64_t n) {
   int b = 0;
@@ -361,14 +373,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_core(
     max_row = std::max(max_row, idx[l]);
   }
   std::vector<uint64_t> scratch;
-  radix_sort_high(keys, bits_for(max_row + 1), scratch);
-  std::vector<int64_t> order(n), starts;
-  for (int64_t k = 0; k < n; ++k) {
-    order[k] = (int64_t)(keys[k] & 0xffffffffu);
-    if (k == 0 || (keys[k] >> 32) != (keys[k - 1] >> 32)) starts.push_back(k);
-  }
-  const int64_t nu = (int64_t)starts.size();
-  starts.push_back(n);
+  const std::vector<int64_t> starts = sort_into_runs(keys, bits_for(max_row + 1), scratch);
+  std::vector<int64_t> order(n);
+  for (int64_t k = 0; k < n; ++k) order[k] = (int64_t)(keys[k] & 0xffffffffu);
+  const int64_t nu = (int64_t)starts.size() - 1;
 
   at::Tensor rows = at::empty({nu}, at::kLong);
   at::Tensor grads = at::zeros({nu, dim}, at::kFloat);
@@ -491,31 +499,6 @@ inline int64_t lowest_way(const int32_t* p, int64_t ways) {
   for (int64_t w = 1; w < ways; ++w)
     if (p[w] < p[best]) best = w;
   return best;
-}
-
-/// Unique rows (ascending) grouped by cache set: group g is by_set[starts[g] .. starts[g+1]),
-/// rows ascending within a group; set_of[u] is the set of row u.
-struct SetGroups {
-  std::vector<int64_t> set_of, by_set, starts;
-};
-
-/// Fills g (reusing its buffers and those of `keys` and `tmp`) for rows[0..nu).
-void group_by_set(const int64_t* rows, int64_t nu, int64_t num_sets, SetGroups& g,
-                  std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp) {
-  g.set_of.resize(nu);
-  g.by_set.resize(nu);
-  g.starts.clear();
-  keys.resize(nu);  // (set, u) packed: one sort, u ascending within a set
-  for (int64_t u = 0; u < nu; ++u) {
-    g.set_of[u] = set_of_row(rows[u], num_sets);
-    keys[u] = ((uint64_t)g.set_of[u] << 32) | (uint64_t)u;
-  }
-  radix_sort_high(keys, bits_for(num_sets), tmp);
-  for (int64_t k = 0; k < nu; ++k) {
-    g.by_set[k] = (int64_t)(keys[k] & 0xffffffffu);
-    if (k == 0 || g.set_of[g.by_set[k]] != g.set_of[g.by_set[k - 1]]) g.starts.push_back(k);
-  }
-  g.starts.push_back(nu);
 }
 
 /// The insert/evict/bypass rule of SPEC §4 for one set, given its non-resident updated rows
@@ -690,13 +673,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
 /// the margins below also cover rows read back after rounding (within 2^-11 of their value).
 bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
                      double value_bound) {
+  if (!(value_bound >= 0.0)) return false;
   float gmax = 0.f;
   bool finite = true;
   for (int64_t i = 0; i < n; ++i) {
     finite &= is_finite(g[i]);
     gmax = std::max(gmax, std::fabs(g[i]));
   }
-  if (!finite || !(value_bound >= 0.0)) return false;
+  if (!finite) return false;
   const double m = 1.01 * (1.01 * value_bound + std::fabs(lr) * (double)gmax);
   if (f.bits == 16) return m <= 65000.0;  // binary16 keeps |x| <= 65504 finite
   // binary16 qparams: |min| and (max - min) / q_max stay finite for |x| < 30000
@@ -768,8 +752,8 @@ at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* 
       dest[u] = slot_of[u];
       prio[slot_of[u]] = row_prio[u];
       ++hits;
-    } else if (cache.num_sets > 0 && row_prio[u] > floor[cache.set_of(rows[u])]) {
-      contenders.push_back(((uint64_t)cache.set_of(rows[u]) << 32) | (uint64_t)u);
+    } else if (const int64_t set = cache.set_of(rows[u]); set >= 0 && row_prio[u] > floor[set]) {
+      contenders.push_back(((uint64_t)set << 32) | (uint64_t)u);
     } else {
       ++bypass;
     }
@@ -777,11 +761,8 @@ at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* 
 
   // Pass 2, by set: the set rule for the contenders, each set's floor made exact.
   std::vector<uint64_t> tmp;
-  radix_sort_high(contenders, bits_for(cache.num_sets), tmp);
-  std::vector<int64_t> starts;  // group g: contenders[starts[g] .. starts[g + 1])
-  for (size_t k = 0; k < contenders.size(); ++k)
-    if (k == 0 || (contenders[k] >> 32) != (contenders[k - 1] >> 32)) starts.push_back((int64_t)k);
-  starts.push_back((int64_t)contenders.size());
+  // group g: contenders[starts[g] .. starts[g + 1]), one set
+  const std::vector<int64_t> starts = sort_into_runs(contenders, bits_for(cache.num_sets), tmp);
   const int64_t ngroups = (int64_t)starts.size() - 1;
   auto set_of_group = [&](int64_t gi) { return (int64_t)(contenders[starts[gi]] >> 32); };
   auto prefetch_set = [&](int64_t gi) {
@@ -991,7 +972,6 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
   std::vector<uint64_t> keys, set_keys, tmp;
   std::vector<int64_t> rows, occ, cand;
   std::vector<int32_t> slot_prio(ways);
-  SetGroups groups;
   for (int64_t s = 0; s < nsteps; ++s) {
     const int64_t step = first_step + s;
     const RowPriority priority_of_row{lfu, cnt, step};
@@ -1013,12 +993,15 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
       for (int64_t u = 0; u < nu; ++u)
         cnt[rows[u]] = (int32_t)std::min<int64_t>((int64_t)cnt[rows[u]] + occ[u],
                                                   std::numeric_limits<int32_t>::max());
-    group_by_set(rows.data(), nu, num_sets, groups, set_keys, tmp);
-    for (size_t gi = 0; gi + 1 < groups.starts.size(); ++gi) {
-      const int64_t base = groups.set_of[groups.by_set[groups.starts[gi]]] * ways;
+    set_keys.resize(nu);  // (set, u) packed
+    for (int64_t u = 0; u < nu; ++u)
+      set_keys[u] = ((uint64_t)set_of_row(rows[u], num_sets) << 32) | (uint64_t)u;
+    const std::vector<int64_t> starts = sort_into_runs(set_keys, bits_for(num_sets), tmp);
+    for (size_t gi = 0; gi + 1 < starts.size(); ++gi) {
+      const int64_t base = (int64_t)(set_keys[starts[gi]] >> 32) * ways;
       cand.clear();
-      for (int64_t k = groups.starts[gi]; k < groups.starts[gi + 1]; ++k) {
-        const int64_t u = groups.by_set[k];
+      for (int64_t k = starts[gi]; k < starts[gi + 1]; ++k) {
+        const int64_t u = (int64_t)(set_keys[k] & 0xffffffffu);
         const int64_t slot = cache.find_in_set(base / ways, rows[u]);
         if (slot >= 0) {  // resident before the update: all its lookups of the step hit
           prio[slot] = priority_of_row(rows[u]);

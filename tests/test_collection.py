@@ -41,6 +41,36 @@ def test_matches_torchrec_ebc_in_fp32():
     torch.testing.assert_close(b.values(), a.values())
 
 
+@pytest.mark.parametrize("precision,dim", [("int8", 16), ("fp16", 8), ("fp32", 5)])
+def test_forward_value_bound_is_the_largest_value_read(precision, dim):
+    """The forward's per-feature bound on |value| (which lets the update skip its storability
+    check) is exactly the largest |value| among the rows the feature read, cached or not."""
+    gen = torch.Generator().manual_seed(3)
+    ebc = CachedLowPrecisionEmbeddingBagCollection(_tables(dim), precision=precision, cache_ratio=0.1,
+                                                   min_rows_for_low_precision=0)
+    for t in ebc.tables():  # values of either sign, the largest anywhere in a row
+        with torch.no_grad():
+            t.weights.copy_(type(t)(t.config.num_embeddings, dim, precision=precision, cache_ratio=0,
+                                    weight=torch.randn(t.config.num_embeddings, dim, generator=gen),
+                                    min_rows_for_low_precision=0).weights)
+    for _ in range(3):  # fills the caches, which then hold rows that differ from the table
+        ebc(_kjt(gen, 32)).values().square().sum().backward()
+        ebc.step()
+    assert all(int((t.cache_tags >= 0).sum()) > 0 for t in ebc.tables() if t.cache_tags.numel())
+    kjt = _kjt(gen, 64)
+    names, table_of, _ = ebc._layout
+    state = [t._state_tensors() for t in ebc.tables()]
+    bounds = torch.ops.embcache.multi_lookup_forward(
+        [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
+        kjt.values(), kjt.offsets().long(), None, table_of, *ebc._static_lookup_args, kjt.stride(),
+    )[3]
+    for f, name in enumerate(names):
+        ids = kjt[name].values()
+        current = ebc.tables()[table_of[f]].current_weight()
+        want = current[ids].abs().max() if ids.numel() else torch.tensor(0.0)
+        assert bounds[f].item() == want.item(), name
+
+
 def test_per_table_overrides_and_small_tables():
     ours = CachedLowPrecisionEmbeddingBagCollection(
         _tables(), precision="int8", cache_ratio=0.05, per_table={"t1": {"precision": "int4", "policy": "lru"}}

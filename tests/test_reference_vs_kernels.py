@@ -78,9 +78,13 @@ def check_cache_invariants(module, when: str) -> None:
 
 def make_batch(gen: torch.Generator, rows: int, perm: torch.Tensor, bags: int = 32,
                max_len: int = 8, with_psw: bool = False):
-    """Skewed multi-hot bags (duplicates, empty bags), nn.EmbeddingBag offsets."""
-    lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
-    lengths[torch.randint(0, bags, (2,), generator=gen)] = 0  # a few empty bags for sure
+    """Skewed multi-hot bags (duplicates, empty bags), nn.EmbeddingBag offsets; max_len=None:
+    one id per bag (Criteo's features, which the kernels pool in a loop of their own)."""
+    if max_len is None:
+        lengths = torch.ones(bags, dtype=torch.int64)
+    else:
+        lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
+        lengths[torch.randint(0, bags, (2,), generator=gen)] = 0  # a few empty bags for sure
     n = int(lengths.sum())
     u = torch.rand(n, generator=gen, dtype=torch.float64)
     indices = perm[(u**3 * rows).long().clamp(max=rows - 1)]  # hot rows spread over the sets
@@ -249,6 +253,20 @@ def test_training_matches_reference_options(options):
     ways = options["associativity"]
     run_training(steps=10, rows=211 + 29 * i, dim=(3, 8, 5, 6)[i % 4], seed=5000 + i,
                  sets=max(2, 24 // ways), psw=not mean and i % 2 == 0, **options)
+
+
+@pytest.mark.parametrize("max_len", [None, 3], ids=("one-id-per-bag", "multi-hot"))
+@pytest.mark.parametrize("options", [
+    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=8),
+    dict(precision="fp32", rounding="nearest", policy="lru", associativity=4, cache_ratio=0.0),
+    dict(precision="fp16", rounding="stochastic", policy="lfu", associativity=2, mode="mean"),
+    dict(precision="int4", rounding="nearest", policy="lru", associativity=16, qparams="fp16"),
+], ids=("int8", "fp32-uncached", "fp16-mean", "int4"))
+def test_dim_16_and_one_id_per_bag(options, max_len):
+    """The row length and bag shape that the forward kernel has loops of its own for."""
+    i = 7 * (max_len or 1) + len(options)
+    run_training(steps=6, rows=400, dim=16, seed=7000 + i, sets=max(2, 24 // options["associativity"]),
+                 max_len=max_len, psw=options.get("mode") != "mean", **options)
 
 
 @pytest.mark.parametrize("options", [

@@ -24,6 +24,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "../op_schemas.h"
@@ -39,6 +40,8 @@ enum Optimizer : int64_t { kSGD = 0, kRowwiseAdagrad = 1, kAdagrad = 2 };
 constexpr int64_t kGrainBags = 4096;
 constexpr int64_t kGrainRows = 2048;
 constexpr int64_t kGrainSets = 1024;
+// The row loops: inlined into their callers' loops, so that their state stays in registers.
+#define EMBCACHE_ALWAYS_INLINE inline __attribute__((always_inline))
 // How many random rows ahead to prefetch.
 constexpr int64_t kPrefetch = 16;
 
@@ -239,37 +242,168 @@ Bags bags_of(const at::Tensor& indices, const at::Tensor& offsets,
               psw ? psw->data_ptr<float>() : nullptr};
 }
 
-/// acc[j] = (first ? 0 : acc[j]) + w * v(j) for j < dim (w == nullptr: + v(j)), with v(j)
-/// the row's value j, and vmax[j] = max(vmax[j], |v(j)|). The first term is added to +0.f,
-/// as a sum from zero would be (it turns -0.f into +0.f). acc may be a cold output row: it
-/// is written before it is read, in the same 16-byte pieces, so its loads are served from
-/// the store buffer.
-template <typename Value>
-inline void add_values(int64_t dim, const Value& v, const float* w, bool first, float* acc,
-                       float* vmax) {
-  const float s = w ? *w : 1.f;  // s * x == x exactly for s == 1
-  for (int64_t j = 0; j < dim; ++j) {
-    const float x = v(j), a = std::fabs(x);
-    acc[j] = (first ? 0.f : acc[j]) + s * x;
-    vmax[j] = a > vmax[j] ? a : vmax[j];
+/// The largest |x| of the values added (0 if none; a NaN is passed over), four lanes at a
+/// time where SSE is there.
+class MaxAbs {
+ public:
+  void add(float x) {
+    const float a = std::fabs(x);
+    m_ = a > m_ ? a : m_;
+  }
+#if defined(EMBCACHE_SSE)
+  /// max(|x|, m) lane by lane. maxps(a, m) is a where a > m, else m: a NaN lane of x keeps
+  /// m, as add() does.
+  static __m128 max_abs4(__m128 x, __m128 m) {
+    return _mm_max_ps(_mm_andnot_ps(_mm_set1_ps(-0.f), x), m);
+  }
+  /// Adds four values known to be >= 0 (or NaN, passed over).
+  void add_max4(__m128 m) { m4_ = _mm_max_ps(m, m4_); }
+  float value() const {
+    float lanes[4];
+    _mm_storeu_ps(lanes, m4_);
+    float m = m_;
+    for (float a : lanes) m = a > m ? a : m;
+    return m;
+  }
+#else
+  float value() const { return m_; }
+#endif
+
+ private:
+  float m_ = 0.f;
+#if defined(EMBCACHE_SSE)
+  __m128 m4_ = _mm_setzero_ps();
+#endif
+};
+
+/// The values of a float32 row (a cache row, or a row of an fp32 table).
+struct F32Values {
+  const uint8_t* p;
+  float at(int j) const { return load_f32(p + 4 * j); }
+#if defined(EMBCACHE_SSE)
+  __m128 at4(int j) const { return _mm_loadu_ps((const float*)(p + 4 * j)); }
+#endif
+};
+
+/// The values of an int8 row, code * scale + bias: a multiply and an add, as dequantize_row.
+struct Int8Values {
+  const uint8_t* p;
+  float scale, bias;
+  float at(int j) const { return (float)p[j] * scale + bias; }
+#if defined(EMBCACHE_SSE)
+  __m128 at4(int j) const {
+    int32_t codes;
+    memcpy(&codes, p + j, 4);
+    const __m128 x = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(codes)));
+    return _mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(scale)), _mm_set1_ps(bias));
+  }
+#endif
+};
+
+/// add_values with `first` known at compile time.
+template <bool kFirst, typename Values>
+EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* acc,
+                                     MaxAbs& max_abs) {
+  int j = 0;
+#if defined(EMBCACHE_SSE)
+  const __m128 s4 = _mm_set1_ps(s);
+  __m128 row_max = _mm_setzero_ps();  // the running max waits on one op per row, not four
+  for (; j + 4 <= dim; j += 4) {
+    const __m128 x = v.at4(j);
+    row_max = MaxAbs::max_abs4(x, row_max);
+    const __m128 a = kFirst ? _mm_setzero_ps() : _mm_loadu_ps(acc + j);
+    _mm_storeu_ps(acc + j, _mm_add_ps(a, _mm_mul_ps(s4, x)));
+  }
+  max_abs.add_max4(row_max);
+#endif
+  for (; j < dim; ++j) {
+    const float x = v.at(j);
+    max_abs.add(x);
+    acc[j] = (kFirst ? 0.f : acc[j]) + s * x;
   }
 }
 
-/// add_values of a stored row, its values computed as dequantize_row computes them: fp32
-/// and int8 rows straight from the table, other formats through `buf` (dim floats).
-inline void add_stored_row(const RowFormat& f, const uint8_t* row, const float* w, bool first,
-                           float* acc, float* vmax, float* buf) {
+/// acc[j] = (first ? 0 : acc[j]) + w * v.at(j) for j < dim (w == nullptr: + v.at(j)), each
+/// value also added to max_abs. The first term is added to +0.f, as a sum from zero would be
+/// (it turns -0.f into +0.f). acc may be a cold output row: the first term does not read it
+/// (a load that misses would stall the loop, where a store does not), and later terms read
+/// it in the 16-byte pieces that were written, so that the store buffer serves them. Four
+/// lanes at a time where SSE is there (the same roundings as the scalar loop).
+template <typename Values>
+EMBCACHE_ALWAYS_INLINE void add_values(int dim, const Values& v, const float* w, bool first,
+                                       float* acc, MaxAbs& max_abs) {
+  const float s = w ? *w : 1.f;  // s * x == x exactly for s == 1
+  if (first)
+    add_term<true>(dim, v, s, acc, max_abs);
+  else
+    add_term<false>(dim, v, s, acc, max_abs);
+}
+
+/// Calls fn(values_of) once, with values_of(row) the Values of a stored row computed as
+/// dequantize_row computes them: fp32 and int8 rows straight from the table, other formats
+/// through `buf` (dim floats). The format's branch is taken here, outside fn's loops.
+template <typename Fn>
+inline void with_stored_values(const RowFormat& f, float* buf, const Fn& fn) {
   if (f.bits == 32) {
-    add_values(f.dim, [&](int64_t j) { return load_f32(row + 4 * j); }, w, first, acc, vmax);
+    fn([](const uint8_t* row) { return F32Values{row}; });
   } else if (f.bits == 8) {
-    float scale, bias;
-    load_qparams(f, row, &scale, &bias);
-    add_values(f.dim, [&](int64_t j) { return (float)row[j] * scale + bias; }, w, first, acc,
-               vmax);
+    fn([f](const uint8_t* row) {
+      Int8Values v{row, 0.f, 0.f};
+      load_qparams(f, row, &v.scale, &v.bias);
+      return v;
+    });
   } else {
-    dequantize_row(f, row, buf);
-    add_values(f.dim, [&](int64_t j) { return buf[j]; }, w, first, acc, vmax);
+    fn([f, buf](const uint8_t* row) {
+      dequantize_row(f, row, buf);
+      return F32Values{(const uint8_t*)buf};
+    });
   }
+}
+
+/// lookup_core's pooling pass over bags [b0, b1); returns the number of cached lookups.
+/// Instantiated for rows of kDim floats (0: `dim`, known at run time only; 16 is DLRM's
+/// Criteo dim) and for chunks whose every bag has one lookup (Criteo's features), so that the
+/// loop over lookups is short: with its rows prefetched, it is bound by its instruction count
+/// as much as by memory (a runtime dim or bag bookkeeping cost ~30% each on the benchmark).
+template <int64_t kDim, bool kOneLookupPerBag, typename StoredValues>
+int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const Cache& cache,
+                  const uint8_t* w, int64_t row_bytes, const int32_t* slot, bool mean, float* out,
+                  int64_t out_stride, const StoredValues& stored_values, MaxAbs& max_abs) {
+  if (kDim) dim = kDim;
+  const int64_t* idx = bags.idx;
+  const int64_t* off = bags.off;
+  const float* psw = bags.psw;
+  const float* cache_rows = cache.rows;
+  const int64_t end = off[b1];
+  auto prefetch_value = [&](int64_t l) {
+    cache.prefetch_value(slot[l], dim, w + idx[l] * row_bytes, row_bytes);
+  };
+  for (int64_t l = off[b0]; l < std::min(end, off[b0] + kPrefetch); ++l) prefetch_value(l);
+  int64_t hits = 0;
+  auto add_lookup = [&](int64_t l, bool first, float* acc) {
+    if (l + kPrefetch < end) prefetch_value(l + kPrefetch);
+    const float* weight = psw ? psw + l : nullptr;
+    if (slot[l] >= 0) {
+      const uint8_t* v = (const uint8_t*)(cache_rows + slot[l] * dim);
+      add_values(dim, F32Values{v}, weight, first, acc, max_abs);
+      ++hits;
+    } else {
+      add_values(dim, stored_values(w + idx[l] * row_bytes), weight, first, acc, max_abs);
+    }
+  };
+  if (kOneLookupPerBag) {  // and the mean of one term is the term
+    for (int64_t b = b0, l = off[b0]; b < b1; ++b, ++l) add_lookup(l, true, out + b * out_stride);
+    return hits;
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    float* acc = out + b * out_stride;
+    const int64_t l0 = off[b], l1 = off[b + 1];
+    if (l0 == l1) std::fill_n(acc, dim, 0.f);
+    for (int64_t l = l0; l < l1; ++l) add_lookup(l, l == l0, acc);
+    if (mean && l1 > l0)
+      for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)(l1 - l0);
+  }
+  return hits;
 }
 
 /// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j], the slot of every
@@ -298,34 +432,27 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
       if (l + kPrefetch < off[b1]) cache.prefetch_set(slot[l + kPrefetch]);
       slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);
     }
-    auto prefetch_value = [&](int64_t l) {
-      cache.prefetch_value(slot[l], dim, w + idx[l] * f.row_bytes(), f.row_bytes());
-    };
-    for (int64_t l = off[b0]; l < std::min(off[b1], off[b0] + kPrefetch); ++l) prefetch_value(l);
-    std::vector<float> buf(dim), vmax(dim, 0.f);
+    std::vector<float> buf(dim);
+    MaxAbs chunk_max;
     int64_t local_hits = 0;
-    for (int64_t b = b0; b < b1; ++b) {
-      float* acc = out + b * out_stride;
-      if (off[b] == off[b + 1]) std::fill_n(acc, dim, 0.f);
-      for (int64_t l = off[b]; l < off[b + 1]; ++l) {
-        if (l + kPrefetch < off[b1]) prefetch_value(l + kPrefetch);
-        const float* weight = bags.psw ? bags.psw + l : nullptr;
-        const bool first = l == off[b];
-        if (slot[l] >= 0) {
-          const float* v = cache.rows + slot[l] * dim;
-          add_values(dim, [&](int64_t j) { return v[j]; }, weight, first, acc, vmax.data());
-          ++local_hits;
-        } else {
-          add_stored_row(f, w + idx[l] * f.row_bytes(), weight, first, acc, vmax.data(),
-                         buf.data());
-        }
-      }
-      const int64_t len = off[b + 1] - off[b];
-      if (mean && len > 0)
-        for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)len;
-    }
+    const bool one_lookup_per_bag = off[b1] - off[b0] == b1 - b0;
+    with_stored_values(f, buf.data(), [&](const auto& stored_values) {
+      auto pool = [&](auto k_dim, auto k_one) {
+        local_hits = pool_bags<decltype(k_dim)::value, decltype(k_one)::value>(
+            bags, b0, b1, dim, cache, w, f.row_bytes(), slot, mean, out, out_stride,
+            stored_values, chunk_max);
+      };
+      using One = std::true_type;
+      using Many = std::false_type;
+      using Dim16 = std::integral_constant<int64_t, 16>;
+      using AnyDim = std::integral_constant<int64_t, 0>;
+      if (dim == 16)
+        one_lookup_per_bag ? pool(Dim16(), One()) : pool(Dim16(), Many());
+      else
+        one_lookup_per_bag ? pool(AnyDim(), One()) : pool(AnyDim(), Many());
+    });
     hits += local_hits;
-    const float m = *std::max_element(vmax.begin(), vmax.end());
+    const float m = chunk_max.value();
     std::lock_guard<std::mutex> lock(max_abs_mutex);
     *max_abs = std::max(*max_abs, m);
   });

@@ -79,6 +79,9 @@ inline void prefetch_bytes(const void* p, int64_t bytes, bool write = false) {
   }
 }
 
+/// The most ways a set may have (embcache.config.MAX_ASSOCIATIVITY).
+constexpr int64_t kMaxWays = 32;
+
 struct Cache {
   int32_t* tags;
   float* rows;
@@ -87,20 +90,24 @@ struct Cache {
 
   int64_t set_of(int64_t row) const { return num_sets == 0 ? -1 : set_of_row(row, num_sets); }
 
-  /// The slot of set `set` that holds `row`, or -1 (a row is in at most one slot).
+  /// The slot of set `set` that holds `row`, or -1 (a row is in at most one slot). With
+  /// SSE, all ways are compared, four at a time, and the hit taken from the mask: an early
+  /// exit's branch would be mispredicted about once a lookup, since the way is random.
   int64_t find_in_set(int64_t set, int64_t row) const {
     if (set < 0) return -1;
     const int32_t* t = tags + set * ways;
-    int64_t w = 0;
 #if defined(__SSE2__)
-    const __m128i key = _mm_set1_epi32((int32_t)row);
-    for (; w + 4 <= ways; w += 4) {
-      const __m128i eq = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i*)(t + w)), key);
-      const int mask = _mm_movemask_ps(_mm_castsi128_ps(eq));
-      if (mask) return set * ways + w + __builtin_ctz(mask);
+    if (ways % 4 == 0) {
+      const __m128i key = _mm_set1_epi32((int32_t)row);
+      uint32_t hit = 0;  // bit w: way w holds row (ways <= kMaxWays)
+      for (int64_t w = 0; w < ways; w += 4) {
+        const __m128i eq = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i*)(t + w)), key);
+        hit |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(eq)) << w;
+      }
+      return hit ? set * ways + __builtin_ctz(hit) : -1;
     }
 #endif
-    for (; w < ways; ++w)
+    for (int64_t w = 0; w < ways; ++w)
       if (t[w] == row) return set * ways + w;
     return -1;
   }
@@ -126,8 +133,8 @@ Cache make_cache(const at::Tensor& tags, const at::Tensor& rows, int64_t num_set
                  int64_t ways, int64_t dim) {
   check_tensor(tags, at::kInt, "cache_tags");
   check_tensor(rows, at::kFloat, "cache_rows");
-  TORCH_CHECK(num_sets >= 0 && ways >= 1 && tags.numel() == num_sets * ways &&
-                  rows.numel() == num_sets * ways * dim,
+  TORCH_CHECK(num_sets >= 0 && ways >= 1 && ways <= kMaxWays &&
+                  tags.numel() == num_sets * ways && rows.numel() == num_sets * ways * dim,
               "embcache: cache tensors do not match ", num_sets, " sets x ", ways, " ways");
   return Cache{tags.data_ptr<int32_t>(), rows.data_ptr<float>(), num_sets, ways};
 }

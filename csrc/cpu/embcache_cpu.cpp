@@ -139,6 +139,18 @@ Cache make_cache(const at::Tensor& tags, const at::Tensor& rows, int64_t num_set
   return Cache{tags.data_ptr<int32_t>(), rows.data_ptr<float>(), num_sets, ways};
 }
 
+/// The first i in [0, n) where bad(i), or n. Inputs are almost always good, so the first
+/// pass only asks whether any is bad, without a branch per element (it vectorizes).
+template <typename Bad>
+int64_t first_where(int64_t n, const Bad& bad) {
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) any |= bad(i);
+  if (!any) return n;
+  int64_t i = 0;
+  while (!bad(i)) ++i;
+  return i;
+}
+
 /// Bag b covers lookups [offsets[b], offsets[b+1]).
 void check_bags(const at::Tensor& indices, const at::Tensor& offsets,
                 const c10::optional<at::Tensor>& psw) {
@@ -150,8 +162,8 @@ void check_bags(const at::Tensor& indices, const at::Tensor& offsets,
   const int64_t nb = offsets.numel() - 1;
   TORCH_CHECK(off[0] == 0 && off[nb] == indices.numel(),
               "embcache: offsets must start at 0 and end at len(indices)");
-  for (int64_t b = 0; b < nb; ++b)
-    TORCH_CHECK(off[b] <= off[b + 1], "embcache: offsets decrease at bag ", b);
+  const int64_t b = first_where(nb, [off](int64_t b) { return off[b] > off[b + 1]; });
+  TORCH_CHECK(b == nb, "embcache: offsets decrease at bag ", b);
   if (psw.has_value()) {
     check_tensor(*psw, at::kFloat, "per_sample_weights");
     TORCH_CHECK(psw->numel() == indices.numel(),
@@ -421,9 +433,12 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
                     const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot,
                     float* max_abs) {
   const int64_t dim = f.dim;
-  for (int64_t l = bags.first(); l < bags.end(); ++l)
-    TORCH_CHECK(bags.idx[l] >= 0 && bags.idx[l] < num_rows, "embcache: index ", bags.idx[l],
-                " out of range [0, ", num_rows, ")");
+  const int64_t* first_idx = bags.idx + bags.first();
+  const int64_t n = bags.end() - bags.first();
+  const int64_t bad =
+      first_where(n, [&](int64_t l) { return (uint64_t)first_idx[l] >= (uint64_t)num_rows; });
+  TORCH_CHECK(bad == n, "embcache: index ", bad < n ? first_idx[bad] : 0, " out of range [0, ",
+              num_rows, ")");
   // Random rows are memory-latency bound, so a chunk of bags goes in two passes that keep
   // kPrefetch misses in flight: find every lookup's slot (prefetching the tags ahead), then
   // pool (prefetching ahead the cache row or the table row, whichever holds the value).
@@ -619,7 +634,8 @@ inline int64_t lowest_way(const int32_t* p, int64_t ways) {
 #if defined(__SSE4_1__)
   if (ways >= 4) {  // the minimum in every lane, then the first lane that holds it
     __m128i m = _mm_loadu_si128((const __m128i*)p);
-    for (int64_t w = 4; w < ways; w += 4) m = _mm_min_epi32(m, _mm_loadu_si128((const __m128i*)(p + w)));
+    for (int64_t w = 4; w < ways; w += 4)
+      m = _mm_min_epi32(m, _mm_loadu_si128((const __m128i*)(p + w)));
     m = _mm_min_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
     m = _mm_min_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
     for (int64_t w = 0;; w += 4) {
@@ -716,9 +732,10 @@ RowUpdate make_row_update(const at::Tensor& weights, const at::Tensor& cache_tag
   TORCH_CHECK(grads.size(0) == nu, "embcache: one gradient row per unique row");
   TORCH_CHECK(optimizer_state.numel() == num_rows * sw, "embcache: optimizer state size");
   const int64_t* rows = unique_rows.data_ptr<int64_t>();
-  for (int64_t u = 0; u < nu; ++u)
-    TORCH_CHECK(rows[u] >= 0 && rows[u] < num_rows && (u == 0 || rows[u] > rows[u - 1]),
-                "embcache: unique rows must be ascending and in range");
+  TORCH_CHECK(first_where(nu, [&](int64_t u) {
+                return (uint64_t)rows[u] >= (uint64_t)num_rows || (u > 0 && rows[u] <= rows[u - 1]);
+              }) == nu,
+              "embcache: unique rows must be ascending and in range");
   return RowUpdate{f,  cache, weights.data_ptr<uint8_t>(), num_rows, rows, nu,
                    grads.data_ptr<float>(), optimizer_state.data_ptr<float>(), sw, optimizer,
                    (float)lr, (float)eps};
@@ -732,9 +749,9 @@ void find_slots(const RowUpdate& up, const c10::optional<at::Tensor>& slot_hint,
     TORCH_CHECK(slot_hint->numel() == up.nu, "embcache: slot_hint must hold one slot per row");
     const int64_t* hint = slot_hint->data_ptr<int64_t>();
     const int64_t slots = up.cache.num_sets * up.cache.ways;
-    for (int64_t u = 0; u < up.nu; ++u)
-      TORCH_CHECK(hint[u] >= -1 && hint[u] < slots, "embcache: slot_hint ", hint[u],
-                  " is not a slot");
+    const int64_t u =
+        first_where(up.nu, [&](int64_t u) { return hint[u] < -1 || hint[u] >= slots; });
+    TORCH_CHECK(u == up.nu, "embcache: slot_hint ", u < up.nu ? hint[u] : 0, " is not a slot");
     std::copy(hint, hint + up.nu, sl);
     return;
   }

@@ -464,14 +464,11 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
             bags, b0, b1, dim, cache, w, f.row_bytes(), slot, mean, out, out_stride,
             stored_values, chunk_max);
       };
-      using One = std::true_type;
-      using Many = std::false_type;
-      using Dim16 = std::integral_constant<int64_t, 16>;
-      using AnyDim = std::integral_constant<int64_t, 0>;
-      if (dim == 16)
-        one_lookup_per_bag ? pool(Dim16(), One()) : pool(Dim16(), Many());
-      else
-        one_lookup_per_bag ? pool(AnyDim(), One()) : pool(AnyDim(), Many());
+      auto pool_dim = [&](auto k_dim) {
+        one_lookup_per_bag ? pool(k_dim, std::true_type()) : pool(k_dim, std::false_type());
+      };
+      dim == 16 ? pool_dim(std::integral_constant<int64_t, 16>())
+                : pool_dim(std::integral_constant<int64_t, 0>());
     });
     hits += local_hits;
     const float m = chunk_max.value();

@@ -19,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <limits>
@@ -858,8 +859,10 @@ constexpr int64_t kToTable = -1, kDone = -2;
 /// by row, counts and every destination but those of candidates that beat their set's floor;
 /// by set, the rule for those (a few percent of the rows once the cache is warm), with
 /// evicted residents written back; by row, the new values.
+using CommitCounts = std::array<int64_t, 5>;
+
 template <typename ValueOf, typename PrefetchSources>
-at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* floor,
+CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* floor,
                        int32_t* cnt, const float* fresh_state, const int64_t* slot_of,
                        const int64_t* occ, bool stochastic, bool lfu, int64_t seed, int64_t step,
                        int64_t table, const ValueOf& value_of,
@@ -988,8 +991,7 @@ at::Tensor commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* 
       }
     }
   });
-  return at::tensor({hits, nu - hits, ins.load(), evict.load(), bypass + rule_bypass.load()},
-                    at::kLong);
+  return {hits, nu - hits, ins.load(), evict.load(), bypass + rule_bypass.load()};
 }
 
 struct CommitState {
@@ -1040,11 +1042,12 @@ at::Tensor update_commit(at::Tensor& weights, at::Tensor& cache_tags, at::Tensor
       check_commit_state(up, weights, cache_priority, cache_set_floor, counts, lfu);
   const float* fr = fresh.data_ptr<float>();
   const int64_t dim = up.f.dim;
-  return commit_core(
+  const CommitCounts c = commit_core(
       up, cs.w, cs.prio, cs.floor, cs.counts, fresh_state.data_ptr<float>(),
       slots.data_ptr<int64_t>(), occurrences.data_ptr<int64_t>(), stochastic, lfu, seed, step,
       table, [&](int64_t u, float* out, float*) { std::copy_n(fr + u * dim, dim, out); },
       [&](int64_t u) { prefetch_bytes(fr + u * dim, dim * sizeof(float)); });
+  return at::tensor(at::ArrayRef<int64_t>(c.data(), c.size()), at::kLong);
 }
 
 /// Writes every cached row back into the table and empties the cache (every set's floor
@@ -1322,20 +1325,20 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
                                       optimizer_state[t], unique_rows[t], grads[t], bits[t],
                                       qparams_fp16[t] != 0, optimizer[t], lr[t], eps[t],
                                       num_sets[t], ways[t]));
-  std::vector<at::Tensor> slots(nt);
+  std::vector<std::vector<int64_t>> slots(nt);
   std::vector<int64_t> bad(nt, -1);
   at::Tensor stats = at::zeros({nt, 5}, at::kLong);
   const std::vector<int64_t> cost = update_costs(weights, unique_rows);
   for_each_by_cost(cost, [&](int64_t t) {
     const RowUpdate& up = updates[t];
     const bool hinted = slot_hints[t].numel() > 0;
-    slots[t] = at::empty({up.nu}, at::kLong);
+    slots[t].resize(up.nu);
     find_slots(up, hinted ? c10::optional<at::Tensor>(slot_hints[t]) : c10::nullopt,
-               slots[t].data_ptr<int64_t>());
+               slots[t].data());
     if (hinted && optimizer[t] == kSGD &&
         surely_storable(up.f, up.g, up.nu * up.f.dim, lr[t], value_bounds[t]))
       return;
-    bad[t] = for_each_new_value(up, slots[t].data_ptr<int64_t>(), stochastic[t] != 0,
+    bad[t] = for_each_new_value(up, slots[t].data(), stochastic[t] != 0,
                                 [](int64_t, const float*, const float*) {});
   });
   if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return {stats, bad};
@@ -1346,15 +1349,16 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     const CommitState cs = check_commit_state(up, w, prio, floor, cnt, lfu[t] != 0);
     TORCH_CHECK(occurrences[t].numel() == up.nu, "embcache: one occurrence count per row");
     check_tensor(occurrences[t], at::kLong, "occurrences");
-    const int64_t* sl = slots[t].data_ptr<int64_t>();
+    const int64_t* sl = slots[t].data();
     // The new value (and optimizer state) computed in place: read, then written.
-    stats[t].copy_(commit_core(
+    const CommitCounts c = commit_core(
         up, cs.w, cs.prio, cs.floor, cs.counts, nullptr, sl, occurrences[t].data_ptr<int64_t>(),
         stochastic[t] != 0, lfu[t] != 0, seed[t], steps[t], table[t],
         [&](int64_t u, float* out, float* scratch) {
           up.compute(u, sl[u], scratch, out, up.st + up.rows[u] * up.sw);
         },
-        [&](int64_t u) { up.prefetch_sources(u, sl[u]); }));
+        [&](int64_t u) { up.prefetch_sources(u, sl[u]); });
+    std::copy(c.begin(), c.end(), stats.data_ptr<int64_t>() + 5 * t);
   });
   return {stats, bad};
 }

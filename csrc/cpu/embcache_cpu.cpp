@@ -497,7 +497,7 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
   return {out, at::scalar_tensor(hits, at::kLong)};
 }
 
-/// An uninitialized CPU tensor, made without a trip through the dispatcher (at::empty's
+/// An uninitialized CPU tensor, made without a trip through the dispatcher (at::empty
 /// costs a few microseconds, and multi_dedup_backward makes four per feature).
 at::Tensor new_cpu_tensor(at::IntArrayRef size, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_cpu(size, dtype));
@@ -848,6 +848,9 @@ bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
 /// The slot that each updated row's new value goes to (or kToTable, or kDone once written).
 constexpr int64_t kToTable = -1, kDone = -2;
 
+/// [unique hits, unique misses, insertions, evictions, bypasses] of one table's update.
+using CommitCounts = std::array<int64_t, 5>;
+
 /// Writes one table's update (SPEC §4 step 3): LFU counts (and, given fresh_state, the
 /// optimizer state) first; then per set, updated residents stay, candidates enter by
 /// strictly higher priority, the rest bypass into the table; then the new values.
@@ -867,14 +870,12 @@ constexpr int64_t kToTable = -1, kDone = -2;
 /// by row, counts and every destination but those of candidates that beat their set's floor;
 /// by set, the rule for those (a few percent of the rows once the cache is warm), with
 /// evicted residents written back; by row, the new values.
-using CommitCounts = std::array<int64_t, 5>;
-
 template <typename ValueOf, typename PrefetchSources>
 CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* floor,
-                       int32_t* cnt, const float* fresh_state, const int64_t* slot_of,
-                       const int64_t* occ, bool stochastic, bool lfu, int64_t seed, int64_t step,
-                       int64_t table, const ValueOf& value_of,
-                       const PrefetchSources& prefetch_sources) {
+                         int32_t* cnt, const float* fresh_state, const int64_t* slot_of,
+                         const int64_t* occ, bool stochastic, bool lfu, int64_t seed,
+                         int64_t step, int64_t table, const ValueOf& value_of,
+                         const PrefetchSources& prefetch_sources) {
   const RowFormat& f = up.f;
   const Cache& cache = up.cache;
   const int64_t dim = f.dim, nu = up.nu, sw = up.sw, ways = cache.ways;

@@ -5,7 +5,33 @@
 
 #include <torch/library.h>
 
+#include <vector>
+
 namespace embcache {
+
+/// A table's statistics, which the table-batched ops add to: an int64 CPU tensor of
+/// kNumCounters counters in the order of _STAT_NAMES in embcache/embedding.py.
+enum Counter : int64_t {
+  kLookups, kHits, kSteps, kUniqueRows, kUniqueHits, kUniqueMisses, kInsertions, kEvictions,
+  kBypasses, kFlushed, kNumCounters
+};
+
+/// The counters of one table, checked.
+inline int64_t* counters_data(const at::Tensor& counters) {
+  TORCH_CHECK(counters.scalar_type() == at::kLong && counters.device().is_cpu() &&
+                  counters.is_contiguous() && counters.numel() == kNumCounters,
+              "embcache: counters must be a contiguous int64 CPU tensor of ", kNumCounters);
+  return counters.data_ptr<int64_t>();
+}
+
+/// Every table's counters, or none if the list is empty.
+inline std::vector<int64_t*> tables_counters(at::TensorList counters, size_t num_tables) {
+  TORCH_CHECK(counters.empty() || counters.size() == num_tables,
+              "embcache: counters must be empty or one tensor per table");
+  std::vector<int64_t*> out;
+  for (const at::Tensor& c : counters) out.push_back(counters_data(c));
+  return out;
+}
 
 inline void define_cache_ops(torch::Library& m) {
   m.def("quantize_rows(Tensor values, Tensor row_ids, int bits, bool qparams_fp16, "
@@ -26,24 +52,28 @@ inline void define_cache_ops(torch::Library& m) {
         "Tensor(f!) optimizer_state, Tensor unique_rows, Tensor fresh, Tensor fresh_state, Tensor slots, "
         "Tensor occurrences, int bits, bool qparams_fp16, bool stochastic, bool lfu, "
         "int seed, int step, int table, int num_sets, int ways) -> Tensor");
+  // Bags come as lengths (int32 or int64), feature after feature; returns (pooled, the bags'
+  // int64 offsets with the end appended, each lookup's slot, each feature's value bound) and
+  // adds each feature's lookups and hits to its table's counters (none if the list is empty).
   m.def("multi_lookup_forward(Tensor[] weights, Tensor[] cache_tags, Tensor[] cache_rows, "
-        "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
+        "Tensor indices, Tensor lengths, Tensor? per_sample_weights, int[] feature_table, "
         "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
-        "int batch) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int batch, Tensor(h!)[] counters) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
         "Tensor grad_output, int[] dims, int[] mean, int batch, Tensor? lookup_slots=None) "
         "-> Tensor[]");
   // Prepares every table's update, then commits all of them only if every table can take
-  // its update: returns ([tables, 5] commit statistics, per table the smallest row it
-  // cannot store or -1); if any table has such a row, no state is changed.
+  // its update: returns per table the smallest row it cannot store or -1; if any table has
+  // such a row, no state is changed. Table t's update is step counters[t][kSteps] + 1; a
+  // commit adds to its counters.
   m.def("multi_update(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, Tensor(c!)[] cache_rows, "
         "Tensor(d!)[] cache_priority, Tensor(g!)[] cache_set_floor, Tensor(e!)[] counts, "
         "Tensor(f!)[] optimizer_state, "
         "Tensor[] unique_rows, Tensor[] grads, Tensor[] occurrences, Tensor[] slot_hints, "
         "float[] value_bounds, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
-        "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, int[] steps) "
-        "-> (Tensor, int[])");
+        "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, Tensor(h!)[] counters) "
+        "-> int[]");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
         "Tensor(c!) cache_priority, Tensor(d!) cache_set_floor, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");

@@ -68,6 +68,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         self._static_lookup_args = self._lookup_args()
         mean = self._static_lookup_args[-1]
         self._feature_means = [mean[t] for t in self._layout[1]]  # per feature, for backward
+        # the update's per-table settings when every table has a gradient (the usual step)
+        self._all_update_settings = _columns(t._update_settings for t in self.tables())
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -134,27 +136,22 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         tables = self.tables()
         state = [t._state_tensors() for t in tables]
         values = features.values().long().contiguous()
-        offsets = features.offsets().long().contiguous()
         psw = features.weights_or_none()
         psw = None if psw is None else psw.detach().float().contiguous()
         batch = features.stride()
+        counters = [t._counters for t in tables] if self.training else []
         try:
-            pooled, hits, slots, bounds = _ops.multi_lookup_forward(
+            pooled, offsets, slots, bounds = _ops.multi_lookup_forward(
                 [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
-                values, offsets, psw, table_of,
-                *self._static_lookup_args, batch,
+                values, features.lengths(), psw, table_of,
+                *self._static_lookup_args, batch, counters,
             )
         except RuntimeError:
             self._check(features, names, table_of)  # raises the error that names the table
             raise
-        if self.training:
-            for f, (n, h) in enumerate(zip(features.length_per_key(), hits.tolist())):
-                stats = tables[table_of[f]]._stats
-                stats["lookups"] += n
-                stats["hits"] += h
-            anchor = tables[0]._grad_anchor
-        else:
-            anchor = tables[0]._grad_anchor.detach()
+        anchor = tables[0]._grad_anchor
+        if not self.training:
+            anchor = anchor.detach()
         hints = ([t._cache_version for t in tables], bounds.tolist())
         pooled = _FusedLookup.apply(
             self, values, offsets, psw, slots, hints, table_of, dims, batch, anchor, pooled
@@ -189,16 +186,17 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         hinted = [p.slots is not None and p.cache_version == t._cache_version for t, p in pending]
         hints = [p.slots if h else _NO_HINT for h, (_, p) in zip(hinted, pending)]
         bounds = [p.value_bound if h else -1.0 for h, (_, p) in zip(hinted, pending)]
-        stats, bad = _ops.multi_update(
-            *(list(x) for x in zip(*(t._state_tensors() for t in tables))),
-            rows, grads, occurrences, hints, bounds,
-            *(list(x) for x in zip(*(t._update_settings for t in tables))),
-            [t.step_count + 1 for t in tables],
+        settings = (self._all_update_settings if len(tables) == len(self._configs)
+                    else _columns(t._update_settings for t in tables))
+        bad = _ops.multi_update(
+            *_columns(t._state_tensors() for t in tables),
+            rows, grads, occurrences, hints, bounds, *settings, [t._counters for t in tables],
         )
         for t, b in zip(tables, bad):
-            t._raise_if_bad(b)
-        for t, r, c in zip(tables, rows, stats.tolist()):
-            t._record_step(r.numel(), c)
+            if b >= 0:
+                t._raise_if_bad(b)
+        for t in tables:
+            t._finish_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for t in self.tables():
@@ -223,6 +221,11 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             total += mem["total"]
             fp32 += t.config.num_embeddings * t.config.embedding_dim * 4 + mem["optimizer_state"]
         return total / fp32
+
+
+def _columns(rows) -> list[list]:
+    """The columns of a sequence of equal-length tuples, as lists."""
+    return [list(column) for column in zip(*rows)]
 
 
 class _FusedLookup(torch.autograd.Function):

@@ -14,6 +14,8 @@ from embcache.config import TableConfig
 
 _ops = torch.ops.embcache
 
+# A table's counters, in the order of the Counter enum in csrc/op_schemas.h (the table-batched
+# ops add to them in place).
 _STAT_NAMES = (
     "lookups",
     "hits",
@@ -26,6 +28,7 @@ _STAT_NAMES = (
     "bypasses",
     "flushed",
 )
+_COUNTER = {name: i for i, name in enumerate(_STAT_NAMES)}
 
 
 class PendingGradient(NamedTuple):
@@ -113,7 +116,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.register_buffer("counts", _state_tensor((counts_rows,), torch.int32).zero_())
         width = cfg.optimizer_state_width
         self.register_buffer("optimizer_state", _state_tensor((rows * width,), torch.float32).zero_())
-        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._counters = torch.zeros(len(_STAT_NAMES), dtype=torch.int64)  # CPU, wherever the table is
         self._grad_anchor = torch.empty(0, requires_grad=True)
         self._pending: list[PendingGradient] = []
         self._cache_version = 0  # changes whenever the cache may have changed
@@ -123,7 +126,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
     @property
     def step_count(self) -> int:
         """The number of updates applied so far."""
-        return self._stats["steps"]
+        return int(self._counters[_COUNTER["steps"]])
 
     @property
     def _lfu(self) -> bool:
@@ -245,7 +248,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         indices, offs, psw = self._bags(input, offsets, per_sample_weights)
         psw32 = None if psw is None else psw.detach().float().contiguous()
         if self.training:
-            self._stats["lookups"] += indices.numel()
+            self._counters[_COUNTER["lookups"]] += indices.numel()
         anchor = self._grad_anchor if self.training else self._grad_anchor.detach()
         psw_in = psw if psw is not None else torch.empty(0)
         return _PooledLookup.apply(self, indices, offs, psw32, anchor, psw_in)
@@ -348,20 +351,20 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def _commit_step(self, prepared: tuple) -> None:
         counts = _ops.update_commit(*self._state_tensors(), *prepared, *self._commit_args())
-        self._record_step(prepared[0].numel(), counts.tolist())
+        c = self._counters
+        c[_COUNTER["steps"]] += 1
+        c[_COUNTER["unique_rows"]] += prepared[0].numel()
+        c[_COUNTER["unique_hits"] : _COUNTER["bypasses"] + 1] += counts
+        self._finish_step()
 
     def _bump_cache_version(self) -> None:
         # A plain int: object.__setattr__ skips nn.Module.__setattr__'s checks, which cost
         # microseconds per call on this per-step path.
         object.__setattr__(self, "_cache_version", self._cache_version + 1)
 
-    def _record_step(self, unique_rows: int, counts: list) -> None:
+    def _finish_step(self) -> None:
+        """After an applied update (counted): the cache may have changed, the gradient is used."""
         self._bump_cache_version()
-        s = self._stats
-        s["steps"] += 1
-        s["unique_rows"] += unique_rows
-        for name, n in zip(("unique_hits", "unique_misses", "insertions", "evictions", "bypasses"), counts):
-            s[name] += n
         self._pending.clear()
 
     def flush(self) -> int:
@@ -378,7 +381,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         )
         self.cache_rows.zero_()
         self._bump_cache_version()
-        self._stats["flushed"] += n
+        self._counters[_COUNTER["flushed"]] += n
         return n
 
     # ------------------------------------------------------------------ inspection
@@ -396,7 +399,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         ``hit_rate``: a hit is a training-forward lookup that finds its row cached) and per
         unique updated row (``unique_hits``/``unique_misses``, ``insertions``, ``evictions``,
         ``bypasses``), ``steps`` applied and rows ``flushed``."""
-        s = dict(self._stats)
+        s = dict(zip(_STAT_NAMES, self._counters.tolist()))
         s["misses"] = s["lookups"] - s["hits"]
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
         return s
@@ -435,7 +438,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         )
 
     def get_extra_state(self) -> dict:
-        return {"config": self.config.to_dict(), "step_count": self.step_count, "stats": dict(self._stats)}
+        stats = dict(zip(_STAT_NAMES, self._counters.tolist()))
+        return {"config": self.config.to_dict(), "step_count": self.step_count, "stats": stats}
 
     def set_extra_state(self, state: dict) -> None:
         saved, mine = state["config"], self.config.to_dict()
@@ -445,8 +449,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 f"table '{self.config.name}': checkpoint was saved with another configuration "
                 f"(field: (saved, current)) {diff}"
             )
-        self._stats = dict(state["stats"])
-        self._stats["steps"] = int(state["step_count"])
+        stats = {**state["stats"], "steps": int(state["step_count"])}
+        self._counters.copy_(torch.tensor([stats[name] for name in _STAT_NAMES]))
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         try:
@@ -484,7 +488,7 @@ class _PooledLookup(torch.autograd.Function):
     def forward(ctx, module, indices, offsets, psw32, anchor, psw_in):
         out, hits = module._lookup(indices, offsets, psw32)
         if module.training:
-            module._stats["hits"] += hits
+            module._counters[_COUNTER["hits"]] += hits
         ctx.module = module
         ctx.save_for_backward(indices, offsets, psw32 if psw32 is not None else torch.empty(0))
         ctx.has_psw = psw32 is not None

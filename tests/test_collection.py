@@ -62,7 +62,7 @@ def test_forward_value_bound_is_the_largest_value_read(precision, dim):
     state = [t._state_tensors() for t in ebc.tables()]
     bounds = torch.ops.embcache.multi_lookup_forward(
         [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
-        kjt.values(), kjt.offsets().long(), None, table_of, *ebc._static_lookup_args, kjt.stride(),
+        kjt.values(), kjt.lengths(), None, table_of, *ebc._static_lookup_args, kjt.stride(), [],
     )[3]
     for f, name in enumerate(names):
         ids = kjt[name].values()
@@ -154,6 +154,23 @@ def test_bad_ids_name_table_and_feature_and_change_nothing(bad):
     assert ours.stats() == stats
 
 
+def test_evaluation_forward_changes_nothing():
+    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="int8", cache_ratio=0.05, policy="lfu")
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        ours(_kjt(gen, 16)).values().sum().backward()
+        ours.step()
+    before, stats = _state(ours), ours.stats()
+    assert all(s["lookups"] > 0 for s in stats.values())
+    ours.eval()
+    out = ours(_kjt(gen, 16)).values()
+    assert not out.requires_grad
+    ours.step()
+    assert ours.stats() == stats
+    after = _state(ours)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def _state(module):
     return {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
 
@@ -223,3 +240,4 @@ def test_table_batched_step_equals_one_table_at_a_time(schedule):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    assert ours.stats() == alone.stats()  # counted by the table-batched op / table by table

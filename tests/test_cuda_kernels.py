@@ -368,15 +368,21 @@ def test_table_batched_ops(backend):
                  [int(c.qparams_fp16) for c in cfgs], [c.num_sets for c in cfgs],
                  [c.ways for c in cfgs], [0, 0])
 
-    def lookup(ops, states, dev):
+    def lookup(ops, states, dev, counters):
         return ops.multi_lookup_forward(
             [s["weights"] for s in states], [s["cache_tags"] for s in states],
-            [s["cache_rows"] for s in states], dev(indices), dev(offsets), None, feature_table,
-            *per_table, batch)
+            [s["cache_rows"] for s in states], dev(indices), dev(lengths), None, feature_table,
+            *per_table, batch, counters)
 
-    want = lookup(CPU, [t.cpu for t in twins], lambda t: t)
-    got = lookup(b.ops, [t.dev for t in twins], b.to)
+    want_counters = [torch.zeros(10, dtype=torch.int64) for _ in twins]
+    got_counters = [torch.zeros(10, dtype=torch.int64) for _ in twins]
+    want = lookup(CPU, [t.cpu for t in twins], lambda t: t, want_counters)
+    got = lookup(b.ops, [t.dev for t in twins], b.to, got_counters)
     assert_same(got[:2], want[:2], "multi_lookup_forward")  # only the CPU op gives slot hints
+    assert want[1].tolist() == offsets.tolist()
+    per_feature = lengths.view(3, batch).sum(1).tolist()
+    assert [c[0].item() for c in want_counters] == [per_feature[0] + per_feature[2], per_feature[1]]
+    assert_same(got_counters, want_counters, "multi_lookup_forward counters")
     dims = [cfgs[t].embedding_dim for t in feature_table]
     grad = torch.randn(batch, sum(dims), generator=gen)
     want = CPU.multi_dedup_backward(indices, offsets, None, grad, dims, [0, 1, 0], batch)

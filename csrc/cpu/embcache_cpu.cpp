@@ -848,7 +848,8 @@ bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
 /// The slot that each updated row's new value goes to (or kToTable, or kDone once written).
 constexpr int64_t kToTable = -1, kDone = -2;
 
-/// [unique hits, unique misses, insertions, evictions, bypasses] of one table's update.
+/// [unique hits, unique misses, insertions, evictions, bypasses] of one table's update (the
+/// order of its counters kUniqueHits to kBypasses).
 using CommitCounts = std::array<int64_t, 5>;
 
 /// Writes one table's update (SPEC §4 step 3): LFU counts (and, given fresh_state, the
@@ -1229,41 +1230,70 @@ std::vector<int64_t> column_offsets(at::IntArrayRef dims) {
   return col;
 }
 
+/// The int64 offsets, with the end appended, of bags of the given lengths (int32 or int64),
+/// checked: no length is negative and they sum to `total`.
+at::Tensor offsets_of_lengths(const at::Tensor& lengths, int64_t total) {
+  TORCH_CHECK(lengths.dim() == 1 && lengths.device().is_cpu() &&
+                  (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
+              "embcache: lengths must be a 1-D int32 or int64 CPU tensor");
+  const int64_t n = lengths.numel();
+  at::Tensor offsets = new_cpu_tensor({n + 1}, at::kLong);
+  int64_t* off = offsets.data_ptr<int64_t>();
+  const at::Tensor len = lengths.contiguous();
+  AT_DISPATCH_INDEX_TYPES(len.scalar_type(), "offsets_of_lengths", [&] {
+    const index_t* l = len.data_ptr<index_t>();
+    const int64_t b = first_where(n, [l](int64_t i) { return l[i] < 0; });
+    TORCH_CHECK(b == n, "embcache: bag ", b, " has negative length ", b < n ? (int64_t)l[b] : 0);
+    off[0] = 0;
+    for (int64_t i = 0; i < n; ++i) off[i + 1] = off[i] + l[i];
+  });
+  TORCH_CHECK(off[n] == total, "embcache: lengths sum to ", off[n], ", not len(indices)=", total);
+  return offsets;
+}
+
 /// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, the
-/// number of cached lookups per feature, every lookup's slot (int32, -1 if not cached), and
-/// per feature the largest |value| its lookups read (float32; multi_update's value bound).
+/// bags' offsets, every lookup's slot (int32, -1 if not cached), and per feature the largest
+/// |value| its lookups read (float32; multi_update's value bound). Adds each feature's lookups
+/// and hits to its table's counters.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
-    const at::Tensor& indices, const at::Tensor& offsets,
+    const at::Tensor& indices, const at::Tensor& lengths,
     const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
     at::IntArrayRef bits, at::IntArrayRef dims, at::IntArrayRef qparams_fp16,
-    at::IntArrayRef num_sets, at::IntArrayRef ways, at::IntArrayRef mean, int64_t batch) {
+    at::IntArrayRef num_sets, at::IntArrayRef ways, at::IntArrayRef mean, int64_t batch,
+    at::TensorList counters) {
   const int64_t nf = (int64_t)feature_table.size();
+  const std::vector<int64_t*> table_counters = tables_counters(counters, weights.size());
+  const at::Tensor offsets = offsets_of_lengths(lengths, indices.numel());
   check_features(indices, offsets, per_sample_weights, nf, batch);
   std::vector<int64_t> feature_dims(nf);
   for (int64_t f = 0; f < nf; ++f) feature_dims[f] = dims[feature_table[f]];
   const std::vector<int64_t> col = column_offsets(feature_dims);
   at::Tensor out = at::empty({batch, col[nf]}, at::kFloat);
-  at::Tensor hits = at::zeros({nf}, at::kLong);
-  int64_t* h = hits.data_ptr<int64_t>();
+  std::vector<int64_t> hits(nf);
   at::Tensor slots = at::empty({indices.numel()}, at::kInt);
   at::Tensor max_abs = at::empty({nf}, at::kFloat);
   const Bags all = bags_of(indices, offsets, per_sample_weights);
-  std::vector<int64_t> cost(nf);
-  for (int64_t f = 0; f < nf; ++f)
-    cost[f] = row_work(all.off[(f + 1) * batch] - all.off[f * batch],
-                       weights[feature_table[f]].size(0));
+  std::vector<int64_t> lookups(nf), cost(nf);
+  for (int64_t f = 0; f < nf; ++f) {
+    lookups[f] = all.off[(f + 1) * batch] - all.off[f * batch];
+    cost[f] = row_work(lookups[f], weights[feature_table[f]].size(0));
+  }
   for_each_by_cost(cost, [&](int64_t f) {
     const int64_t t = feature_table[f];
     const RowFormat fmt = make_format(bits[t], dims[t], qparams_fp16[t] != 0);
     check_table(weights[t], fmt);
     const Cache cache = make_cache(cache_tags[t], cache_rows[t], num_sets[t], ways[t], dims[t]);
     const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
-    h[f] = lookup_core(fmt, cache, weights[t].data_ptr<uint8_t>(), weights[t].size(0), bags,
-                       mean[t] != 0, out.data_ptr<float>() + col[f], col[nf],
-                       slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f);
+    hits[f] = lookup_core(fmt, cache, weights[t].data_ptr<uint8_t>(), weights[t].size(0), bags,
+                          mean[t] != 0, out.data_ptr<float>() + col[f], col[nf],
+                          slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f);
   });
-  return {out, hits, slots, max_abs};
+  for (int64_t f = 0; f < nf && !table_counters.empty(); ++f) {
+    table_counters[feature_table[f]][kLookups] += lookups[f];
+    table_counters[feature_table[f]][kHits] += hits[f];
+  }
+  return {out, offsets, slots, max_abs};
 }
 
 /// Per feature, the deduplicated gradient (rows, grads, occurrences, slots; flattened) from
@@ -1316,8 +1346,10 @@ std::vector<int64_t> update_costs(at::TensorList weights, at::TensorList unique_
 /// else by computing them); then, if no table has a row it cannot store, each table's
 /// commit, which computes every new value where it writes it (tables in parallel, costliest
 /// first in both phases). A table's slot_hints entry is its update_prepare slot_hint, or an
-/// empty tensor for none (then its value bound is not used either).
-std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
+/// empty tensor for none (then its value bound is not used either). Table t's update is step
+/// counters[t][kSteps] + 1; its commit adds to its counters. Returns per table the smallest
+/// row it cannot store, or -1.
+std::vector<int64_t> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
     at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
@@ -1325,9 +1357,11 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::IntArrayRef bits, at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
-    at::IntArrayRef ways, at::IntArrayRef steps) {
+    at::IntArrayRef ways, at::TensorList counters) {
   const int64_t nt = (int64_t)weights.size();
   TORCH_CHECK((int64_t)value_bounds.size() == nt, "embcache: one value bound per table");
+  const std::vector<int64_t*> table_counters = tables_counters(counters, nt);
+  TORCH_CHECK((int64_t)table_counters.size() == nt, "embcache: one counters tensor per table");
   std::vector<RowUpdate> updates;
   for (int64_t t = 0; t < nt; ++t)
     updates.push_back(make_row_update(weights[t], cache_tags[t], cache_rows[t],
@@ -1336,7 +1370,6 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
                                       num_sets[t], ways[t]));
   std::vector<std::vector<int64_t>> slots(nt);
   std::vector<int64_t> bad(nt, -1);
-  at::Tensor stats = at::zeros({nt, 5}, at::kLong);
   const std::vector<int64_t> cost = update_costs(weights, unique_rows);
   for_each_by_cost(cost, [&](int64_t t) {
     const RowUpdate& up = updates[t];
@@ -1350,7 +1383,7 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     bad[t] = for_each_new_value(up, slots[t].data(), stochastic[t] != 0,
                                 [](int64_t, const float*, const float*) {});
   });
-  if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return {stats, bad};
+  if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return bad;
   for_each_by_cost(cost, [&](int64_t t) {
     const RowUpdate& up = updates[t];
     at::Tensor w = weights[t], prio = cache_priority[t], floor = cache_set_floor[t],
@@ -1359,17 +1392,20 @@ std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     TORCH_CHECK(occurrences[t].numel() == up.nu, "embcache: one occurrence count per row");
     check_tensor(occurrences[t], at::kLong, "occurrences");
     const int64_t* sl = slots[t].data();
+    int64_t* counter = table_counters[t];
     // The new value (and optimizer state) computed in place: read, then written.
     const CommitCounts c = commit_core(
         up, cs.w, cs.prio, cs.floor, cs.counts, nullptr, sl, occurrences[t].data_ptr<int64_t>(),
-        stochastic[t] != 0, lfu[t] != 0, seed[t], steps[t], table[t],
+        stochastic[t] != 0, lfu[t] != 0, seed[t], counter[kSteps] + 1, table[t],
         [&](int64_t u, float* out, float* scratch) {
           up.compute(u, sl[u], scratch, out, up.st + up.rows[u] * up.sw);
         },
         [&](int64_t u) { up.prefetch_sources(u, sl[u]); });
-    std::copy(c.begin(), c.end(), stats.data_ptr<int64_t>() + 5 * t);
+    counter[kSteps] += 1;
+    counter[kUniqueRows] += up.nu;
+    for (size_t i = 0; i < c.size(); ++i) counter[kUniqueHits + i] += c[i];
   });
-  return {stats, bad};
+  return bad;
 }
 
 /// Asks Linux to back the tensor's whole 2 MiB pages with transparent huge pages. Random

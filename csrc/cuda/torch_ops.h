@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../op_schemas.h"
 #include "cache_api.h"
 
 namespace embcache {
@@ -290,12 +291,19 @@ inline std::vector<int64_t> column_offsets(const std::vector<int64_t>& dims) {
 /// slot hints (an empty hint means none) and no value bounds.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
-    const at::Tensor& indices, const at::Tensor& offsets,
+    const at::Tensor& indices, const at::Tensor& lengths,
     const c10::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
     at::IntArrayRef bits, at::IntArrayRef dims, at::IntArrayRef qparams_fp16,
-    at::IntArrayRef num_sets, at::IntArrayRef ways, at::IntArrayRef mean, int64_t batch) {
+    at::IntArrayRef num_sets, at::IntArrayRef ways, at::IntArrayRef mean, int64_t batch,
+    at::TensorList counters) {
   EMBCACHE_DEVICE_GUARD(indices);
   const int64_t nf = (int64_t)feature_table.size();
+  const std::vector<int64_t*> table_counters = tables_counters(counters, weights.size());
+  TORCH_CHECK(lengths.dim() == 1 && on_device(lengths) &&
+                  (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
+              "embcache: lengths must be a 1-D int32 or int64 ", kDeviceName, " tensor");
+  const at::Tensor offsets =
+      at::cat({at::zeros({1}, lengths.options().dtype(at::kLong)), lengths.cumsum(0, at::kLong)});
   const at::Tensor off_host =
       features_host_offsets(indices, offsets, per_sample_weights, nf, batch);
   const int64_t* oh = off_host.data_ptr<int64_t>();
@@ -303,7 +311,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
   for (int64_t f = 0; f < nf; ++f) feature_dims[f] = dims[feature_table[f]];
   const std::vector<int64_t> col = column_offsets(feature_dims);
   at::Tensor out = at::empty({batch, col[nf]}, indices.options().dtype(at::kFloat));
-  at::Tensor hits = at::zeros({nf}, at::kLong);
+  std::vector<int64_t> hits(nf);
   for (int64_t f = 0; f < nf; ++f) {
     const int64_t t = feature_table[f];
     const RowFormat fmt = make_format(bits[t], dims[t], qparams_fp16[t] != 0);
@@ -317,7 +325,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
         per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr, fmt, num_sets[t],
         ways[t], mean[t] != 0, out.data_ptr<float>() + col[f], col[nf], current_stream());
   }
-  return {out, hits, at::empty({0}, indices.options().dtype(at::kInt)),
+  for (int64_t f = 0; f < nf && !table_counters.empty(); ++f) {
+    table_counters[feature_table[f]][kLookups] += oh[(f + 1) * batch] - oh[f * batch];
+    table_counters[feature_table[f]][kHits] += hits[f];
+  }
+  return {out, offsets, at::empty({0}, indices.options().dtype(at::kInt)),
           at::empty({0}, at::kFloat)};
 }
 
@@ -357,7 +369,7 @@ inline std::vector<at::Tensor> multi_dedup_backward(
   return out;
 }
 
-inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
+inline std::vector<int64_t> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
     at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
@@ -366,11 +378,12 @@ inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
-    at::IntArrayRef ways, at::IntArrayRef steps) {
+    at::IntArrayRef ways, at::TensorList counters) {
   const int64_t nt = (int64_t)weights.size();
+  const std::vector<int64_t*> table_counters = tables_counters(counters, nt);
+  TORCH_CHECK((int64_t)table_counters.size() == nt, "embcache: one counters tensor per table");
   std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
   std::vector<int64_t> bad(nt);
-  at::Tensor stats = at::zeros({nt, 5}, at::kLong);
   bool any_bad = false;
   for (int64_t t = 0; t < nt; ++t) {
     std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
@@ -379,17 +392,21 @@ inline std::tuple<at::Tensor, std::vector<int64_t>> multi_update(
         num_sets[t], ways[t], c10::nullopt);
     any_bad = any_bad || bad[t] >= 0;
   }
-  if (any_bad) return {stats, bad};
+  if (any_bad) return bad;
   for (int64_t t = 0; t < nt; ++t) {
     at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
                ts = cache_priority[t], floor = cache_set_floor[t], cnt = counts[t],
                st = optimizer_state[t];
-    stats[t].copy_(update_commit(w, tags, rows, ts, floor, cnt, st, unique_rows[t], fresh[t],
-                                 fresh_state[t], slots[t], occurrences[t], bits[t],
-                                 qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0, seed[t],
-                                 steps[t], table[t], num_sets[t], ways[t]));
+    int64_t* counter = table_counters[t];
+    const at::Tensor c = update_commit(
+        w, tags, rows, ts, floor, cnt, st, unique_rows[t], fresh[t], fresh_state[t], slots[t],
+        occurrences[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
+        seed[t], counter[kSteps] + 1, table[t], num_sets[t], ways[t]);
+    counter[kSteps] += 1;
+    counter[kUniqueRows] += unique_rows[t].numel();
+    for (int64_t i = 0; i < c.numel(); ++i) counter[kUniqueHits + i] += c.data_ptr<int64_t>()[i];
   }
-  return {stats, bad};
+  return bad;
 }
 
 }  // namespace ops

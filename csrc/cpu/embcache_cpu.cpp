@@ -153,24 +153,30 @@ int64_t first_where(int64_t n, const Bad& bad) {
   return i;
 }
 
+/// Lookups: int64 indices, and optionally one float32 weight per index.
+void check_lookups(const at::Tensor& indices, const c10::optional<at::Tensor>& psw) {
+  check_tensor(indices, at::kLong, "indices");
+  TORCH_CHECK(indices.dim() == 1, "embcache: indices must be 1-D");
+  if (psw.has_value()) {
+    check_tensor(*psw, at::kFloat, "per_sample_weights");
+    TORCH_CHECK(psw->numel() == indices.numel(),
+                "embcache: per_sample_weights must have one weight per index");
+  }
+}
+
 /// Bag b covers lookups [offsets[b], offsets[b+1]).
 void check_bags(const at::Tensor& indices, const at::Tensor& offsets,
                 const c10::optional<at::Tensor>& psw) {
-  check_tensor(indices, at::kLong, "indices");
+  check_lookups(indices, psw);
   check_tensor(offsets, at::kLong, "offsets");
-  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1,
-              "embcache: indices and offsets must be 1-D, offsets with the end appended");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1,
+              "embcache: offsets must be 1-D, with the end appended");
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t nb = offsets.numel() - 1;
   TORCH_CHECK(off[0] == 0 && off[nb] == indices.numel(),
               "embcache: offsets must start at 0 and end at len(indices)");
   const int64_t b = first_where(nb, [off](int64_t b) { return off[b] > off[b + 1]; });
   TORCH_CHECK(b == nb, "embcache: offsets decrease at bag ", b);
-  if (psw.has_value()) {
-    check_tensor(*psw, at::kFloat, "per_sample_weights");
-    TORCH_CHECK(psw->numel() == indices.numel(),
-                "embcache: per_sample_weights must have one weight per index");
-  }
 }
 
 at::Tensor quantize_rows(const at::Tensor& values, const at::Tensor& row_ids, int64_t bits,
@@ -498,7 +504,7 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
 }
 
 /// An uninitialized CPU tensor, made without a trip through the dispatcher (at::empty
-/// costs a few microseconds, and multi_dedup_backward makes four per feature).
+/// costs a few microseconds; multi_dedup_backward makes four per feature).
 at::Tensor new_cpu_tensor(at::IntArrayRef size, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_cpu(size, dtype));
 }
@@ -1216,11 +1222,12 @@ void for_each_by_cost(const std::vector<int64_t>& cost, const Fn& fn) {
   });
 }
 
-void check_features(const at::Tensor& indices, const at::Tensor& offsets,
-                    const c10::optional<at::Tensor>& psw, int64_t nf, int64_t batch) {
-  check_bags(indices, offsets, psw);
+/// The bags of nf features of `batch` bags each, checked.
+Bags feature_bags(const at::Tensor& indices, const at::Tensor& offsets,
+                  const c10::optional<at::Tensor>& psw, int64_t nf, int64_t batch) {
   TORCH_CHECK(batch >= 0 && offsets.numel() == nf * batch + 1,
               "embcache: offsets must have features * batch + 1 entries");
+  return bags_of(indices, offsets, psw);
 }
 
 /// Column offsets of the features in the [batch, sum of dims] output.
@@ -1264,16 +1271,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList counters) {
   const int64_t nf = (int64_t)feature_table.size();
   const std::vector<int64_t*> table_counters = tables_counters(counters, weights.size());
-  const at::Tensor offsets = offsets_of_lengths(lengths, indices.numel());
-  check_features(indices, offsets, per_sample_weights, nf, batch);
+  check_lookups(indices, per_sample_weights);
+  TORCH_CHECK(batch >= 0 && lengths.numel() == nf * batch,
+              "embcache: lengths must have features * batch entries");
+  const at::Tensor offsets = offsets_of_lengths(lengths, indices.numel());  // valid bags
   std::vector<int64_t> feature_dims(nf);
   for (int64_t f = 0; f < nf; ++f) feature_dims[f] = dims[feature_table[f]];
   const std::vector<int64_t> col = column_offsets(feature_dims);
-  at::Tensor out = at::empty({batch, col[nf]}, at::kFloat);
+  at::Tensor out = new_cpu_tensor({batch, col[nf]}, at::kFloat);
   std::vector<int64_t> hits(nf);
-  at::Tensor slots = at::empty({indices.numel()}, at::kInt);
-  at::Tensor max_abs = at::empty({nf}, at::kFloat);
-  const Bags all = bags_of(indices, offsets, per_sample_weights);
+  at::Tensor slots = new_cpu_tensor({indices.numel()}, at::kInt);
+  at::Tensor max_abs = new_cpu_tensor({nf}, at::kFloat);
+  const Bags all{indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), nf * batch,
+                 per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr};
   std::vector<int64_t> lookups(nf), cost(nf);
   for (int64_t f = 0; f < nf; ++f) {
     lookups[f] = all.off[(f + 1) * batch] - all.off[f * batch];
@@ -1306,13 +1316,12 @@ std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
                                              at::IntArrayRef mean, int64_t batch,
                                              const c10::optional<at::Tensor>& lookup_slots) {
   const int64_t nf = (int64_t)dims.size();
-  check_features(indices, offsets, per_sample_weights, nf, batch);
+  const Bags all = feature_bags(indices, offsets, per_sample_weights, nf, batch);
   const std::vector<int64_t> col = column_offsets(dims);
   check_tensor(grad_output, at::kFloat, "grad_output");
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == batch &&
                   grad_output.size(1) == col[nf],
               "embcache: grad_output must be [batch, sum of dims]");
-  const Bags all = bags_of(indices, offsets, per_sample_weights);
   const int32_t* lookup_slot = nullptr;
   if (lookup_slots.has_value()) {
     check_tensor(*lookup_slots, at::kInt, "lookup_slots");

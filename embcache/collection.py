@@ -124,11 +124,12 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
         All tables run in one table-batched C++ call (tables in parallel)."""
         names, table_of, dims = self._layout
-        missing = [n for n in names if n not in features.keys()]
-        if missing:
-            raise ValueError(f"features {missing} are missing from the input")
-        if features.keys() != names:
-            features = features.permute([features.keys().index(n) for n in names])
+        keys = features.keys()
+        if keys != names:
+            missing = [n for n in names if n not in keys]
+            if missing:
+                raise ValueError(f"features {missing} are missing from the input")
+            features = features.permute([keys.index(n) for n in names])
         if features.variable_stride_per_key():
             raise ValueError("variable batch size per feature is not supported")
         if features.values().dtype not in (torch.int64, torch.int32):
@@ -152,10 +153,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         anchor = tables[0]._grad_anchor
         if not self.training:
             anchor = anchor.detach()
-        hints = ([t._cache_version for t in tables], bounds.tolist())
-        pooled = _FusedLookup.apply(
-            self, values, offsets, psw, slots, hints, table_of, dims, batch, anchor, pooled
-        )
+        versions = [t._cache_version for t in tables]
+        pooled = _FusedLookup.apply(anchor, pooled, (self, values, offsets, psw, slots, versions, bounds))
         return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
 
     # -------------------------------------------------------------- the sparse optimizer
@@ -229,36 +228,35 @@ def _columns(rows) -> list[list]:
 
 
 class _FusedLookup(torch.autograd.Function):
-    """Passes the table-batched forward's output through; backward deduplicates every
-    feature's gradient in one table-batched call and hands each to its table for
+    """Passes the table-batched forward's output (``pooled``) through; backward deduplicates
+    every feature's gradient in one table-batched call and hands each to its table for
     :meth:`CachedLowPrecisionEmbeddingBagCollection.step`, with each row's cache slot as the
-    forward found it (``slots``, per lookup) and, in ``hints``, the cache versions the forward
-    saw (per table) and the largest |value| it read (per feature)."""
+    forward found it. ``lookup`` is what the forward saw: (collection, values, offsets,
+    per-sample weights or None, every lookup's slot, each table's cache version, each
+    feature's largest |value| read)."""
 
     @staticmethod
-    def forward(ctx, collection, values, offsets, psw, slots, hints, table_of, dims, batch,
-                anchor, pooled):
-        ctx.collection, ctx.table_of, ctx.dims, ctx.batch = collection, table_of, dims, batch
-        ctx.versions, ctx.bounds = hints
-        ctx.has_psw = psw is not None
+    def forward(ctx, anchor, pooled, lookup):
+        collection, values, offsets, psw, slots, ctx.versions, ctx.bounds = lookup
+        ctx.collection, ctx.has_psw = collection, psw is not None
         ctx.save_for_backward(values, offsets, slots, *(() if psw is None else (psw,)))
         return pooled
 
     @staticmethod
     def backward(ctx, grad):
         values, offsets, slots, *psw = ctx.saved_tensors
-        tables = ctx.collection.tables()
-        if ctx.needs_input_grad[9]:
+        collection = ctx.collection
+        tables, (_, table_of, dims) = collection.tables(), collection._layout
+        if ctx.needs_input_grad[0]:
             flat = _ops.multi_dedup_backward(
-                values, offsets, psw[0] if ctx.has_psw else None,
-                grad.float().contiguous(), ctx.dims, ctx.collection._feature_means, ctx.batch,
-                slots if slots.numel() else None,
+                values, offsets, psw[0] if ctx.has_psw else None, grad.float().contiguous(),
+                dims, collection._feature_means, grad.shape[0], slots if slots.numel() else None,
             )
-            for f, t in enumerate(ctx.table_of):
+            bounds = ctx.bounds.tolist() or [-1.0] * len(table_of)  # none from the CUDA forward
+            for f, t in enumerate(table_of):
                 rows, grads, occ, row_slots = flat[4 * f : 4 * f + 4]
                 hint = row_slots if row_slots.numel() == rows.numel() else None
-                bound = ctx.bounds[f] if ctx.bounds else -1.0
                 tables[t]._pending.append(
-                    PendingGradient(rows, grads, occ, hint, ctx.versions[t], bound)
+                    PendingGradient(rows, grads, occ, hint, ctx.versions[t], bounds[f])
                 )
-        return (None,) * 11
+        return None, None, None

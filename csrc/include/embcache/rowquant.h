@@ -16,11 +16,17 @@
 
 // Host builds with SSE4.1 run the four Philox blocks of stream_uniforms16 in one SIMD
 // register per state word, and an integer row's min/max and int8 rounding four elements at
-// a time; CUDA, the warp emulator (built with EMBCACHE_PORTABLE, so that the tests compare
-// the two) and other hosts run the portable loops. Same bytes either way.
+// a time; on CPUs with AVX2 (checked at run time; GCC and Clang), rows of 32 elements or
+// more draw eight Philox blocks at a time (stream_uniforms32). CUDA, the warp emulator
+// (built with EMBCACHE_PORTABLE, so that the tests compare the two) and other hosts run the
+// portable loops. Same bytes either way.
 #if defined(__SSE4_1__) && !defined(__CUDACC__) && !defined(EMBCACHE_PORTABLE)
 #define EMBCACHE_SSE 1
 #include <smmintrin.h>
+#if defined(__GNUC__)
+#define EMBCACHE_AVX2 1
+#include <immintrin.h>
+#endif
 #endif
 
 #if defined(__CUDACC__)
@@ -185,6 +191,99 @@ EMBCACHE_HD void stream_uniforms16(const RoundingStream& s, int64_t row, int64_t
   }
 #endif
 }
+
+#if defined(EMBCACHE_AVX2)
+#define EMBCACHE_TARGET_AVX2 __attribute__((target("avx2")))
+
+/// (hi, lo) 32-bit halves of the 64-bit products a * m, lane by lane.
+EMBCACHE_TARGET_AVX2 inline __m256i mul_hi_lo8(__m256i a, __m256i m, __m256i* lo) {
+  const __m256i even = _mm256_mul_epu32(a, m), odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+/// stream_uniforms16 of chunks `chunk` and `chunk + 1` at once (u[0..32)): the eight Philox
+/// blocks 4 * chunk .. 4 * chunk + 7 side by side, one per lane, in the same rounds. Only
+/// for CPUs with AVX2 (has_avx2()).
+EMBCACHE_TARGET_AVX2 inline void stream_uniforms32(const RoundingStream& s, int64_t row,
+                                                   int64_t chunk, float* u) {
+  uint32_t k0 = (uint32_t)s.seed, k1 = (uint32_t)(s.seed >> 32);
+  const int c = (int)(4 * chunk);
+  __m256i x0 = _mm256_setr_epi32(c, c + 1, c + 2, c + 3, c + 4, c + 5, c + 6, c + 7),
+          x1 = _mm256_set1_epi32((int)row), x2 = _mm256_set1_epi32((int)s.step),
+          x3 = _mm256_set1_epi32((int)s.table);
+  const __m256i m0 = _mm256_set1_epi32((int)0xD2511F53u), m1 = _mm256_set1_epi32((int)0xCD9E8D57u);
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    __m256i lo0, lo1;
+    const __m256i hi0 = mul_hi_lo8(x0, m0, &lo0), hi1 = mul_hi_lo8(x2, m1, &lo1);
+    x0 = _mm256_xor_si256(_mm256_xor_si256(hi1, x1), _mm256_set1_epi32((int)k0));
+    x2 = _mm256_xor_si256(_mm256_xor_si256(hi0, x3), _mm256_set1_epi32((int)k1));
+    x1 = lo1;
+    x3 = lo0;
+  }
+  const __m256 scale = _mm256_set1_ps(5.9604644775390625e-8f);  // word_uniform, eight at a time
+  const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x0, 8)), scale);
+  const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x1, 8)), scale);
+  const __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x2, 8)), scale);
+  const __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x3, 8)), scale);
+  // 4x4 transposes in each 128-bit half: b_k = the four words of block k (low half) and of
+  // block k + 4 (high half)
+  const __m256 t0 = _mm256_unpacklo_ps(w0, w1), t1 = _mm256_unpackhi_ps(w0, w1);
+  const __m256 t2 = _mm256_unpacklo_ps(w2, w3), t3 = _mm256_unpackhi_ps(w2, w3);
+  const __m256 b0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 b1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 b2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 b3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm256_storeu_ps(u, _mm256_permute2f128_ps(b0, b1, 0x20));       // blocks 0, 1
+  _mm256_storeu_ps(u + 8, _mm256_permute2f128_ps(b2, b3, 0x20));   // blocks 2, 3
+  _mm256_storeu_ps(u + 16, _mm256_permute2f128_ps(b0, b1, 0x31));  // blocks 4, 5
+  _mm256_storeu_ps(u + 24, _mm256_permute2f128_ps(b2, b3, 0x31));  // blocks 6, 7
+}
+
+/// Whether this CPU runs AVX2 (asked once).
+inline bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+/// The uniforms of one row's elements, 16 (a chunk) at a time, in increasing chunks; drawn
+/// two chunks at a time where stream_uniforms32 exists and the row has both.
+struct RowUniforms {
+  const RoundingStream& stream;
+  int64_t row;
+  int dim;
+  int64_t first = 0, count = 0;  // u holds chunks [first, first + count)
+#if defined(EMBCACHE_AVX2)
+  float u[32];
+#else
+  float u[16];
+#endif
+
+  // A constructor leaves u uninitialized (brace-initializing the aggregate would zero it,
+  // which cost ~10 ns per row, half of quantizing a dim-16 row to int8)
+  EMBCACHE_HD RowUniforms(const RoundingStream& s, int64_t r, int d) : stream(s), row(r), dim(d) {}
+
+  EMBCACHE_HD const float* chunk(int64_t c) {
+    if (c < first || c >= first + count) {
+      first = c;
+#if defined(EMBCACHE_AVX2)
+      if (16 * (c + 1) < dim && has_avx2()) {
+        stream_uniforms32(stream, row, c, u);
+        count = 2;
+        return u;
+      }
+#endif
+      stream_uniforms16(stream, row, c, u);
+      count = 1;
+    }
+    return u + 16 * (c - first);
+  }
+};
 
 /// 64-bit MurmurHash3 finalizer: row -> set.
 EMBCACHE_HD uint64_t murmur_fmix64(uint64_t h) {
@@ -390,12 +489,13 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     for (int j = 0; j < f.dim; ++j) store_f32(row + 4 * j, x[j]);
     return;
   }
-  float u[16] = {0.f};  // the uniforms of elements j0 .. j0 + 15
+  RowUniforms uniforms{stream, row_id, f.dim};
+  const float* u = nullptr;  // with stochastic rounding, the uniforms of elements j0 .. j0 + 15
   if (f.bits == 16) {
     for (int j = 0; j < f.dim; ++j) {
       uint16_t h;
       if (stochastic) {
-        if ((j & 15) == 0) stream_uniforms16(stream, row_id, j >> 4, u);
+        if ((j & 15) == 0) u = uniforms.chunk(j >> 4);
         const uint32_t b = float_bits(x[j]);
         h = (uint16_t)((b >> 16) & 0x8000u) | half_stochastic_magnitude(b & 0x7fffffffu, u[j & 15]);
       } else {
@@ -436,7 +536,7 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
   int code[16];
   for (int j0 = 0; j0 < f.dim; j0 += 16) {
     const int m = f.dim - j0 < 16 ? f.dim - j0 : 16;
-    if (stochastic) stream_uniforms16(stream, row_id, j0 >> 4, u);
+    if (stochastic) u = uniforms.chunk(j0 >> 4);
 #if defined(EMBCACHE_SSE)
     if (m == 16 && lg == 0) {  // round_code on four lanes, then 16 codes packed into bytes
       const __m128 vbias = _mm_set1_ps(bias), vinv = _mm_set1_ps(inv), one = _mm_set1_ps(1.f);
@@ -458,7 +558,7 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     }
 #endif
     for (int i = 0; i < m; ++i)
-      code[i] = round_code((x[j0 + i] - bias) * inv, stochastic, u[i], q_max);
+      code[i] = round_code((x[j0 + i] - bias) * inv, stochastic, stochastic ? u[i] : 0.f, q_max);
     if (lg == 0) {
       for (int i = 0; i < m; ++i) row[j0 + i] = (uint8_t)code[i];
     } else {

@@ -24,13 +24,22 @@ inline int64_t* counters_data(const at::Tensor& counters) {
   return counters.data_ptr<int64_t>();
 }
 
-/// Every table's counters, or none if the list is empty.
-inline std::vector<int64_t*> tables_counters(at::TensorList counters, size_t num_tables) {
-  TORCH_CHECK(counters.empty() || counters.size() == num_tables,
-              "embcache: counters must be empty or one tensor per table");
+/// Every table's counters; none if the list is empty and `optional`.
+inline std::vector<int64_t*> tables_counters(at::TensorList counters, size_t num_tables,
+                                             bool optional) {
+  TORCH_CHECK(counters.size() == num_tables || (optional && counters.empty()),
+              "embcache: counters must be one tensor per table", optional ? ", or none" : "");
   std::vector<int64_t*> out;
   for (const at::Tensor& c : counters) out.push_back(counters_data(c));
   return out;
+}
+
+/// Counts one applied update of `unique_rows` rows, with its commit's five counts
+/// (kUniqueHits to kBypasses, in order).
+inline void count_commit(int64_t* counter, int64_t unique_rows, const int64_t* commit_counts) {
+  counter[kSteps] += 1;
+  counter[kUniqueRows] += unique_rows;
+  for (int64_t i = 0; i < kFlushed - kUniqueHits; ++i) counter[kUniqueHits + i] += commit_counts[i];
 }
 
 inline void define_cache_ops(torch::Library& m) {

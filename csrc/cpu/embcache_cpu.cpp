@@ -856,7 +856,7 @@ constexpr int64_t kToTable = -1, kDone = -2;
 
 /// [unique hits, unique misses, insertions, evictions, bypasses] of one table's update (the
 /// order of its counters kUniqueHits to kBypasses).
-using CommitCounts = std::array<int64_t, 5>;
+using CommitCounts = std::array<int64_t, kFlushed - kUniqueHits>;
 
 /// Writes one table's update (SPEC §4 step 3): LFU counts (and, given fresh_state, the
 /// optimizer state) first; then per set, updated residents stay, candidates enter by
@@ -1270,7 +1270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::IntArrayRef num_sets, at::IntArrayRef ways, at::IntArrayRef mean, int64_t batch,
     at::TensorList counters) {
   const int64_t nf = (int64_t)feature_table.size();
-  const std::vector<int64_t*> table_counters = tables_counters(counters, weights.size());
+  const std::vector<int64_t*> table_counters = tables_counters(counters, weights.size(), true);
   check_lookups(indices, per_sample_weights);
   TORCH_CHECK(batch >= 0 && lengths.numel() == nf * batch,
               "embcache: lengths must have features * batch entries");
@@ -1369,8 +1369,7 @@ std::vector<int64_t> multi_update(
     at::IntArrayRef ways, at::TensorList counters) {
   const int64_t nt = (int64_t)weights.size();
   TORCH_CHECK((int64_t)value_bounds.size() == nt, "embcache: one value bound per table");
-  const std::vector<int64_t*> table_counters = tables_counters(counters, nt);
-  TORCH_CHECK((int64_t)table_counters.size() == nt, "embcache: one counters tensor per table");
+  const std::vector<int64_t*> table_counters = tables_counters(counters, nt, false);
   std::vector<RowUpdate> updates;
   for (int64_t t = 0; t < nt; ++t)
     updates.push_back(make_row_update(weights[t], cache_tags[t], cache_rows[t],
@@ -1410,9 +1409,7 @@ std::vector<int64_t> multi_update(
           up.compute(u, sl[u], scratch, out, up.st + up.rows[u] * up.sw);
         },
         [&](int64_t u) { up.prefetch_sources(u, sl[u]); });
-    counter[kSteps] += 1;
-    counter[kUniqueRows] += up.nu;
-    for (size_t i = 0; i < c.size(); ++i) counter[kUniqueHits + i] += c[i];
+    count_commit(counter, up.nu, c.data());
   });
   return bad;
 }

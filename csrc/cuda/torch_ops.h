@@ -298,7 +298,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
     at::TensorList counters) {
   EMBCACHE_DEVICE_GUARD(indices);
   const int64_t nf = (int64_t)feature_table.size();
-  const std::vector<int64_t*> table_counters = tables_counters(counters, weights.size());
+  const std::vector<int64_t*> table_counters = tables_counters(counters, weights.size(), true);
   TORCH_CHECK(lengths.dim() == 1 && on_device(lengths) &&
                   (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
               "embcache: lengths must be a 1-D int32 or int64 ", kDeviceName, " tensor");
@@ -380,8 +380,7 @@ inline std::vector<int64_t> multi_update(
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
     at::IntArrayRef ways, at::TensorList counters) {
   const int64_t nt = (int64_t)weights.size();
-  const std::vector<int64_t*> table_counters = tables_counters(counters, nt);
-  TORCH_CHECK((int64_t)table_counters.size() == nt, "embcache: one counters tensor per table");
+  const std::vector<int64_t*> table_counters = tables_counters(counters, nt, false);
   std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
   std::vector<int64_t> bad(nt);
   bool any_bad = false;
@@ -402,9 +401,7 @@ inline std::vector<int64_t> multi_update(
         w, tags, rows, ts, floor, cnt, st, unique_rows[t], fresh[t], fresh_state[t], slots[t],
         occurrences[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
         seed[t], counter[kSteps] + 1, table[t], num_sets[t], ways[t]);
-    counter[kSteps] += 1;
-    counter[kUniqueRows] += unique_rows[t].numel();
-    for (int64_t i = 0; i < c.numel(); ++i) counter[kUniqueHits + i] += c.data_ptr<int64_t>()[i];
+    count_commit(counter, unique_rows[t].numel(), c.data_ptr<int64_t>());
   }
   return bad;
 }

@@ -84,9 +84,12 @@ def test_per_table_overrides_and_small_tables():
         CachedLowPrecisionEmbeddingBagCollection(_tables(), per_table={"nope": {}})
 
 
+@pytest.mark.parametrize("cache_ratio", [0.0, 0.1])  # with a cache, SGD judges from gradients
 @pytest.mark.parametrize("precision,bad", [("fp16", 1e6), ("int8", float("inf")), ("int8", float("nan"))])
-def test_step_is_all_or_nothing_across_tables(precision, bad):
-    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision=precision, lr=1.0)
+def test_step_is_all_or_nothing_across_tables(precision, bad, cache_ratio):
+    ours = CachedLowPrecisionEmbeddingBagCollection(
+        _tables(), precision=precision, lr=1.0, cache_ratio=cache_ratio
+    )
     kjt = _kjt(torch.Generator().manual_seed(1), 8)
     out = ours(kjt).values()
     grad = torch.zeros_like(out)

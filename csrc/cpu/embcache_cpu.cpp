@@ -540,7 +540,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_core(
 
   at::Tensor rows = new_cpu_tensor({nu}, at::kLong);
   at::Tensor grads = new_cpu_tensor({nu, dim}, at::kFloat);
-  std::fill_n(grads.data_ptr<float>(), nu * dim, 0.f);
   at::Tensor occ = new_cpu_tensor({nu}, at::kLong);
   at::Tensor slots = new_cpu_tensor({lookup_slot ? nu : 0}, at::kLong);
   int64_t* sl = slots.data_ptr<int64_t>();
@@ -549,10 +548,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_core(
   int64_t* oc = occ.data_ptr<int64_t>();
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      r[u] = idx[order[starts[u]]];
+      r[u] = (int64_t)(keys[starts[u]] >> 32);
       oc[u] = starts[u + 1] - starts[u];
       if (lookup_slot) sl[u] = lookup_slot[order[starts[u]]];
       float* acc = gr + u * dim;
+      std::fill_n(acc, dim, 0.f);  // here, not in a pass of its own: the row is written next
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
         // Bags come in row order, i.e. at random: fetch the gradient kPrefetch lookups ahead.
         if (k + kPrefetch < n)
@@ -837,13 +837,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
 bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
                      double value_bound) {
   if (!(value_bound >= 0.0)) return false;
-  float gmax = 0.f;
-  bool finite = true;
+  // max |g| over the bits: |g| orders as its bits do, and inf or NaN bits are the largest
+  // (an integer max the compiler vectorizes; a float max over n values would be a chain)
+  uint32_t max_bits = 0;
   for (int64_t i = 0; i < n; ++i) {
-    finite &= is_finite(g[i]);
-    gmax = std::max(gmax, std::fabs(g[i]));
+    const uint32_t a = float_bits(g[i]) & 0x7fffffffu;
+    max_bits = a > max_bits ? a : max_bits;
   }
-  if (!finite) return false;
+  if (max_bits >= 0x7f800000u) return false;
+  const float gmax = bits_float(max_bits);
   const double m = 1.01 * (1.01 * value_bound + std::fabs(lr) * (double)gmax);
   if (f.bits == 16) return m <= 65000.0;  // binary16 keeps |x| <= 65504 finite
   // binary16 qparams: |min| and (max - min) / q_max stay finite for |x| < 30000

@@ -18,7 +18,15 @@ falls on all of them; an engine's figure is the median of its per-round means.
 Our tables sit on transparent huge pages (see embcache.embedding._state_tensor), which halves
 the cost of a random row on this kind of machine. So that the peers are timed on the same
 footing, this script turns on torch's own huge-page allocation (THP_MEM_ALLOC_ENABLE=1) for
-every engine; EMBCACHE_HUGE_PAGES=0 turns huge pages off for all of them. Example:
+every engine; EMBCACHE_HUGE_PAGES=0 turns huge pages off for all of them.
+
+glibc gives freed memory back to the OS once the top of its heap passes a threshold that it
+adapts to the process's history, so whether a step's multi-MB buffers are page-faulted in
+(and zeroed by the kernel) again every step depends on what ran before: at --max-rows 20000,
+~1600 faults per step cost ours ~1 ms and FBGEMM ~800 faults. So that no engine pays this by
+chance, the script has glibc keep freed memory (mallopt) for every engine, and prints each
+engine's page faults per timed step; EMBCACHE_KEEP_FREED_MEMORY=0 leaves glibc's defaults.
+Example:
 
     python bench/embedding_step.py                      # dim 16, full Kaggle cardinalities
     python bench/embedding_step.py --dim 128 --max-rows 2000000
@@ -26,8 +34,10 @@ every engine; EMBCACHE_HUGE_PAGES=0 turns huge pages off for all of them. Exampl
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -35,6 +45,20 @@ import time
 HUGE_PAGES = os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0"
 if HUGE_PAGES:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory in the heap (no trimming; blocks below 32 MiB from the
+    heap, not mmap) instead of thresholds it adapts as it goes. False where that is not glibc."""
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:
+        return False
+    return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
+
+
+KEEP_FREED_MEMORY = os.environ.get("EMBCACHE_KEEP_FREED_MEMORY", "1") != "0" and keep_freed_memory()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -135,12 +159,16 @@ class FbgemmTBE:
 
 
 def run_steps(engine, batches, grad):
-    """Seconds per step over batches (inputs prepared beforehand, outside the clock)."""
+    """Seconds and minor page faults per step over batches (inputs prepared beforehand,
+    outside the clock)."""
     inputs = [engine.prepare(ids) for ids in batches]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for x in inputs:
         engine.step(x, grad)
-    return (time.perf_counter() - start) / len(inputs)
+    seconds = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return seconds / len(inputs), faults / len(inputs)
 
 
 def main():
@@ -170,10 +198,13 @@ def main():
             run_steps(engine, batches[k : min(k + args.steps, args.warmup)], grad)
     counted = {name: e.lookups_and_hits() for name, e in engines.items() if isinstance(e, Ours)}
     per_round = {name: [] for name in engines}
+    faults = {name: [] for name in engines}
     for r in tqdm(range(args.rounds), desc="timed rounds"):
         timed = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
         for name, engine in engines.items():
-            per_round[name].append(run_steps(engine, timed, grad))
+            sec, fault = run_steps(engine, timed, grad)
+            per_round[name].append(sec)
+            faults[name].append(fault)
     rows = {}
     for name, engine in engines.items():
         sec = statistics.median(per_round[name])
@@ -187,26 +218,30 @@ def main():
             "lookups_per_s": len(cards) * args.batch / sec,
             "memory_bytes": engine.memory(),
             "hit_rate": hit_rate,
+            "page_faults_per_step": statistics.mean(faults[name]),
         }
     ref = rows["FBGEMM TBE fp32 EXACT_SGD"]
     print(f"\n{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
           f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
           f"median of {args.rounds} rounds of {args.steps} steps, "
-          f"huge pages {'on' if HUGE_PAGES else 'off'} for every engine")
-    print(f"| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | memory vs FBGEMM | hit rate |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"huge pages {'on' if HUGE_PAGES else 'off'} and freed memory "
+          f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine")
+    print("| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | memory vs FBGEMM "
+          "| hit rate | page faults/step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         r["speed_vs_fbgemm"] = ref["ms_per_step"] / r["ms_per_step"]
         r["memory_vs_fbgemm"] = r["memory_bytes"] / ref["memory_bytes"]
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(f"| {name} | {r['ms_per_step']:.1f} | {r['lookups_per_s'] / 1e6:.2f} | "
               f"{r['memory_bytes'] / 2**20:.0f} | {r['speed_vs_fbgemm']:.2f}x | "
-              f"{r['memory_vs_fbgemm']:.3f}x | {hr} |")
+              f"{r['memory_vs_fbgemm']:.3f}x | {hr} | {r['page_faults_per_step']:.0f} |")
     ebag = rows["nn.EmbeddingBag + SGD"]["ms_per_step"]
     print(f"ours fp32 vs nn.EmbeddingBag: {ebag / rows['ours fp32, no cache']['ms_per_step']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "huge_pages": HUGE_PAGES, "results": rows}, f, indent=2)
+            json.dump({"args": vars(args), "huge_pages": HUGE_PAGES,
+                       "keep_freed_memory": KEEP_FREED_MEMORY, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <type_traits>
@@ -853,6 +854,28 @@ bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
   return m < 1e37;  // fp32 values, and fp32 qparams whose range max - min stays finite
 }
 
+/// With stochastic rounding of rows of at most 16 elements on a CPU with AVX-512F, the
+/// uniforms of each of `rows` (16 per row, in order: quantize_row's `drawn`), drawn four rows
+/// per Philox call (11.6 ns a row instead of 20.8 with SSE); else null, and each row draws
+/// its own when it is stored.
+std::unique_ptr<float[]> draw_row_uniforms(const RoundingStream& s,
+                                           const std::vector<int64_t>& rows, const RowFormat& f,
+                                           bool stochastic) {
+#if defined(EMBCACHE_AVX2)
+  if (stochastic && f.bits != 32 && f.dim <= 16 && has_avx512f()) {
+    const size_t n = rows.size();
+    std::unique_ptr<float[]> u(new float[16 * ((n + 3) / 4 * 4)]);
+    for (size_t r = 0; r < n; r += 4) {
+      int64_t four[4];  // the last four repeat the last row
+      for (size_t k = 0; k < 4; ++k) four[k] = rows[std::min(r + k, n - 1)];
+      stream_uniforms16_rows4(s, four, &u[16 * r]);
+    }
+    return u;
+  }
+#endif
+  return nullptr;
+}
+
 /// The slot that each updated row's new value goes to (or kToTable, or kDone once written).
 constexpr int64_t kToTable = -1, kDone = -2;
 
@@ -897,8 +920,8 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
   // (it could enter no way, whatever the other candidates of its set do); the others contend
   // for their sets in pass 2.
   const RoundingStream stream{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
-  auto store = [&](int64_t row, const float* x) {
-    quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes());
+  auto store = [&](int64_t row, const float* x, const float* drawn) {
+    quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes(), drawn);
   };
   std::vector<int32_t> row_prio(nu);
   std::vector<int64_t> dest(nu, kToTable);
@@ -964,10 +987,10 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
               const int64_t* r = std::lower_bound(rows, rows + nu, old);
               if (r != rows + nu && *r == old) {
                 value_of(r - rows, value.data(), scratch.data());
-                store(old, value.data());
+                store(old, value.data(), nullptr);
                 dest[r - rows] = kDone;
               } else {
-                store(old, cache.rows + slot * dim);
+                store(old, cache.rows + slot * dim, nullptr);
               }
               ++n_evict;
             }
@@ -998,6 +1021,11 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
   };
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     std::vector<float> value(dim), scratch(dim);
+    std::vector<int64_t> table_rows;  // the rows of [u0, u1) bound for the table
+    for (int64_t u = u0; u < u1; ++u)
+      if (dest[u] == kToTable) table_rows.push_back(rows[u]);
+    const std::unique_ptr<float[]> drawn = draw_row_uniforms(stream, table_rows, f, stochastic);
+    int64_t next = 0;  // table_rows[next] is the next row bound for the table
     for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_row(u);
     for (int64_t u = u0; u < u1; ++u) {
       if (u + kPrefetch < u1) prefetch_row(u + kPrefetch);
@@ -1005,7 +1033,8 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
         value_of(u, cache.rows + dest[u] * dim, scratch.data());
       } else if (dest[u] == kToTable) {
         value_of(u, value.data(), scratch.data());
-        store(rows[u], value.data());
+        store(rows[u], value.data(), drawn ? &drawn[16 * next] : nullptr);
+        ++next;
       }
     }
   });

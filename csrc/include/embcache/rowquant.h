@@ -249,6 +249,73 @@ inline bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2");
   return yes;
 }
+
+#define EMBCACHE_TARGET_AVX512 __attribute__((target("avx512f")))
+
+// GCC 12's AVX-512 intrinsics start some results from _mm512_undefined_*(), which its
+// -Wuninitialized then reports in our code (GCC bug 105593, fixed in 12.3).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+/// stream_uniforms16 of chunk 0 of four rows at once (u[16 * r .. 16 * r + 16) for rows[r]):
+/// sixteen Philox blocks, lanes 4r .. 4r + 3 the four blocks of rows[r]. Only for CPUs with
+/// AVX-512F (has_avx512f()).
+EMBCACHE_TARGET_AVX512 inline void stream_uniforms16_rows4(const RoundingStream& s,
+                                                           const int64_t* rows, float* u) {
+  const int r0 = (int)rows[0], r1 = (int)rows[1], r2 = (int)rows[2], r3 = (int)rows[3];
+  __m512i x0 = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3),
+          x1 = _mm512_setr_epi32(r0, r0, r0, r0, r1, r1, r1, r1, r2, r2, r2, r2, r3, r3, r3, r3),
+          x2 = _mm512_set1_epi32((int)s.step), x3 = _mm512_set1_epi32((int)s.table);
+  const __m512i m0 = _mm512_set1_epi32((int)0xD2511F53u), m1 = _mm512_set1_epi32((int)0xCD9E8D57u);
+  __m512i k0 = _mm512_set1_epi32((int)(uint32_t)s.seed),
+          k1 = _mm512_set1_epi32((int)(uint32_t)(s.seed >> 32));
+  const __m512i w0 = _mm512_set1_epi32((int)0x9E3779B9u), w1 = _mm512_set1_epi32((int)0xBB67AE85u);
+  // The 64-bit products of the even lanes and of the odd lanes (shifted down), split into
+  // their high and low words back in lane order, one permute each.
+  const __m512i hi = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  const __m512i lo = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 = _mm512_add_epi32(k0, w0);
+      k1 = _mm512_add_epi32(k1, w1);
+    }
+    const __m512i e0 = _mm512_mul_epu32(x0, m0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(x0, 32), m0);
+    const __m512i e1 = _mm512_mul_epu32(x2, m1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(x2, 32), m1);
+    x0 = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi32(e1, hi, o1), x1, k0, 0x96);  // a^b^c
+    x2 = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi32(e0, hi, o0), x3, k1, 0x96);
+    x1 = _mm512_permutex2var_epi32(e1, lo, o1);
+    x3 = _mm512_permutex2var_epi32(e0, lo, o0);
+  }
+  const __m512 scale = _mm512_set1_ps(5.9604644775390625e-8f);  // word_uniform, 16 at a time
+  const __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x0, 8)), scale);
+  const __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x1, 8)), scale);
+  const __m512 v2 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x2, 8)), scale);
+  const __m512 v3 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x3, 8)), scale);
+  // 4x4 transposes in each 128-bit lane (lane r: b_j = the four words of block j of rows[r]),
+  // then a 4x4 transpose of the 128-bit lanes (row r's blocks 0-3 together)
+  const __m512 t0 = _mm512_unpacklo_ps(v0, v1), t1 = _mm512_unpackhi_ps(v0, v1);
+  const __m512 t2 = _mm512_unpacklo_ps(v2, v3), t3 = _mm512_unpackhi_ps(v2, v3);
+  const __m512 b0 = _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 b1 = _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512 b2 = _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 b3 = _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512 c0 = _mm512_shuffle_f32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0));  // b0 r0 r2, b1 r0 r2
+  const __m512 c1 = _mm512_shuffle_f32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1));  // b0 r1 r3, b1 r1 r3
+  const __m512 c2 = _mm512_shuffle_f32x4(b2, b3, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 c3 = _mm512_shuffle_f32x4(b2, b3, _MM_SHUFFLE(3, 1, 3, 1));
+  _mm512_storeu_ps(u, _mm512_shuffle_f32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0)));       // row 0
+  _mm512_storeu_ps(u + 16, _mm512_shuffle_f32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0)));  // row 1
+  _mm512_storeu_ps(u + 32, _mm512_shuffle_f32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1)));  // row 2
+  _mm512_storeu_ps(u + 48, _mm512_shuffle_f32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1)));  // row 3
+}
+#pragma GCC diagnostic pop
+
+/// Whether this CPU runs AVX-512F (asked once).
+inline bool has_avx512f() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
 #endif
 
 /// The uniforms of one row's elements, 16 (a chunk) at a time, in increasing chunks; drawn
@@ -267,6 +334,13 @@ struct RowUniforms {
   // A constructor leaves u uninitialized (brace-initializing the aggregate would zero it,
   // which cost ~10 ns per row, half of quantizing a dim-16 row to int8)
   EMBCACHE_HD RowUniforms(const RoundingStream& s, int64_t r, int d) : stream(s), row(r), dim(d) {}
+
+  /// Takes chunk 0's uniforms as already drawn (u0[0..16)).
+  EMBCACHE_HD void set_first_chunk(const float* u0) {
+    for (int i = 0; i < 16; ++i) u[i] = u0[i];
+    first = 0;
+    count = 1;
+  }
 
   EMBCACHE_HD const float* chunk(int64_t c) {
     if (c < first || c >= first + count) {
@@ -482,14 +556,17 @@ EMBCACHE_HD int round_code(float y, bool stochastic, float u, int q_max) {
 }
 
 /// Store the float32 row x into `row` in format f, rounding as asked. Requires
-/// row_is_storable(f, x, stochastic). `row_id` and `stream` key the stochastic rounding (SPEC §3).
+/// row_is_storable(f, x, stochastic). `row_id` and `stream` key the stochastic rounding (SPEC §3);
+/// `drawn`, if given, holds the row's first 16 uniforms, already drawn from them.
 EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochastic,
-                              const RoundingStream& stream, int64_t row_id, uint8_t* row) {
+                              const RoundingStream& stream, int64_t row_id, uint8_t* row,
+                              const float* drawn = nullptr) {
   if (f.bits == 32) {
     for (int j = 0; j < f.dim; ++j) store_f32(row + 4 * j, x[j]);
     return;
   }
   RowUniforms uniforms{stream, row_id, f.dim};
+  if (drawn) uniforms.set_first_chunk(drawn);
   const float* u = nullptr;  // with stochastic rounding, the uniforms of elements j0 .. j0 + 15
   if (f.bits == 16) {
     for (int j = 0; j < f.dim; ++j) {

@@ -17,7 +17,9 @@
 // Host builds with SSE4.1 run the four Philox blocks of stream_uniforms16 in one SIMD
 // register per state word, and an integer row's min/max and int8 rounding four elements at
 // a time; on CPUs with AVX2 (checked at run time; GCC and Clang), rows of 32 elements or
-// more draw eight Philox blocks at a time (stream_uniforms32). CUDA, the warp emulator
+// more draw eight Philox blocks at a time (stream_uniforms32), and on CPUs with AVX-512F the
+// CPU update draws rows of at most 16 elements four rows at a time (stream_uniforms16_rows4,
+// passed to quantize_row as `drawn`). CUDA, the warp emulator
 // (built with EMBCACHE_PORTABLE, so that the tests compare the two) and other hosts run the
 // portable loops. Same bytes either way.
 #if defined(__SSE4_1__) && !defined(__CUDACC__) && !defined(EMBCACHE_PORTABLE)

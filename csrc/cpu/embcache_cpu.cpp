@@ -854,7 +854,7 @@ bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
   return m < 1e37;  // fp32 values, and fp32 qparams whose range max - min stays finite
 }
 
-/// With stochastic rounding of rows of at most 16 elements on a CPU with AVX-512F, the
+/// With stochastic rounding of rows of at most 16 elements on a CPU with fast AVX-512, the
 /// uniforms of each of `rows` (16 per row, in order: quantize_row's `drawn`), drawn four rows
 /// per Philox call (11.6 ns a row instead of 20.8 with SSE); else null, and each row draws
 /// its own when it is stored.
@@ -862,7 +862,7 @@ std::unique_ptr<float[]> draw_row_uniforms(const RoundingStream& s,
                                            const std::vector<int64_t>& rows, const RowFormat& f,
                                            bool stochastic) {
 #if defined(EMBCACHE_AVX2)
-  if (stochastic && f.bits != 32 && f.dim <= 16 && has_avx512f()) {
+  if (stochastic && f.bits != 32 && f.dim <= 16 && has_fast_avx512()) {
     const size_t n = rows.size();
     std::unique_ptr<float[]> u(new float[16 * ((n + 3) / 4 * 4)]);
     for (size_t r = 0; r < n; r += 4) {

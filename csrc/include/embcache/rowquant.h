@@ -17,9 +17,9 @@
 // Host builds with SSE4.1 run the four Philox blocks of stream_uniforms16 in one SIMD
 // register per state word, and an integer row's min/max and int8 rounding four elements at
 // a time; on CPUs with AVX2 (checked at run time; GCC and Clang), rows of 32 elements or
-// more draw eight Philox blocks at a time (stream_uniforms32), and on CPUs with AVX-512F the
-// CPU update draws rows of at most 16 elements four rows at a time (stream_uniforms16_rows4,
-// passed to quantize_row as `drawn`). CUDA, the warp emulator
+// more draw eight Philox blocks at a time (stream_uniforms32), and on CPUs with fast AVX-512
+// (has_fast_avx512) the CPU update draws rows of at most 16 elements four rows at a time
+// (stream_uniforms16_rows4, passed to quantize_row as `drawn`). CUDA, the warp emulator
 // (built with EMBCACHE_PORTABLE, so that the tests compare the two) and other hosts run the
 // portable loops. Same bytes either way.
 #if defined(__SSE4_1__) && !defined(__CUDACC__) && !defined(EMBCACHE_PORTABLE)
@@ -262,7 +262,7 @@ inline bool has_avx2() {
 
 /// stream_uniforms16 of chunk 0 of four rows at once (u[16 * r .. 16 * r + 16) for rows[r]):
 /// sixteen Philox blocks, lanes 4r .. 4r + 3 the four blocks of rows[r]. Only for CPUs with
-/// AVX-512F (has_avx512f()).
+/// AVX-512F (called where has_fast_avx512()).
 EMBCACHE_TARGET_AVX512 inline void stream_uniforms16_rows4(const RoundingStream& s,
                                                            const int64_t* rows, float* u) {
   const int r0 = (int)rows[0], r1 = (int)rows[1], r2 = (int)rows[2], r3 = (int)rows[3];
@@ -313,9 +313,13 @@ EMBCACHE_TARGET_AVX512 inline void stream_uniforms16_rows4(const RoundingStream&
 }
 #pragma GCC diagnostic pop
 
-/// Whether this CPU runs AVX-512F (asked once).
-inline bool has_avx512f() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
+/// Whether this CPU runs AVX-512F without lowering its clock for long after 512-bit
+/// multiplies (asked once). AVX512-VBMI2 is taken as the sign: Intel since Ice Lake and AMD
+/// since Zen 4 have it; Skylake-SP and Cascade Lake, whose cores slow down for milliseconds
+/// after such code, do not.
+inline bool has_fast_avx512() {
+  static const bool yes =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vbmi2");
   return yes;
 }
 #endif

@@ -502,3 +502,47 @@ def test_reference_mutation_is_caught():
         ref.uniforms = orig
     op = quantize(x, "int8", rounding="stochastic", seed=1, step=2)
     assert torch.equal(op, good) and not torch.equal(op, bad)
+
+
+# Trains small tables of several formats and dims for a few steps, flushes, and prints a
+# digest of every tensor of their state.
+_TRAIN_AND_DIGEST = """
+import hashlib, torch
+from embcache import CachedLowPrecisionEmbedding
+digest, gen = hashlib.sha256(), torch.Generator().manual_seed(0)
+for precision, dim in (("int8", 16), ("fp16", 12), ("int8", 40), ("int4", 72)):
+    m = CachedLowPrecisionEmbedding(3000, dim, precision=precision, rounding="stochastic",
+                                    cache_ratio=0.05, associativity=8, policy="lfu", lr=0.5,
+                                    seed=7, min_rows_for_low_precision=0)
+    for _ in range(4):
+        out = m(torch.randint(0, 3000, (256,), generator=gen), torch.arange(0, 256, 2))
+        out.backward(torch.randn(out.shape, generator=gen))
+        m.step()
+    m.flush()
+    for _, v in sorted(m.state_dict().items()):
+        if isinstance(v, torch.Tensor):
+            digest.update(v.contiguous().view(torch.uint8).numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def _trained_digest(simd):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "EMBCACHE_SIMD"}
+    if simd:
+        env["EMBCACHE_SIMD"] = simd
+    done = subprocess.run([sys.executable, "-c", _TRAIN_AND_DIGEST], env=env, capture_output=True,
+                          text=True, check=True)
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("simd", ["sse", "avx2"])
+def test_every_simd_path_stores_the_same_bytes(simd):
+    """The update draws stochastic rounding's uniforms with SSE, AVX2 (two chunks or two rows
+    per call) or AVX-512 (four rows per call), as the CPU allows; EMBCACHE_SIMD caps the
+    choice, so on a machine that has them all each narrower path must give the bytes of the
+    widest."""
+    assert _trained_digest(simd) == _trained_digest(None)

@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 // Host builds with SSE4.1 run the four Philox blocks of stream_uniforms16 in one SIMD
@@ -204,16 +205,17 @@ EMBCACHE_TARGET_AVX2 inline __m256i mul_hi_lo8(__m256i a, __m256i m, __m256i* lo
   return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
-/// stream_uniforms16 of chunks `chunk` and `chunk + 1` at once (u[0..32)): the eight Philox
-/// blocks 4 * chunk .. 4 * chunk + 7 side by side, one per lane, in the same rounds. Only
-/// for CPUs with AVX2 (has_avx2()).
-EMBCACHE_TARGET_AVX2 inline void stream_uniforms32(const RoundingStream& s, int64_t row,
-                                                   int64_t chunk, float* u) {
+/// stream_uniforms16 of two chunks at once: chunk_a of row_a into u[0..16), chunk_b of row_b
+/// into u[16..32); the eight Philox blocks side by side, one per lane, in the same rounds.
+/// Only for CPUs with AVX2 (has_avx2()).
+EMBCACHE_TARGET_AVX2 inline void stream_uniforms32(const RoundingStream& s, int64_t row_a,
+                                                   int64_t chunk_a, int64_t row_b,
+                                                   int64_t chunk_b, float* u) {
   uint32_t k0 = (uint32_t)s.seed, k1 = (uint32_t)(s.seed >> 32);
-  const int c = (int)(4 * chunk);
-  __m256i x0 = _mm256_setr_epi32(c, c + 1, c + 2, c + 3, c + 4, c + 5, c + 6, c + 7),
-          x1 = _mm256_set1_epi32((int)row), x2 = _mm256_set1_epi32((int)s.step),
-          x3 = _mm256_set1_epi32((int)s.table);
+  const int a = (int)(4 * chunk_a), b = (int)(4 * chunk_b), ra = (int)row_a, rb = (int)row_b;
+  __m256i x0 = _mm256_setr_epi32(a, a + 1, a + 2, a + 3, b, b + 1, b + 2, b + 3),
+          x1 = _mm256_setr_epi32(ra, ra, ra, ra, rb, rb, rb, rb),
+          x2 = _mm256_set1_epi32((int)s.step), x3 = _mm256_set1_epi32((int)s.table);
   const __m256i m0 = _mm256_set1_epi32((int)0xD2511F53u), m1 = _mm256_set1_epi32((int)0xCD9E8D57u);
   for (int round = 0; round < 10; ++round) {
     if (round > 0) {
@@ -232,23 +234,34 @@ EMBCACHE_TARGET_AVX2 inline void stream_uniforms32(const RoundingStream& s, int6
   const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x1, 8)), scale);
   const __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x2, 8)), scale);
   const __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x3, 8)), scale);
-  // 4x4 transposes in each 128-bit half: b_k = the four words of block k (low half) and of
-  // block k + 4 (high half)
+  // 4x4 transposes in each 128-bit half: b_k = the four words of block k of chunk a (low
+  // half) and of chunk b (high half)
   const __m256 t0 = _mm256_unpacklo_ps(w0, w1), t1 = _mm256_unpackhi_ps(w0, w1);
   const __m256 t2 = _mm256_unpacklo_ps(w2, w3), t3 = _mm256_unpackhi_ps(w2, w3);
   const __m256 b0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
   const __m256 b1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
   const __m256 b2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
   const __m256 b3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  _mm256_storeu_ps(u, _mm256_permute2f128_ps(b0, b1, 0x20));       // blocks 0, 1
-  _mm256_storeu_ps(u + 8, _mm256_permute2f128_ps(b2, b3, 0x20));   // blocks 2, 3
-  _mm256_storeu_ps(u + 16, _mm256_permute2f128_ps(b0, b1, 0x31));  // blocks 4, 5
-  _mm256_storeu_ps(u + 24, _mm256_permute2f128_ps(b2, b3, 0x31));  // blocks 6, 7
+  _mm256_storeu_ps(u, _mm256_permute2f128_ps(b0, b1, 0x20));       // chunk a, blocks 0, 1
+  _mm256_storeu_ps(u + 8, _mm256_permute2f128_ps(b2, b3, 0x20));   // chunk a, blocks 2, 3
+  _mm256_storeu_ps(u + 16, _mm256_permute2f128_ps(b0, b1, 0x31));  // chunk b, blocks 0, 1
+  _mm256_storeu_ps(u + 24, _mm256_permute2f128_ps(b2, b3, 0x31));  // chunk b, blocks 2, 3
+}
+
+/// The widest SIMD the CPU paths may use, asked once: EMBCACHE_SIMD=sse (SSE4.1 only) or
+/// avx2 caps it, so that tests can compare every path's bytes on one machine; otherwise
+/// whatever the CPU has. 1 = SSE4.1, 2 = AVX2, 3 = AVX-512.
+inline int simd_cap() {
+  static const int cap = [] {
+    const char* v = getenv("EMBCACHE_SIMD");
+    return !v ? 3 : strcmp(v, "sse") == 0 ? 1 : strcmp(v, "avx2") == 0 ? 2 : 3;
+  }();
+  return cap;
 }
 
 /// Whether this CPU runs AVX2 (asked once).
 inline bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
+  static const bool yes = simd_cap() >= 2 && __builtin_cpu_supports("avx2");
   return yes;
 }
 
@@ -318,8 +331,8 @@ EMBCACHE_TARGET_AVX512 inline void stream_uniforms16_rows4(const RoundingStream&
 /// since Zen 4 have it; Skylake-SP and Cascade Lake, whose cores slow down for milliseconds
 /// after such code, do not.
 inline bool has_fast_avx512() {
-  static const bool yes =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vbmi2");
+  static const bool yes = simd_cap() >= 3 && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512vbmi2");
   return yes;
 }
 #endif
@@ -353,7 +366,7 @@ struct RowUniforms {
       first = c;
 #if defined(EMBCACHE_AVX2)
       if (16 * (c + 1) < dim && has_avx2()) {
-        stream_uniforms32(stream, row, c, u);
+        stream_uniforms32(stream, row, c, row, c + 1, u);
         count = 2;
         return u;
       }

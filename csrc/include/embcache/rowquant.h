@@ -18,9 +18,10 @@
 // Host builds with SSE4.1 run the four Philox blocks of stream_uniforms16 in one SIMD
 // register per state word, and an integer row's min/max and int8 rounding four elements at
 // a time; on CPUs with AVX2 (checked at run time; GCC and Clang), rows of 32 elements or
-// more draw eight Philox blocks at a time (stream_uniforms32), and on CPUs with fast AVX-512
-// (has_fast_avx512) the CPU update draws rows of at most 16 elements four rows at a time
-// (stream_uniforms16_rows4, passed to quantize_row as `drawn`). CUDA, the warp emulator
+// more draw eight Philox blocks at a time (stream_uniforms32), and the CPU update draws rows
+// of at most 16 elements two rows at a time with AVX2 (stream_uniforms32) or four with fast
+// AVX-512 (has_fast_avx512, stream_uniforms16_rows4), passed to quantize_row as `drawn`.
+// EMBCACHE_SIMD=sse|avx2 caps these choices (simd_cap). CUDA, the warp emulator
 // (built with EMBCACHE_PORTABLE, so that the tests compare the two) and other hosts run the
 // portable loops. Same bytes either way.
 #if defined(__SSE4_1__) && !defined(__CUDACC__) && !defined(EMBCACHE_PORTABLE)

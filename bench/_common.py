@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,10 +111,27 @@ def parser(doc: str) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def write_atomic(path, write) -> None:
+    """write(tmp) fills a temporary file beside ``path``, which then replaces ``path``: an
+    interrupted run leaves the old file or none, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path, text: str) -> None:
+    """``Path.write_text``, atomically (see write_atomic)."""
+    write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
 def save_figure(fig, path) -> None:
-    """Lay out, write (PNG, 120 dpi) and close a matplotlib figure."""
+    """Lay out, write (PNG, 120 dpi, atomically) and close a matplotlib figure."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)

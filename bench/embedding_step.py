@@ -65,6 +65,7 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import embcache  # noqa: E402
+from _common import write_text  # noqa: E402
 
 KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
           27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
@@ -239,9 +240,9 @@ def main():
     ebag = rows["nn.EmbeddingBag + SGD"]["ms_per_step"]
     print(f"ours fp32 vs nn.EmbeddingBag: {ebag / rows['ours fp32, no cache']['ms_per_step']:.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "huge_pages": HUGE_PAGES,
-                       "keep_freed_memory": KEEP_FREED_MEMORY, "results": rows}, f, indent=2)
+        write_text(args.json, json.dumps({"args": vars(args), "huge_pages": HUGE_PAGES,
+                                          "keep_freed_memory": KEEP_FREED_MEMORY, "results": rows},
+                                         indent=2))
 
 
 if __name__ == "__main__":

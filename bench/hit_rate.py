@@ -34,7 +34,8 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from _common import add_source_args, cached_tables, load_source, markdown_table, parser, save_figure, small_tables_note
+from _common import (add_source_args, cached_tables, load_source, markdown_table, parser, save_figure,
+                     small_tables_note, write_text)
 from embcache import TableConfig  # also registers torch.ops.embcache
 
 COUNTERS = ("lookups", "hits", "unique_rows", "unique_hits", "insertions", "evictions", "bypasses")
@@ -230,12 +231,12 @@ def main(argv=None) -> dict:
     print(rate_line)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hit_rate.md").write_text(md + "\n" + rate_line + "\n")
+    write_text(args.out / "hit_rate.md", md + "\n" + rate_line + "\n")
     result = {"data": source.description, "batch_size": args.batch_size, "steps": steps,
               "shuffled": shuffle, "seed": args.seed, "min_rows": args.min_rows,
               "left_out": [source.names[t] for t in small], "rate": rate,
               "records": df.to_dict(orient="records")}
-    (args.out / "hit_rate.json").write_text(json.dumps(result, indent=1))
+    write_text(args.out / "hit_rate.json", json.dumps(result, indent=1))
     plot(df, args.out / "hit_rate.png")
     print(f"wrote {args.out}/hit_rate.md, hit_rate.json, hit_rate.png")
     return result

@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from _common import add_source_args, cached_tables, load_source, markdown_table, parser, save_figure, small_tables_note
+from _common import (add_source_args, cached_tables, load_source, markdown_table, parser, save_figure,
+                     small_tables_note, write_text)
 
 CURVE_POINTS = 400  # log-spaced points per curve in skew.json / skew.png
 
@@ -101,12 +102,12 @@ def main(argv=None) -> dict:
     print(md)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "skew.md").write_text(md)
+    write_text(args.out / "skew.md", md)
     result = {"data": source.description, "min_rows": args.min_rows,
               "left_out": [source.names[t] for t in small],
               "tables": df.reset_index().to_dict(orient="records"),
               "curves": {name: {"fraction": x.tolist(), "share": y.tolist()} for name, (x, y) in curves.items()}}
-    (args.out / "skew.json").write_text(json.dumps(result, indent=1))
+    write_text(args.out / "skew.json", json.dumps(result, indent=1))
     plot(curves, args.out / "skew.png")
     print(f"wrote {args.out}/skew.md, skew.json, skew.png")
     return result

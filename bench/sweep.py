@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from _common import markdown_table, parser, save_figure
+from _common import markdown_table, parser, save_figure, write_atomic, write_text
 from dlrm.train import RunConfig, resolve_data, train
 from embcache import TableConfig, compression_factor
 
@@ -294,9 +294,9 @@ def plot_figure2(rows: pd.DataFrame, path: Path) -> None:
 
 def write_outputs(out: Path, base: dict) -> pd.DataFrame:
     rows = read_rows(out)
-    rows.to_csv(out / "runs.csv", index=False)
+    write_atomic(out / "runs.csv", lambda tmp: rows.to_csv(tmp, index=False))
     if len(rows):
-        (out / "sweep.md").write_text(render(rows, base))
+        write_text(out / "sweep.md", render(rows, base))
         plot_figure7(rows, out / "figure7.png")
         plot_figure2(rows, out / "figure2.png")
     return rows
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     if settings.exists() and json.loads(settings.read_text()) != base:
         p.error(f"{args.out} is a sweep with other shared settings ({settings.read_text().strip()}); "
                 f"use another --out")
-    settings.write_text(json.dumps(base))
+    write_text(settings, json.dumps(base))
 
     runs = grid(args.precision, args.rounding, args.cache, args.policy, args.ways, args.seeds)
     done = set(read_rows(args.out).name)

@@ -19,6 +19,7 @@ import torch
 
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
+from _common import write_text  # noqa: E402
 from dlrm.data.synthetic import SyntheticCriteo  # noqa: E402
 from dlrm.train import RunConfig, build_model, build_trainer  # noqa: E402
 
@@ -62,8 +63,8 @@ def main():
         print(f"| {name} | {sps:,.0f} |")
     print(f"ratio (ours / TorchRec): {ratio:.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "samples_per_second": results, "ratio": ratio}, f, indent=2)
+        write_text(args.json, json.dumps({"args": vars(args), "samples_per_second": results, "ratio": ratio},
+                                         indent=2))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dlrm.train import RunConfig, train
 from embcache import CachedLowPrecisionEmbeddingBagCollection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import _common  # noqa: E402
 import hit_rate  # noqa: E402
 import skew  # noqa: E402
 
@@ -92,3 +93,19 @@ def test_trace_input_and_skew_shares(tmp_path):
     direct, _ = hit_rate.replay(torch.from_numpy(hot), 1000, 100, 0.1, "lfu", 4)
     assert record["table"] == "t_0" and record["hits"] == direct["hits"] > 0
     assert result["left_out"] == ["t_1"]
+
+
+def test_outputs_are_replaced_whole(tmp_path):
+    """A write interrupted half-way leaves the old file and no temporary one."""
+    path = tmp_path / "out.json"
+    path.write_text("old")
+
+    def interrupted(tmp):
+        tmp.write_text("ha")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _common.write_atomic(path, interrupted)
+    assert path.read_text() == "old" and list(tmp_path.iterdir()) == [path]
+    _common.write_text(path, "new")
+    assert path.read_text() == "new" and list(tmp_path.iterdir()) == [path]

@@ -854,30 +854,33 @@ bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
   return m < 1e37;  // fp32 values, and fp32 qparams whose range max - min stays finite
 }
 
-/// With stochastic rounding of rows of at most 16 elements on a CPU with AVX2 or fast AVX-512,
-/// the uniforms of each of `rows` (16 per row, in order: quantize_row's `drawn`), drawn two
-/// or four rows per Philox call (13.9 or 11.6 ns a row instead of 20.8 with SSE); else null,
-/// and each row draws its own when it is stored.
-std::unique_ptr<float[]> draw_row_uniforms(const RoundingStream& s,
-                                           const std::vector<int64_t>& rows, const RowFormat& f,
-                                           bool stochastic) {
+/// How many rows one Philox call draws the uniforms of when an update stores rows of format
+/// f into the table: with stochastic rounding of rows of at most 16 elements, 4 on CPUs with
+/// fast AVX-512 and 2 with AVX2; 0 where each row draws its own as it is stored.
+int rows_per_draw(const RowFormat& f, bool stochastic) {
 #if defined(EMBCACHE_AVX2)
-  const size_t per_call = has_fast_avx512() ? 4 : has_avx2() ? 2 : 0;
-  if (stochastic && f.bits != 32 && f.dim <= 16 && per_call > 0) {
-    const size_t n = rows.size();
-    std::unique_ptr<float[]> u(new float[16 * ((n + 3) / 4 * 4)]);
-    for (size_t r = 0; r < n; r += per_call) {
-      int64_t four[4];  // past the end, the last row again
-      for (size_t k = 0; k < 4; ++k) four[k] = rows[std::min(r + k, n - 1)];
-      if (per_call == 4)
-        stream_uniforms16_rows4(s, four, &u[16 * r]);
-      else
-        stream_uniforms32(s, four[0], 0, four[1], 0, &u[16 * r]);
-    }
-    return u;
-  }
+  if (stochastic && f.bits != 32 && f.dim <= 16) return has_fast_avx512() ? 4 : has_avx2() ? 2 : 0;
 #endif
-  return nullptr;
+  return 0;
+}
+
+/// The uniforms of each of `rows` (16 per row, in order: quantize_row's `drawn`), per_draw
+/// = rows_per_draw(...) > 0 rows per Philox call (13.9 or 11.6 ns a row instead of 20.8 with SSE).
+std::unique_ptr<float[]> draw_row_uniforms(const RoundingStream& s,
+                                           const std::vector<int64_t>& rows, int per_draw) {
+  const size_t n = rows.size();
+  std::unique_ptr<float[]> u(new float[16 * (n + 3)]);  // and room for the last call's extras
+  for (size_t r = 0; r < n; r += per_draw) {
+    int64_t group[4];  // past the end, the last row again
+    for (int k = 0; k < per_draw; ++k) group[k] = rows[std::min(r + k, n - 1)];
+#if defined(EMBCACHE_AVX2)
+    if (per_draw == 4)
+      stream_uniforms16_rows4(s, group, &u[16 * r]);
+    else
+      stream_uniforms32(s, group[0], 0, group[1], 0, &u[16 * r]);
+#endif
+  }
+  return u;
 }
 
 /// The slot that each updated row's new value goes to (or kToTable, or kDone once written).
@@ -1023,13 +1026,17 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
     else if (dest[u] == kToTable)
       prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes(), true);
   };
+  const int per_draw = rows_per_draw(f, stochastic);
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     std::vector<float> value(dim), scratch(dim);
-    std::vector<int64_t> table_rows;  // the rows of [u0, u1) bound for the table
-    for (int64_t u = u0; u < u1; ++u)
-      if (dest[u] == kToTable) table_rows.push_back(rows[u]);
-    const std::unique_ptr<float[]> drawn = draw_row_uniforms(stream, table_rows, f, stochastic);
-    int64_t next = 0;  // table_rows[next] is the next row bound for the table
+    std::unique_ptr<float[]> drawn;  // the uniforms of the rows of [u0, u1) bound for the table
+    if (per_draw > 0) {
+      std::vector<int64_t> table_rows;
+      for (int64_t u = u0; u < u1; ++u)
+        if (dest[u] == kToTable) table_rows.push_back(rows[u]);
+      drawn = draw_row_uniforms(stream, table_rows, per_draw);
+    }
+    int64_t next = 0;  // rows of [u0, u) stored into the table
     for (int64_t u = u0; u < std::min(u1, u0 + kPrefetch); ++u) prefetch_row(u);
     for (int64_t u = u0; u < u1; ++u) {
       if (u + kPrefetch < u1) prefetch_row(u + kPrefetch);

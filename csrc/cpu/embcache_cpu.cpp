@@ -886,6 +886,12 @@ std::unique_ptr<float[]> draw_row_uniforms(const RoundingStream& s,
 /// The slot that each updated row's new value goes to (or kToTable, or kDone once written).
 constexpr int64_t kToTable = -1, kDone = -2;
 
+/// A resident that an update evicts: its row, its slot, and its index among the updated
+/// rows (-1 if it was not updated: its value is the one in its slot).
+struct Eviction {
+  int64_t row, slot, u;
+};
+
 /// [unique hits, unique misses, insertions, evictions, bypasses] of one table's update (the
 /// order of its counters kUniqueHits to kBypasses).
 using CommitCounts = std::array<int64_t, kFlushed - kUniqueHits>;
@@ -905,10 +911,11 @@ using CommitCounts = std::array<int64_t, kFlushed - kUniqueHits>;
 /// rise between flushes, so a bound stays a bound; the rule makes it exact whenever it runs
 /// on a set. Returns [unique hits, unique misses, insertions, evictions, bypasses].
 ///
-/// The work goes in three passes so that random memory is touched in a prefetchable order:
+/// The work goes in four passes so that random memory is touched in a prefetchable order:
 /// by row, counts and every destination but those of candidates that beat their set's floor;
-/// by set, the rule for those (a few percent of the rows once the cache is warm), with
-/// evicted residents written back; by row, the new values.
+/// by set, the rule for those (a few percent of the rows once the cache is warm); by evicted
+/// resident, its write-back (its slot and table row are cold lines: prefetched, they no
+/// longer stall the rule); by row, the new values.
 template <typename ValueOf, typename PrefetchSources>
 CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* floor,
                          int32_t* cnt, const float* fresh_state, const int64_t* slot_of,
@@ -969,12 +976,14 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
     prefetch_bytes(prio + set_of_group(gi) * ways, ways * sizeof(int32_t), true);
   };
   constexpr int64_t kGroupsAhead = 8;
-  std::atomic<int64_t> ins{0}, evict{0}, rule_bypass{0};
+  std::atomic<int64_t> ins{0}, rule_bypass{0};
+  std::vector<Eviction> evicted;
+  std::mutex evicted_mutex;
   at::parallel_for(0, ngroups, kGrainSets, [&](int64_t g0, int64_t g1) {
     std::vector<int64_t> cand;
     std::vector<int32_t> slot_prio(ways);
-    std::vector<float> value(dim), scratch(dim);
-    int64_t n_ins = 0, n_evict = 0, n_bypass = 0;
+    std::vector<Eviction> chunk_evicted;
+    int64_t n_ins = 0, n_bypass = 0;
     for (int64_t gi = g0; gi < std::min(g1, g0 + kGroupsAhead); ++gi) prefetch_set(gi);
     for (int64_t gi = g0; gi < g1; ++gi) {
       if (gi + kGroupsAhead < g1) prefetch_set(gi + kGroupsAhead);
@@ -989,17 +998,12 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
           [&](int64_t u, int64_t way) {  // u enters way, evicting its resident if any
             const int64_t slot = base + way, old = cache.tags[slot];
             if (old >= 0) {
-              // A resident updated in this step goes to the table with its new value,
-              // any other with the value in its slot; either before the slot is reused.
+              // A resident updated in this step goes to the table with its new value
+              // (then it is done), any other with the value in its slot.
               const int64_t* r = std::lower_bound(rows, rows + nu, old);
-              if (r != rows + nu && *r == old) {
-                value_of(r - rows, value.data(), scratch.data());
-                store(old, value.data(), nullptr);
-                dest[r - rows] = kDone;
-              } else {
-                store(old, cache.rows + slot * dim, nullptr);
-              }
-              ++n_evict;
+              const bool updated = r != rows + nu && *r == old;
+              chunk_evicted.push_back({old, slot, updated ? r - rows : -1});
+              if (updated) dest[r - rows] = kDone;
             }
             cache.tags[slot] = (int32_t)rows[u];
             prio[slot] = row_prio[u];
@@ -1013,11 +1017,44 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
       floor[set] = lowest;
     }
     ins += n_ins;
-    evict += n_evict;
     rule_bypass += n_bypass;
+    const std::lock_guard<std::mutex> lock(evicted_mutex);
+    evicted.insert(evicted.end(), chunk_evicted.begin(), chunk_evicted.end());
   });
 
-  // Pass 3, by row: every new value to its destination, sources and destinations
+  // Pass 3, by evicted resident: its value into the table, before pass 4 reuses its slot
+  // (the rows are distinct, so the order does not matter).
+  const int per_draw = rows_per_draw(f, stochastic);
+  auto prefetch_eviction = [&](const Eviction& e) {
+    if (e.u >= 0)
+      prefetch_sources(e.u);
+    else
+      prefetch_bytes(cache.rows + e.slot * dim, dim * sizeof(float));
+    prefetch_bytes(w + e.row * f.row_bytes(), f.row_bytes(), true);
+  };
+  const int64_t ne = (int64_t)evicted.size();
+  at::parallel_for(0, ne, kGrainRows, [&](int64_t e0, int64_t e1) {
+    std::vector<float> value(dim), scratch(dim);
+    std::unique_ptr<float[]> drawn;
+    if (per_draw > 0) {
+      std::vector<int64_t> table_rows;
+      for (int64_t e = e0; e < e1; ++e) table_rows.push_back(evicted[e].row);
+      drawn = draw_row_uniforms(stream, table_rows, per_draw);
+    }
+    for (int64_t e = e0; e < std::min(e1, e0 + kPrefetch); ++e) prefetch_eviction(evicted[e]);
+    for (int64_t e = e0; e < e1; ++e) {
+      if (e + kPrefetch < e1) prefetch_eviction(evicted[e + kPrefetch]);
+      const Eviction& ev = evicted[e];
+      const float* x = cache.rows + ev.slot * dim;
+      if (ev.u >= 0) {
+        value_of(ev.u, value.data(), scratch.data());
+        x = value.data();
+      }
+      store(ev.row, x, drawn ? &drawn[16 * (e - e0)] : nullptr);
+    }
+  });
+
+  // Pass 4, by row: every new value to its destination, sources and destinations
   // prefetched kPrefetch rows ahead.
   auto prefetch_row = [&](int64_t u) {
     prefetch_sources(u);
@@ -1026,7 +1063,6 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
     else if (dest[u] == kToTable)
       prefetch_bytes(w + rows[u] * f.row_bytes(), f.row_bytes(), true);
   };
-  const int per_draw = rows_per_draw(f, stochastic);
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     std::vector<float> value(dim), scratch(dim);
     std::unique_ptr<float[]> drawn;  // the uniforms of the rows of [u0, u1) bound for the table
@@ -1049,7 +1085,7 @@ CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t
       }
     }
   });
-  return {hits, nu - hits, ins.load(), evict.load(), bypass + rule_bypass.load()};
+  return {hits, nu - hits, ins.load(), ne, bypass + rule_bypass.load()};
 }
 
 struct CommitState {

@@ -64,6 +64,9 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 include_last_offset=True,
                 **options,
             )
+        # Fixed once built, like the layout: the per-step paths read these lists.
+        self._table_list = list(self.embedding_bags.values())
+        self._counters_list = [t._counters for t in self._table_list]
         self._layout = self._feature_layout()
         self._static_lookup_args = self._lookup_args()
         mean = self._static_lookup_args[-1]
@@ -78,7 +81,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         return False
 
     def tables(self) -> list[CachedLowPrecisionEmbedding]:
-        return list(self.embedding_bags.values())
+        return list(self._table_list)
 
     def _feature_layout(self) -> tuple[list[str], list[int], list[int]]:
         """Feature names in output order, the table of each, and each table's dim."""
@@ -134,18 +137,21 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             raise ValueError("variable batch size per feature is not supported")
         if features.values().dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {features.values().dtype}")
-        tables = self.tables()
-        state = [t._state_tensors() for t in tables]
+        tables = self._table_list
+        weights, tags, rows = [], [], []
+        for t in tables:
+            b = t._buffers  # read directly: nn.Module.__getattr__ is slow on a per-step path
+            weights.append(b["weights"])
+            tags.append(b["cache_tags"])
+            rows.append(b["cache_rows"])
         values = features.values().long().contiguous()
         psw = features.weights_or_none()
         psw = None if psw is None else psw.detach().float().contiguous()
         batch = features.stride()
-        counters = [t._counters for t in tables] if self.training else []
         try:
             pooled, offsets, slots, bounds = _ops.multi_lookup_forward(
-                [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
-                values, features.lengths(), psw, table_of,
-                *self._static_lookup_args, batch, counters,
+                weights, tags, rows, values, features.lengths(), psw, table_of,
+                *self._static_lookup_args, batch, self._counters_list if self.training else [],
             )
         except RuntimeError:
             self._check(features, names, table_of)  # raises the error that names the table
@@ -154,7 +160,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         if not self.training:
             anchor = anchor.detach()
         versions = [t._cache_version for t in tables]
-        pooled = _FusedLookup.apply(anchor, pooled, (self, values, offsets, psw, slots, versions, bounds))
+        lookup = (self, pooled, values, offsets, psw, slots, versions, bounds)
+        pooled = _FusedLookup.apply(anchor, lookup)
         return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
 
     # -------------------------------------------------------------- the sparse optimizer
@@ -173,23 +180,28 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         """Apply every table's stored gradient in one table-batched call, all or nothing:
         if any table refuses its update (non-finite or unstorable values), no table is
         changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
-        pending = [(t, t._pending_gradient()) for t in self.tables()]
-        pending = [(t, p) for t, p in pending if p is not None]
-        if not pending:
+        tables, rows, grads, occurrences, hints, bounds = [], [], [], [], [], []
+        for t in self._table_list:
+            p = t._pending_gradient()
+            if p is None:
+                continue
+            tables.append(t)
+            rows.append(p.rows)
+            grads.append(p.grads)
+            occurrences.append(p.occurrences)
+            # the forward's slots and value bound, while the cache is as that forward saw it
+            hinted = p.slots is not None and p.cache_version == t._cache_version
+            hints.append(p.slots if hinted else _NO_HINT)
+            bounds.append(p.value_bound if hinted else -1.0)
+        if not tables:
             return
-        tables = [t for t, _ in pending]
-        rows = [p.rows for _, p in pending]
-        grads = [p.grads for _, p in pending]
-        occurrences = [p.occurrences for _, p in pending]
-        # the forward's slots and value bound, while the cache is as that forward saw it
-        hinted = [p.slots is not None and p.cache_version == t._cache_version for t, p in pending]
-        hints = [p.slots if h else _NO_HINT for h, (_, p) in zip(hinted, pending)]
-        bounds = [p.value_bound if h else -1.0 for h, (_, p) in zip(hinted, pending)]
-        settings = (self._all_update_settings if len(tables) == len(self._configs)
+        every_table = len(tables) == len(self._table_list)
+        settings = (self._all_update_settings if every_table
                     else _columns(t._update_settings for t in tables))
         bad = _ops.multi_update(
             *_columns(t._state_tensors() for t in tables),
-            rows, grads, occurrences, hints, bounds, *settings, [t._counters for t in tables],
+            rows, grads, occurrences, hints, bounds, *settings,
+            self._counters_list if every_table else [t._counters for t in tables],
         )
         for t, b in zip(tables, bad):
             if b >= 0:
@@ -228,35 +240,42 @@ def _columns(rows) -> list[list]:
 
 
 class _FusedLookup(torch.autograd.Function):
-    """Passes the table-batched forward's output (``pooled``) through; backward deduplicates
-    every feature's gradient in one table-batched call and hands each to its table for
+    """Returns the table-batched forward's output (``pooled``) with this node as its
+    gradient function; backward deduplicates every feature's gradient in one table-batched
+    call and hands each to its table for
     :meth:`CachedLowPrecisionEmbeddingBagCollection.step`, with each row's cache slot as the
-    forward found it. ``lookup`` is what the forward saw: (collection, values, offsets,
-    per-sample weights or None, every lookup's slot, each table's cache version, each
-    feature's largest |value| read)."""
+    forward found it. ``lookup`` is what the forward made and saw: (collection, pooled,
+    values, offsets, per-sample weights or None, every lookup's slot, each table's cache
+    version, each feature's largest |value| read). The ids and weights may be the caller's
+    tensors, so they are saved (autograd refuses a backward after they change in place); the
+    rest are the forward's own and kept on ``ctx`` as they are."""
 
     @staticmethod
-    def forward(ctx, anchor, pooled, lookup):
-        collection, values, offsets, psw, slots, ctx.versions, ctx.bounds = lookup
-        ctx.collection, ctx.has_psw = collection, psw is not None
-        ctx.save_for_backward(values, offsets, slots, *(() if psw is None else (psw,)))
+    def forward(ctx, anchor, lookup):
+        ctx.collection, pooled, values, ctx.offsets, psw, ctx.slots, ctx.versions, ctx.bounds = (
+            lookup
+        )
+        ctx.save_for_backward(values, *(() if psw is None else (psw,)))
         return pooled
 
     @staticmethod
     def backward(ctx, grad):
-        values, offsets, slots, *psw = ctx.saved_tensors
         collection = ctx.collection
-        tables, (_, table_of, dims) = collection.tables(), collection._layout
         if ctx.needs_input_grad[0]:
+            _, table_of, dims = collection._layout
+            # The CUDA forward gives neither slots nor value bounds.
+            slots = ctx.slots if ctx.slots.numel() else None
+            values, *psw = ctx.saved_tensors
             flat = _ops.multi_dedup_backward(
-                values, offsets, psw[0] if ctx.has_psw else None, grad.float().contiguous(),
-                dims, collection._feature_means, grad.shape[0], slots if slots.numel() else None,
+                values, ctx.offsets, psw[0] if psw else None, grad.float().contiguous(),
+                dims, collection._feature_means, grad.shape[0], slots,
             )
-            bounds = ctx.bounds.tolist() or [-1.0] * len(table_of)  # none from the CUDA forward
+            bounds = ctx.bounds.tolist() or [-1.0] * len(table_of)
+            tables, versions, parts = collection._table_list, ctx.versions, iter(flat)
             for f, t in enumerate(table_of):
-                rows, grads, occ, row_slots = flat[4 * f : 4 * f + 4]
-                hint = row_slots if row_slots.numel() == rows.numel() else None
+                rows, grads, occ, row_slots = next(parts), next(parts), next(parts), next(parts)
+                hint = row_slots if slots is not None else None
                 tables[t]._pending.append(
-                    PendingGradient(rows, grads, occ, hint, ctx.versions[t], bounds[f])
+                    PendingGradient(rows, grads, occ, hint, versions[t], bounds[f])
                 )
-        return None, None, None
+        return None, None

@@ -157,6 +157,18 @@ def test_bad_ids_name_table_and_feature_and_change_nothing(bad):
     assert ours.stats() == stats
 
 
+
+def test_ids_changed_before_backward_are_refused_and_nothing_is_stored():
+    """The backward deduplicates the ids the forward read: if the caller's id tensor changed
+    in place in between, autograd refuses the backward and no table holds a gradient."""
+    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="int8", cache_ratio=0.05)
+    kjt = _kjt(torch.Generator().manual_seed(4), 8)
+    out = ours(kjt).values()
+    kjt.values()[0] += 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    assert ours.pending_grads() == []
+
 def test_evaluation_forward_changes_nothing():
     ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="int8", cache_ratio=0.05, policy="lfu")
     gen = torch.Generator().manual_seed(5)

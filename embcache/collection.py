@@ -138,19 +138,15 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         if features.values().dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {features.values().dtype}")
         tables = self._table_list
-        weights, tags, rows = [], [], []
-        for t in tables:
-            b = t._buffers  # read directly: nn.Module.__getattr__ is slow on a per-step path
-            weights.append(b["weights"])
-            tags.append(b["cache_tags"])
-            rows.append(b["cache_rows"])
+        state = [t._state_tensors() for t in tables]
         values = features.values().long().contiguous()
         psw = features.weights_or_none()
         psw = None if psw is None else psw.detach().float().contiguous()
         batch = features.stride()
         try:
             pooled, offsets, slots, bounds = _ops.multi_lookup_forward(
-                weights, tags, rows, values, features.lengths(), psw, table_of,
+                [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
+                values, features.lengths(), psw, table_of,
                 *self._static_lookup_args, batch, self._counters_list if self.training else [],
             )
         except RuntimeError:

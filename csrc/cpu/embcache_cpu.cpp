@@ -69,10 +69,12 @@ void check_table(const at::Tensor& weights, const RowFormat& f) {
               weights.sizes());
 }
 
-/// Asks for every cache line that [p, p + bytes) touches (for writing if `write`). A row
-/// need not start on a line: an int8 row of dim 16 is 24 bytes, and one in four spans two.
+/// Asks for every cache line that [p, p + bytes) touches (for writing if `write`; none if
+/// bytes is 0, e.g. SGD's empty optimizer state). A row need not start on a line: an int8
+/// row of dim 16 is 24 bytes, and one in four spans two.
 inline void prefetch_bytes(const void* p, int64_t bytes, bool write = false) {
   constexpr uintptr_t kLine = 64;
+  if (bytes <= 0) return;
   const uintptr_t first = (uintptr_t)p & ~(kLine - 1), end = (uintptr_t)p + bytes;
   for (uintptr_t line = first; line < end; line += kLine) {
     if (write)

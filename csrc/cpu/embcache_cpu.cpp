@@ -145,11 +145,13 @@ Cache make_cache(const at::Tensor& tags, const at::Tensor& rows, int64_t num_set
 }
 
 /// The first i in [0, n) where bad(i), or n. Inputs are almost always good, so the first
-/// pass only asks whether any is bad, without a branch per element (it vectorizes).
+/// pass only asks whether any is bad, without a branch per element. It vectorizes (GCC 12
+/// vectorizes the OR of unsigned lanes, not of bools; comparing int64 lanes needs SSE4.2):
+/// scalar, these checks cost ~0.1 ms of a 2.6 ms benchmark step.
 template <typename Bad>
 int64_t first_where(int64_t n, const Bad& bad) {
-  bool any = false;
-  for (int64_t i = 0; i < n; ++i) any |= bad(i);
+  unsigned any = 0;
+  for (int64_t i = 0; i < n; ++i) any |= (unsigned)bad(i);
   if (!any) return n;
   int64_t i = 0;
   while (!bad(i)) ++i;

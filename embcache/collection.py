@@ -1,7 +1,7 @@
 """A drop-in for TorchRec's ``EmbeddingBagCollection`` made of cached low-precision tables."""
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -12,6 +12,18 @@ from embcache.embedding import CachedLowPrecisionEmbedding, PendingGradient, _op
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _NO_HINT = torch.empty(0, dtype=torch.int64)
+
+
+class _StoredGradient(NamedTuple):
+    """One backward's gradient for every feature, as multi_dedup_backward made it (``flat``:
+    per feature its unique rows, their gradients, occurrences and cache slots), with what the
+    forward saw: each table's cache version, each feature's value bound, and whether the slots
+    are there (the CUDA forward gives none)."""
+
+    flat: list[torch.Tensor]
+    versions: list[int]
+    bounds: list[float]
+    hinted: bool
 
 
 class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
@@ -28,6 +40,10 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
     The update is sparse and fused: after ``loss.backward()`` call :meth:`step` (or
     :meth:`zero_grad` to skip). ``has_nonfinite_grad`` / ``unscale_grad_`` let a mixed-
     precision trainer make one overflow decision over dense and embedding gradients.
+
+    A backward's gradient is kept here as one record for all tables (handing 26 tables their
+    parts costs Python time every step); a table's own methods (``step``, ``zero_grad``,
+    ``pending_grads``, ...) first hand every table its part, so they see it as theirs.
     """
 
     def __init__(
@@ -73,6 +89,11 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         self._feature_means = [mean[t] for t in self._layout[1]]  # per feature, for backward
         # the update's per-table settings when every table has a gradient (the usual step)
         self._all_update_settings = _columns(t._update_settings for t in self.tables())
+        # the stored record can go to multi_update as it is: feature i reads table i
+        self._one_feature_per_table = self._layout[1] == list(range(len(tables)))
+        self._stored: list[_StoredGradient] = []  # gradients not yet handed to the tables
+        for t in self._table_list:
+            t._hand_over = self._hand_over
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -162,20 +183,64 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
     # -------------------------------------------------------------- the sparse optimizer
 
+    def _store(self, stored: _StoredGradient) -> None:
+        """Keeps a backward's gradient; one stored before it goes to the tables first."""
+        self._hand_over()
+        self._stored.append(stored)
+
+    def _hand_over(self) -> None:
+        """Hands each table its part of the stored gradient, as the last part it holds."""
+        if not self._stored:
+            return
+        stored = self._stored.pop()
+        tables, (_, table_of, _) = self._table_list, self._layout
+        parts = iter(stored.flat)
+        for f, t in enumerate(table_of):
+            rows, grads, occ, slots = next(parts), next(parts), next(parts), next(parts)
+            tables[t]._pending.append(PendingGradient(
+                rows, grads, occ, slots if stored.hinted else None, stored.versions[t],
+                stored.bounds[f],
+            ))
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Every stored gradient tensor: the tables' parts and the record kept here."""
+        grads = [p.grads for t in self._table_list for p in t._pending]
+        for stored in self._stored:
+            grads += stored.flat[1::4]
+        return grads
+
     def has_nonfinite_grad(self) -> bool:
-        return any(t.has_nonfinite_grad() for t in self.tables())
+        return any(not bool(torch.isfinite(g).all()) for g in self._grads())
 
     def pending_grads(self) -> list[torch.Tensor]:
-        return [g for t in self.tables() for g in t.pending_grads()]
+        return self._grads()
 
     def unscale_grad_(self, inv_scale: float) -> None:
-        for t in self.tables():
-            t.unscale_grad_(inv_scale)
+        grads = self._grads()
+        if grads:
+            torch._foreach_mul_(grads, inv_scale)  # each tensor as g.mul_(inv_scale) would
 
     def step(self) -> None:
         """Apply every table's stored gradient in one table-batched call, all or nothing:
         if any table refuses its update (non-finite or unstorable values), no table is
         changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
+        tables = self._table_list
+        if (
+            self._stored and self._one_feature_per_table
+            and not any(t._pending for t in tables)
+            and self._stored[0].versions == [t._cache_version for t in tables]
+        ):  # the usual step: one backward, the cache as its forward saw it
+            stored = self._stored[0]
+            flat = stored.flat
+            hints = flat[3::4] if stored.hinted else [_NO_HINT] * len(tables)
+            bad = _ops.multi_update(
+                *_columns(t._state_tensors() for t in tables),
+                flat[0::4], flat[1::4], flat[2::4], hints, stored.bounds,
+                *self._all_update_settings, self._counters_list,
+            )
+            self._finish(tables, bad)
+            return
+        self._hand_over()
         tables, rows, grads, occurrences, hints, bounds = [], [], [], [], [], []
         for t in self._table_list:
             p = t._pending_gradient()
@@ -199,13 +264,21 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             rows, grads, occurrences, hints, bounds, *settings,
             self._counters_list if every_table else [t._counters for t in tables],
         )
-        for t, b in zip(tables, bad):
-            if b >= 0:
+        self._finish(tables, bad)
+
+    def _finish(self, tables: list[CachedLowPrecisionEmbedding], bad: list[int]) -> None:
+        """After multi_update on ``tables``: raise for the first table that refused (nothing
+        was changed then), else the gradients are used and the caches may have changed."""
+        if max(bad) >= 0:
+            self._hand_over()  # the tables' parts name the row
+            for t, b in zip(tables, bad):
                 t._raise_if_bad(b)
+        self._stored.clear()
         for t in tables:
             t._finish_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._stored.clear()
         for t in self.tables():
             t.zero_grad()
 
@@ -238,7 +311,7 @@ def _columns(rows) -> list[list]:
 class _FusedLookup(torch.autograd.Function):
     """Returns the table-batched forward's output (``pooled``) with this node as its
     gradient function; backward deduplicates every feature's gradient in one table-batched
-    call and hands each to its table for
+    call and stores the result in the collection, one record for all tables, for
     :meth:`CachedLowPrecisionEmbeddingBagCollection.step`, with each row's cache slot as the
     forward found it. ``lookup`` is what the forward made and saw: (collection, pooled,
     values, offsets, per-sample weights or None, every lookup's slot, each table's cache
@@ -267,11 +340,5 @@ class _FusedLookup(torch.autograd.Function):
                 dims, collection._feature_means, grad.shape[0], slots,
             )
             bounds = ctx.bounds.tolist() or [-1.0] * len(table_of)
-            tables, versions, parts = collection._table_list, ctx.versions, iter(flat)
-            for f, t in enumerate(table_of):
-                rows, grads, occ, row_slots = next(parts), next(parts), next(parts), next(parts)
-                hint = row_slots if slots is not None else None
-                tables[t]._pending.append(
-                    PendingGradient(rows, grads, occ, hint, versions[t], bounds[f])
-                )
+            collection._store(_StoredGradient(flat, ctx.versions, bounds, slots is not None))
         return None, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -119,6 +119,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self._counters = torch.zeros(len(_STAT_NAMES), dtype=torch.int64)  # CPU, wherever the table is
         self._grad_anchor = torch.empty(0, requires_grad=True)
         self._pending: list[PendingGradient] = []
+        # Set by a collection that owns this table: it may keep the latest backward's gradient
+        # itself (one record for all its tables), and calling this hands every table its part.
+        self._hand_over: Optional[Callable[[], None]] = None
         self._cache_version = 0  # changes whenever the cache may have changed
 
     # ------------------------------------------------------------------ construction helpers
@@ -257,13 +260,19 @@ class CachedLowPrecisionEmbedding(nn.Module):
         rows, grads, occ = _ops.dedup_backward(
             indices, offsets, psw, grad_output.float().contiguous(), self.config.mode == "mean"
         )
-        self._pending.append(PendingGradient(rows, grads, occ))
+        self._parts().append(PendingGradient(rows, grads, occ))
 
     # ------------------------------------------------------------------ the update
 
+    def _parts(self) -> list[PendingGradient]:
+        """The stored gradient parts, oldest first, including any an owning collection held."""
+        if self._hand_over is not None:
+            self._hand_over()
+        return self._pending
+
     def _pending_gradient(self) -> Optional[PendingGradient]:
         """The stored gradient summed per unique row (rows ascending)."""
-        if not self._pending:
+        if not self._parts():
             return None
         if len(self._pending) == 1:
             return self._pending[0]
@@ -278,20 +287,20 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def has_nonfinite_grad(self) -> bool:
         """Whether the stored gradient holds an inf or NaN (the overflow check of SPEC §6)."""
-        return any(not bool(torch.isfinite(p.grads).all()) for p in self._pending)
+        return any(not bool(torch.isfinite(p.grads).all()) for p in self._parts())
 
     def pending_grads(self) -> list[torch.Tensor]:
         """The stored FP32 gradient tensors (rows of unique ids), for gradient statistics."""
-        return [p.grads for p in self._pending]
+        return [p.grads for p in self._parts()]
 
     def unscale_grad_(self, inv_scale: float) -> None:
         """Multiply the stored gradient by ``inv_scale`` (in FP32), e.g. ``1 / loss_scale``."""
-        for p in self._pending:
+        for p in self._parts():
             p.grads.mul_(inv_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the stored gradient (a skipped step)."""
-        self._pending = []
+        self._parts().clear()
 
     def step(self) -> None:
         """Apply the stored gradient (SPEC §4 step 3) and clear it.

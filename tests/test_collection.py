@@ -169,6 +169,36 @@ def test_ids_changed_before_backward_are_refused_and_nothing_is_stored():
         out.sum().backward()
     assert ours.pending_grads() == []
 
+def test_tables_see_the_gradient_their_collection_stored():
+    """The collection keeps a backward's gradient as one record; each table's own methods
+    see their part of it: one table's zero_grad skips that table alone, and the
+    collection's step still applies the others exactly as an unskipped step would."""
+    options = dict(precision="int8", cache_ratio=0.05, policy="lfu", lr=0.5)
+    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), **options)
+    twin = CachedLowPrecisionEmbeddingBagCollection(_tables(), **options)
+    gen = torch.Generator().manual_seed(6)
+    kjt = _kjt(gen, 32)
+    grad = torch.randn(32, 8 * len(CARDS), generator=gen)
+    for module in (ours, twin):
+        module(kjt).values().backward(grad)
+    skipped = ours.embedding_bags["t1"]
+    (part,) = skipped.pending_grads()
+    assert torch.equal(part, twin.pending_grads()[1])
+    before = {k: v.clone() for k, v in skipped.state_dict().items() if isinstance(v, torch.Tensor)}
+    skipped.zero_grad()
+    assert skipped.pending_grads() == [] and len(ours.pending_grads()) == len(CARDS) - 1
+    ours.step()
+    twin.step()
+    assert ours.pending_grads() == []
+    a, b = _state(ours), _state(twin)
+    for key in a:
+        if key.startswith("embedding_bags.t1."):
+            assert torch.equal(a[key], before[key.removeprefix("embedding_bags.t1.")]), key
+        else:
+            assert torch.equal(a[key], b[key]), key
+    assert skipped.stats()["steps"] == 0 and twin.embedding_bags["t1"].stats()["steps"] == 1
+
+
 def test_evaluation_forward_changes_nothing():
     ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="int8", cache_ratio=0.05, policy="lfu")
     gen = torch.Generator().manual_seed(5)

@@ -42,6 +42,36 @@ inline void count_commit(int64_t* counter, int64_t unique_rows, const int64_t* c
   for (int64_t i = 0; i < kFlushed - kUniqueHits; ++i) counter[kUniqueHits + i] += commit_counts[i];
 }
 
+/// A table-batched gradient (multi_dedup_backward's output, multi_update's input), checked:
+/// table t's unique rows are unique_rows[row_starts[t] .. row_starts[t + 1]), with their
+/// occurrences (and slot hints, unless slot_hints is empty) at the same positions, and their
+/// gradients a block of rows x dims[t] floats in the 1-D grads, the blocks in table order.
+/// Returns where each block starts in grads, then grads.numel().
+inline std::vector<int64_t> gradient_blocks(const at::Tensor& unique_rows, const at::Tensor& grads,
+                                            const at::Tensor& occurrences,
+                                            const at::Tensor& slot_hints,
+                                            at::IntArrayRef row_starts, at::IntArrayRef dims) {
+  const size_t nt = dims.size();
+  TORCH_CHECK(row_starts.size() == nt + 1 && row_starts[0] == 0,
+              "embcache: row_starts must hold 0, then where each next table's rows start");
+  std::vector<int64_t> block(nt + 1, 0);
+  for (size_t t = 0; t < nt; ++t) {
+    TORCH_CHECK(row_starts[t + 1] >= row_starts[t], "embcache: row_starts decrease at table ", t);
+    block[t + 1] = block[t] + (row_starts[t + 1] - row_starts[t]) * dims[t];
+  }
+  auto check = [&](const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* what) {
+    TORCH_CHECK(x.scalar_type() == dtype && x.dim() == 1 && x.is_contiguous() &&
+                    x.numel() == numel && x.device() == unique_rows.device(),
+                "embcache: ", what, " must be a contiguous 1-D ", c10::toString(dtype),
+                " tensor of ", numel, " values on the device of unique_rows");
+  };
+  check(unique_rows, at::kLong, row_starts[nt], "unique_rows");
+  check(occurrences, at::kLong, row_starts[nt], "occurrences");
+  if (slot_hints.numel() > 0) check(slot_hints, at::kLong, row_starts[nt], "slot_hints");
+  check(grads, at::kFloat, block[nt], "grads");
+  return block;
+}
+
 inline void define_cache_ops(torch::Library& m) {
   m.def("quantize_rows(Tensor values, Tensor row_ids, int bits, bool qparams_fp16, "
         "bool stochastic, int seed, int step, int table) -> Tensor");
@@ -68,9 +98,11 @@ inline void define_cache_ops(torch::Library& m) {
         "Tensor indices, Tensor lengths, Tensor? per_sample_weights, int[] feature_table, "
         "int[] bits, int[] dims, int[] qparams_fp16, int[] num_sets, int[] ways, int[] mean, "
         "int batch, Tensor(h!)[] counters) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Every feature's deduplicated gradient in gradient_blocks's layout: (unique_rows, grads,
+  // occurrences, slots (empty without lookup_slots), row_starts).
   m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
         "Tensor grad_output, int[] dims, int[] mean, int batch, Tensor? lookup_slots=None) "
-        "-> Tensor[]");
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Prepares every table's update, then commits all of them only if every table can take
   // its update: returns per table the smallest row it cannot store or -1; if any table has
   // such a row, no state is changed. Table t's update is step counters[t][kSteps] + 1; a
@@ -78,8 +110,8 @@ inline void define_cache_ops(torch::Library& m) {
   m.def("multi_update(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, Tensor(c!)[] cache_rows, "
         "Tensor(d!)[] cache_priority, Tensor(g!)[] cache_set_floor, Tensor(e!)[] counts, "
         "Tensor(f!)[] optimizer_state, "
-        "Tensor[] unique_rows, Tensor[] grads, Tensor[] occurrences, Tensor[] slot_hints, "
-        "float[] value_bounds, int[] bits, "
+        "Tensor unique_rows, Tensor grads, Tensor occurrences, Tensor slot_hints, "
+        "int[] row_starts, float[] value_bounds, int[] dims, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
         "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, Tensor(h!)[] counters) "
         "-> int[]");

@@ -15,15 +15,19 @@ _NO_HINT = torch.empty(0, dtype=torch.int64)
 
 
 class _StoredGradient(NamedTuple):
-    """One backward's gradient for every feature, as multi_dedup_backward made it (``flat``:
-    per feature its unique rows, their gradients, occurrences and cache slots), with what the
-    forward saw: each table's cache version, each feature's value bound, and whether the slots
-    are there (the CUDA forward gives none)."""
+    """One backward's gradient for every feature as multi_dedup_backward made it: feature f's
+    unique rows are ``rows[row_starts[f]:row_starts[f + 1]]``, with their occurrences and
+    (unless ``slots`` is empty) the cache slots the forward found at the same positions, and
+    their gradients a block of rows x dim values of the 1-D ``grads``, blocks in feature
+    order. Also what the forward saw: each table's cache version, each feature's value bound."""
 
-    flat: list[torch.Tensor]
+    rows: torch.Tensor
+    grads: torch.Tensor
+    occurrences: torch.Tensor
+    slots: torch.Tensor
+    row_starts: list[int]
     versions: list[int]
     bounds: list[float]
-    hinted: bool
 
 
 class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
@@ -89,7 +93,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         self._feature_means = [mean[t] for t in self._layout[1]]  # per feature, for backward
         # the update's per-table settings when every table has a gradient (the usual step)
         self._all_update_settings = _columns(t._update_settings for t in self.tables())
-        # the stored record can go to multi_update as it is: feature i reads table i
+        # a stored gradient can go to multi_update as it is: feature i reads table i
         self._one_feature_per_table = self._layout[1] == list(range(len(tables)))
         self._stored: list[_StoredGradient] = []  # gradients not yet handed to the tables
         for t in self._table_list:
@@ -192,22 +196,21 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         """Hands each table its part of the stored gradient, as the last part it holds."""
         if not self._stored:
             return
-        stored = self._stored.pop()
-        tables, (_, table_of, _) = self._table_list, self._layout
-        parts = iter(stored.flat)
+        s = self._stored.pop()
+        _, table_of, dims = self._layout
+        starts = s.row_starts
+        counts = [b - a for a, b in zip(starts, starts[1:])]
+        rows, occ = s.rows.split(counts), s.occurrences.split(counts)
+        grads = s.grads.split([n * d for n, d in zip(counts, dims)])
         for f, t in enumerate(table_of):
-            rows, grads, occ, slots = next(parts), next(parts), next(parts), next(parts)
-            tables[t]._pending.append(PendingGradient(
-                rows, grads, occ, slots if stored.hinted else None, stored.versions[t],
-                stored.bounds[f],
-            ))
+            g = grads[f].view(counts[f], dims[f])
+            self._table_list[t]._pending.append(PendingGradient(rows[f], g, occ[f]))
 
     def _grads(self) -> list[torch.Tensor]:
-        """Every stored gradient tensor: the tables' parts and the record kept here."""
-        grads = [p.grads for t in self._table_list for p in t._pending]
-        for stored in self._stored:
-            grads += stored.flat[1::4]
-        return grads
+        """Every stored gradient tensor: the tables' parts and those kept here."""
+        return [p.grads for t in self._table_list for p in t._pending] + [
+            s.grads for s in self._stored
+        ]
 
     def has_nonfinite_grad(self) -> bool:
         return any(not bool(torch.isfinite(g).all()) for g in self._grads())
@@ -230,38 +233,36 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             and not any(t._pending for t in tables)
             and self._stored[0].versions == [t._cache_version for t in tables]
         ):  # the usual step: one backward, the cache as its forward saw it
-            stored = self._stored[0]
-            flat = stored.flat
-            hints = flat[3::4] if stored.hinted else [_NO_HINT] * len(tables)
+            s = self._stored[0]
             bad = _ops.multi_update(
                 *_columns(t._state_tensors() for t in tables),
-                flat[0::4], flat[1::4], flat[2::4], hints, stored.bounds,
+                s.rows, s.grads, s.occurrences, s.slots, s.row_starts, s.bounds,
                 *self._all_update_settings, self._counters_list,
             )
             self._finish(tables, bad)
             return
+        # Otherwise each table's gradient, its parts merged, and no slot hints (the update
+        # finds the slots in the sets).
         self._hand_over()
-        tables, rows, grads, occurrences, hints, bounds = [], [], [], [], [], []
+        tables, parts = [], []
         for t in self._table_list:
             p = t._pending_gradient()
-            if p is None:
-                continue
-            tables.append(t)
-            rows.append(p.rows)
-            grads.append(p.grads)
-            occurrences.append(p.occurrences)
-            # the forward's slots and value bound, while the cache is as that forward saw it
-            hinted = p.slots is not None and p.cache_version == t._cache_version
-            hints.append(p.slots if hinted else _NO_HINT)
-            bounds.append(p.value_bound if hinted else -1.0)
+            if p is not None:
+                tables.append(t)
+                parts.append(p)
         if not tables:
             return
         every_table = len(tables) == len(self._table_list)
         settings = (self._all_update_settings if every_table
                     else _columns(t._update_settings for t in tables))
+        row_starts = [0]
+        for p in parts:
+            row_starts.append(row_starts[-1] + p.rows.numel())
         bad = _ops.multi_update(
             *_columns(t._state_tensors() for t in tables),
-            rows, grads, occurrences, hints, bounds, *settings,
+            torch.cat([p.rows for p in parts]), torch.cat([p.grads.flatten() for p in parts]),
+            torch.cat([p.occurrences for p in parts]), _NO_HINT, row_starts,
+            [-1.0] * len(tables), *settings,
             self._counters_list if every_table else [t._counters for t in tables],
         )
         self._finish(tables, bad)
@@ -335,10 +336,12 @@ class _FusedLookup(torch.autograd.Function):
             # The CUDA forward gives neither slots nor value bounds.
             slots = ctx.slots if ctx.slots.numel() else None
             values, *psw = ctx.saved_tensors
-            flat = _ops.multi_dedup_backward(
+            rows, grads, occurrences, row_slots, row_starts = _ops.multi_dedup_backward(
                 values, ctx.offsets, psw[0] if psw else None, grad.float().contiguous(),
                 dims, collection._feature_means, grad.shape[0], slots,
             )
             bounds = ctx.bounds.tolist() or [-1.0] * len(table_of)
-            collection._store(_StoredGradient(flat, ctx.versions, bounds, slots is not None))
+            collection._store(_StoredGradient(
+                rows, grads, occurrences, row_slots, row_starts.tolist(), ctx.versions, bounds,
+            ))
         return None, None

@@ -32,17 +32,12 @@ _COUNTER = {name: i for i, name in enumerate(_STAT_NAMES)}
 
 
 class PendingGradient(NamedTuple):
-    """A stored gradient: unique rows (ascending), their summed gradients and how often each
-    occurs, and optionally each row's cache slot as the forward found it while the cache was
-    at version ``cache_version``, with the largest |value| that forward read (``value_bound``,
-    negative if unknown). Hints the update uses only while the cache is unchanged."""
+    """A stored gradient: unique rows (ascending), their summed gradients ``[rows, dim]``
+    and how often each occurs."""
 
     rows: torch.Tensor
     grads: torch.Tensor
     occurrences: torch.Tensor
-    slots: Optional[torch.Tensor] = None
-    cache_version: int = -1
-    value_bound: float = -1.0
 
 
 class EmbeddingUpdateError(ValueError):
@@ -141,7 +136,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         and the step number)."""
         cfg = self.config
         return (
-            cfg.bits, int(cfg.qparams_fp16), int(cfg.rounding == "stochastic"), cfg.optimizer_code,
+            cfg.embedding_dim, cfg.bits, int(cfg.qparams_fp16), int(cfg.rounding == "stochastic"), cfg.optimizer_code,
             cfg.lr, cfg.eps, int(self._lfu), cfg.seed, cfg.table_id, cfg.num_sets, cfg.ways,
         )
 

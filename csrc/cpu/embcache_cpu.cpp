@@ -509,60 +509,70 @@ std::tuple<at::Tensor, at::Tensor> lookup_forward(
 }
 
 /// An uninitialized CPU tensor, made without a trip through the dispatcher (at::empty
-/// costs a few microseconds; multi_dedup_backward makes four per feature).
+/// costs a few microseconds).
 at::Tensor new_cpu_tensor(at::IntArrayRef size, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_cpu(size, dtype));
 }
 
-/// Gradient per unique row (SPEC §4 step 2) from grad_output[b * g_stride + j]: rows
-/// ascending, each row's contributions summed in lookup order; also how often each row
-/// occurs in the bags and, given the forward's slot of every lookup (lookup_slot, or
-/// nullptr), each row's slot (else an empty tensor).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_core(
-    const Bags& bags, const float* g, int64_t g_stride, int64_t dim, bool mean,
-    const int32_t* lookup_slot) {
+/// The lookups of some bags grouped by row (SPEC §4 step 2): (row << 32 | position) keys
+/// sorted by row, positions ascending within a row; run r, one row's lookups, is
+/// keys[starts[r] .. starts[r + 1]).
+struct RowRuns {
+  std::vector<uint64_t> keys;
+  std::vector<int64_t> starts;
+  std::vector<int64_t> bag_of;  // the bag of each lookup, by position - bags.first()
+
+  int64_t unique_rows() const { return (int64_t)starts.size() - 1; }
+};
+
+RowRuns group_by_row(const Bags& bags) {
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
   const int64_t base = bags.first(), n = bags.end() - base;
   TORCH_CHECK(bags.end() < (int64_t(1) << 32), "embcache: at most 2^32 lookups per call");
-  std::vector<int64_t> bag_of(n);
+  RowRuns runs;
+  runs.bag_of.resize(n);
   for (int64_t b = 0; b < bags.count; ++b)
-    for (int64_t l = off[b]; l < off[b + 1]; ++l) bag_of[l - base] = b;
+    for (int64_t l = off[b]; l < off[b + 1]; ++l) runs.bag_of[l - base] = b;
   // Sort (row, position) pairs packed in one key: rows ascending, positions in order.
-  std::vector<uint64_t> keys(n);
+  runs.keys.resize(n);
   int64_t max_row = 0;
   for (int64_t l = base; l < bags.end(); ++l) {
     TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31), "embcache: index ", idx[l],
                 " out of range");
-    keys[l - base] = ((uint64_t)idx[l] << 32) | (uint64_t)l;
+    runs.keys[l - base] = ((uint64_t)idx[l] << 32) | (uint64_t)l;
     max_row = std::max(max_row, idx[l]);
   }
   std::vector<uint64_t> scratch;
-  const std::vector<int64_t> starts = sort_into_runs(keys, bits_for(max_row + 1), scratch);
-  std::vector<int64_t> order(n);
-  for (int64_t k = 0; k < n; ++k) order[k] = (int64_t)(keys[k] & 0xffffffffu);
-  const int64_t nu = (int64_t)starts.size() - 1;
+  runs.starts = sort_into_runs(runs.keys, bits_for(max_row + 1), scratch);
+  return runs;
+}
 
-  at::Tensor rows = new_cpu_tensor({nu}, at::kLong);
-  at::Tensor grads = new_cpu_tensor({nu, dim}, at::kFloat);
-  at::Tensor occ = new_cpu_tensor({nu}, at::kLong);
-  at::Tensor slots = new_cpu_tensor({lookup_slot ? nu : 0}, at::kLong);
-  int64_t* sl = slots.data_ptr<int64_t>();
-  int64_t* r = rows.data_ptr<int64_t>();
-  float* gr = grads.data_ptr<float>();
-  int64_t* oc = occ.data_ptr<int64_t>();
-  at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+/// The deduplicated gradient of the runs from grad_output[b * g_stride + j]: per unique row
+/// (ascending) its id into rows, how often it occurs in the bags into occ, its contributions
+/// summed in lookup order into grads (dim floats a row) and, given the forward's slot of
+/// every lookup (lookup_slot, or nullptr), its slot into slots.
+void sum_runs(const RowRuns& runs, const Bags& bags, const float* g, int64_t g_stride,
+              int64_t dim, bool mean, const int32_t* lookup_slot, int64_t* rows, float* grads,
+              int64_t* occ, int64_t* slots) {
+  const int64_t* off = bags.off;
+  const int64_t base = bags.first(), n = bags.end() - base;
+  const std::vector<uint64_t>& keys = runs.keys;
+  const std::vector<int64_t>& starts = runs.starts;
+  auto position = [&](int64_t k) { return (int64_t)(keys[k] & 0xffffffffu); };
+  at::parallel_for(0, runs.unique_rows(), kGrainRows, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      r[u] = (int64_t)(keys[starts[u]] >> 32);
-      oc[u] = starts[u + 1] - starts[u];
-      if (lookup_slot) sl[u] = lookup_slot[order[starts[u]]];
-      float* acc = gr + u * dim;
+      rows[u] = (int64_t)(keys[starts[u]] >> 32);
+      occ[u] = starts[u + 1] - starts[u];
+      if (lookup_slot) slots[u] = lookup_slot[position(starts[u])];
+      float* acc = grads + u * dim;
       std::fill_n(acc, dim, 0.f);  // here, not in a pass of its own: the row is written next
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
         // Bags come in row order, i.e. at random: fetch the gradient kPrefetch lookups ahead.
         if (k + kPrefetch < n)
-          prefetch_bytes(g + bag_of[order[k + kPrefetch] - base] * g_stride, dim * sizeof(float));
-        const int64_t l = order[k], b = bag_of[l - base];
+          prefetch_bytes(g + runs.bag_of[position(k + kPrefetch) - base] * g_stride,
+                         dim * sizeof(float));
+        const int64_t l = position(k), b = runs.bag_of[l - base];
         const float* gb = g + b * g_stride;
         if (bags.psw) {
           for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] * bags.psw[l];
@@ -575,7 +585,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_core(
       }
     }
   });
-  return {rows, grads, occ, slots};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
@@ -587,8 +596,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == bags.count,
               "embcache: grad_output must be [bags, dim]");
   const int64_t dim = grad_output.size(1);
-  auto [rows, grads, occ, slots] =
-      dedup_core(bags, grad_output.data_ptr<float>(), dim, dim, mean, nullptr);
+  const RowRuns runs = group_by_row(bags);
+  const int64_t nu = runs.unique_rows();
+  at::Tensor rows = new_cpu_tensor({nu}, at::kLong);
+  at::Tensor grads = new_cpu_tensor({nu, dim}, at::kFloat);
+  at::Tensor occ = new_cpu_tensor({nu}, at::kLong);
+  sum_runs(runs, bags, grad_output.data_ptr<float>(), dim, dim, mean, nullptr,
+           rows.data_ptr<int64_t>(), grads.data_ptr<float>(), occ.data_ptr<int64_t>(), nullptr);
   return {rows, grads, occ};
 }
 
@@ -729,6 +743,31 @@ struct RowUpdate {
   }
 };
 
+/// The update of one table's nu unique rows `rows` (ascending) with gradients g (nu x dim).
+RowUpdate make_row_update(const at::Tensor& weights, const at::Tensor& cache_tags,
+                          const at::Tensor& cache_rows, const at::Tensor& optimizer_state,
+                          const int64_t* rows, int64_t nu, const float* g, int64_t dim,
+                          int64_t bits, bool qparams_fp16, int64_t optimizer, double lr,
+                          double eps, int64_t num_sets, int64_t ways) {
+  const RowFormat f = make_format(bits, dim, qparams_fp16);
+  check_table(weights, f);
+  const Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
+  check_tensor(optimizer_state, at::kFloat, "optimizer_state");
+  TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdagrad, "embcache: unknown optimizer ",
+              optimizer);
+  const int64_t num_rows = weights.size(0);
+  const int64_t sw = optimizer_state_width(optimizer, dim);
+  TORCH_CHECK(optimizer_state.numel() == num_rows * sw, "embcache: optimizer state size");
+  TORCH_CHECK(first_where(nu, [&](int64_t u) {
+                return (uint64_t)rows[u] >= (uint64_t)num_rows || (u > 0 && rows[u] <= rows[u - 1]);
+              }) == nu,
+              "embcache: unique rows must be ascending and in range");
+  return RowUpdate{f,  cache, weights.data_ptr<uint8_t>(), num_rows, rows, nu,
+                   g, optimizer_state.data_ptr<float>(), sw, optimizer,
+                   (float)lr, (float)eps};
+}
+
+/// make_row_update of the rows and gradients of a one-table op, checked.
 RowUpdate make_row_update(const at::Tensor& weights, const at::Tensor& cache_tags,
                           const at::Tensor& cache_rows, const at::Tensor& optimizer_state,
                           const at::Tensor& unique_rows, const at::Tensor& grads, int64_t bits,
@@ -736,35 +775,18 @@ RowUpdate make_row_update(const at::Tensor& weights, const at::Tensor& cache_tag
                           int64_t num_sets, int64_t ways) {
   check_tensor(grads, at::kFloat, "grads");
   TORCH_CHECK(grads.dim() == 2, "embcache: grads must be [unique rows, dim]");
-  const int64_t dim = grads.size(1);
-  const RowFormat f = make_format(bits, dim, qparams_fp16);
-  check_table(weights, f);
-  const Cache cache = make_cache(cache_tags, cache_rows, num_sets, ways, dim);
   check_tensor(unique_rows, at::kLong, "unique_rows");
-  check_tensor(optimizer_state, at::kFloat, "optimizer_state");
-  TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdagrad, "embcache: unknown optimizer ",
-              optimizer);
-  const int64_t nu = unique_rows.numel(), num_rows = weights.size(0);
-  const int64_t sw = optimizer_state_width(optimizer, dim);
-  TORCH_CHECK(grads.size(0) == nu, "embcache: one gradient row per unique row");
-  TORCH_CHECK(optimizer_state.numel() == num_rows * sw, "embcache: optimizer state size");
-  const int64_t* rows = unique_rows.data_ptr<int64_t>();
-  TORCH_CHECK(first_where(nu, [&](int64_t u) {
-                return (uint64_t)rows[u] >= (uint64_t)num_rows || (u > 0 && rows[u] <= rows[u - 1]);
-              }) == nu,
-              "embcache: unique rows must be ascending and in range");
-  return RowUpdate{f,  cache, weights.data_ptr<uint8_t>(), num_rows, rows, nu,
-                   grads.data_ptr<float>(), optimizer_state.data_ptr<float>(), sw, optimizer,
-                   (float)lr, (float)eps};
+  TORCH_CHECK(grads.size(0) == unique_rows.numel(), "embcache: one gradient row per unique row");
+  return make_row_update(weights, cache_tags, cache_rows, optimizer_state,
+                         unique_rows.data_ptr<int64_t>(), unique_rows.numel(),
+                         grads.data_ptr<float>(), grads.size(1), bits, qparams_fp16, optimizer,
+                         lr, eps, num_sets, ways);
 }
 
 /// Each unique row's slot (-1 if not cached) into sl[0..nu): the caller's hint if given
-/// (the slots a forward found over the same cache state), else found in the sets.
-void find_slots(const RowUpdate& up, const c10::optional<at::Tensor>& slot_hint, int64_t* sl) {
-  if (slot_hint.has_value()) {
-    check_tensor(*slot_hint, at::kLong, "slot_hint");
-    TORCH_CHECK(slot_hint->numel() == up.nu, "embcache: slot_hint must hold one slot per row");
-    const int64_t* hint = slot_hint->data_ptr<int64_t>();
+/// (hint[u]: the slots a forward found over the same cache state), else found in the sets.
+void find_slots(const RowUpdate& up, const int64_t* hint, int64_t* sl) {
+  if (hint) {
     const int64_t slots = up.cache.num_sets * up.cache.ways;
     const int64_t u =
         first_where(up.nu, [&](int64_t u) { return hint[u] < -1 || hint[u] >= slots; });
@@ -826,7 +848,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> update_prepare(
   at::Tensor slots = at::empty({up.nu}, unique_rows.options());
   float* fr = fresh.data_ptr<float>();
   float* fs = fresh_state.data_ptr<float>();
-  find_slots(up, slot_hint, slots.data_ptr<int64_t>());
+  const int64_t* hint = nullptr;
+  if (slot_hint.has_value()) {
+    check_tensor(*slot_hint, at::kLong, "slot_hint");
+    TORCH_CHECK(slot_hint->numel() == up.nu, "embcache: slot_hint must hold one slot per row");
+    hint = slot_hint->data_ptr<int64_t>();
+  }
+  find_slots(up, hint, slots.data_ptr<int64_t>());
   const int64_t bad = for_each_new_value(
       up, slots.data_ptr<int64_t>(), stochastic, [&](int64_t u, const float* out, const float* st) {
         std::copy_n(out, dim, fr + u * dim);
@@ -1424,15 +1452,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
   return {out, offsets, slots, max_abs};
 }
 
-/// Per feature, the deduplicated gradient (rows, grads, occurrences, slots; flattened) from
-/// the gradient of multi_lookup_forward's output, [batch, sum of dims]. Given the forward's
-/// lookup_slots, each row's slot; else empty slot tensors.
-std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
-                                             const at::Tensor& offsets,
-                                             const c10::optional<at::Tensor>& per_sample_weights,
-                                             const at::Tensor& grad_output, at::IntArrayRef dims,
-                                             at::IntArrayRef mean, int64_t batch,
-                                             const c10::optional<at::Tensor>& lookup_slots) {
+/// Every feature's deduplicated gradient from the gradient of multi_lookup_forward's output,
+/// [batch, sum of dims], in one set of tensors (the layout multi_update takes): (rows,
+/// grads, occurrences, slots, row_starts). Feature f's unique rows (ascending) are
+/// rows[row_starts[f] .. row_starts[f + 1]), with their occurrences (and, given the
+/// forward's lookup_slots, their slots; else slots is empty) at the same positions; their
+/// gradients are a block of rows x dims[f] floats in the 1-D grads, blocks in feature order.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_dedup_backward(
+    const at::Tensor& indices, const at::Tensor& offsets,
+    const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
+    at::IntArrayRef dims, at::IntArrayRef mean, int64_t batch,
+    const c10::optional<at::Tensor>& lookup_slots) {
   const int64_t nf = (int64_t)dims.size();
   const Bags all = feature_bags(indices, offsets, per_sample_weights, nf, batch);
   const std::vector<int64_t> col = column_offsets(dims);
@@ -1447,61 +1477,79 @@ std::vector<at::Tensor> multi_dedup_backward(const at::Tensor& indices,
                 "embcache: lookup_slots must hold one slot per index");
     lookup_slot = lookup_slots->data_ptr<int32_t>();
   }
-  std::vector<at::Tensor> out(4 * nf);
+  auto bags = [&](int64_t f) { return Bags{all.idx, all.off + f * batch, batch, all.psw}; };
   std::vector<int64_t> cost(nf);
   for (int64_t f = 0; f < nf; ++f) cost[f] = all.off[(f + 1) * batch] - all.off[f * batch];
+  // Group each feature's lookups by row; then, with every feature's number of unique rows
+  // known, one tensor of each kind for all of them (a tensor per feature and kind cost
+  // ~0.1 ms a step to make, hand to Python and back, and free); then sum into them.
+  std::vector<RowRuns> runs(nf);
+  for_each_by_cost(cost, [&](int64_t f) { runs[f] = group_by_row(bags(f)); });
+  at::Tensor row_starts = new_cpu_tensor({nf + 1}, at::kLong);
+  int64_t* rs = row_starts.data_ptr<int64_t>();
+  std::vector<int64_t> block(nf + 1, 0);
+  rs[0] = 0;
+  for (int64_t f = 0; f < nf; ++f) {
+    rs[f + 1] = rs[f] + runs[f].unique_rows();
+    block[f + 1] = block[f] + runs[f].unique_rows() * dims[f];
+  }
+  at::Tensor rows = new_cpu_tensor({rs[nf]}, at::kLong);
+  at::Tensor grads = new_cpu_tensor({block[nf]}, at::kFloat);
+  at::Tensor occ = new_cpu_tensor({rs[nf]}, at::kLong);
+  at::Tensor slots = new_cpu_tensor({lookup_slot ? rs[nf] : 0}, at::kLong);
   for_each_by_cost(cost, [&](int64_t f) {
-    const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
-    std::tie(out[4 * f], out[4 * f + 1], out[4 * f + 2], out[4 * f + 3]) =
-        dedup_core(bags, grad_output.data_ptr<float>() + col[f], col[nf], dims[f], mean[f] != 0,
-                   lookup_slot);
+    sum_runs(runs[f], bags(f), grad_output.data_ptr<float>() + col[f], col[nf], dims[f],
+             mean[f] != 0, lookup_slot, rows.data_ptr<int64_t>() + rs[f],
+             grads.data_ptr<float>() + block[f], occ.data_ptr<int64_t>() + rs[f],
+             lookup_slot ? slots.data_ptr<int64_t>() + rs[f] : nullptr);
   });
-  return out;
-}
-
-std::vector<int64_t> update_costs(at::TensorList weights, at::TensorList unique_rows) {
-  TORCH_CHECK(unique_rows.size() == weights.size(), "embcache: one list entry per table");
-  std::vector<int64_t> cost(weights.size());
-  for (size_t t = 0; t < cost.size(); ++t)
-    cost[t] = row_work(unique_rows[t].numel(), weights[t].size(0));
-  return cost;
+  return {rows, grads, occ, slots, row_starts};
 }
 
 /// Every table's update, all or nothing: first each table's slots and a check that all its
-/// new values can be stored (from the gradients alone when value_bounds[t] >= 0 bounds |v|
-/// of its rows, as the forward that found slot_hints[t] read them, and the optimizer is SGD;
-/// else by computing them); then, if no table has a row it cannot store, each table's
-/// commit, which computes every new value where it writes it (tables in parallel, costliest
-/// first in both phases). A table's slot_hints entry is its update_prepare slot_hint, or an
-/// empty tensor for none (then its value bound is not used either). Table t's update is step
+/// new values can be stored (from the gradients alone when there are slot hints, the
+/// optimizer is SGD and value_bounds[t] >= 0 bounds |v| of the table's rows, as the forward
+/// that found the hints read them; else by computing them); then, if no table has a row it
+/// cannot store, each table's commit, which computes every new value where it writes it
+/// (tables in parallel, costliest first in both phases). The gradient is in
+/// multi_dedup_backward's layout (see gradient_blocks); slot_hints holds every row's slot as
+/// the forward found it, or is empty for none. Table t's update is step
 /// counters[t][kSteps] + 1; its commit adds to its counters. Returns per table the smallest
 /// row it cannot store, or -1.
 std::vector<int64_t> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
-    at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
-    at::TensorList occurrences, at::TensorList slot_hints, at::ArrayRef<double> value_bounds,
-    at::IntArrayRef bits, at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
-    at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
-    at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
-    at::IntArrayRef ways, at::TensorList counters) {
+    at::TensorList optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
+    const at::Tensor& occurrences, const at::Tensor& slot_hints, at::IntArrayRef row_starts,
+    at::ArrayRef<double> value_bounds, at::IntArrayRef dims, at::IntArrayRef bits,
+    at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic, at::IntArrayRef optimizer,
+    at::ArrayRef<double> lr, at::ArrayRef<double> eps, at::IntArrayRef lfu,
+    at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets, at::IntArrayRef ways,
+    at::TensorList counters) {
   const int64_t nt = (int64_t)weights.size();
-  TORCH_CHECK((int64_t)value_bounds.size() == nt, "embcache: one value bound per table");
+  TORCH_CHECK((int64_t)value_bounds.size() == nt && (int64_t)dims.size() == nt,
+              "embcache: one value bound and one dim per table");
+  const std::vector<int64_t> block =
+      gradient_blocks(unique_rows, grads, occurrences, slot_hints, row_starts, dims);
+  TORCH_CHECK(unique_rows.device().is_cpu(), "embcache: the gradient must be on the CPU");
+  const bool hinted = slot_hints.numel() > 0;
   const std::vector<int64_t*> table_counters = tables_counters(counters, nt, false);
   std::vector<RowUpdate> updates;
-  for (int64_t t = 0; t < nt; ++t)
-    updates.push_back(make_row_update(weights[t], cache_tags[t], cache_rows[t],
-                                      optimizer_state[t], unique_rows[t], grads[t], bits[t],
-                                      qparams_fp16[t] != 0, optimizer[t], lr[t], eps[t],
-                                      num_sets[t], ways[t]));
+  std::vector<int64_t> cost(nt);
+  for (int64_t t = 0; t < nt; ++t) {
+    updates.push_back(make_row_update(
+        weights[t], cache_tags[t], cache_rows[t], optimizer_state[t],
+        unique_rows.data_ptr<int64_t>() + row_starts[t], row_starts[t + 1] - row_starts[t],
+        grads.data_ptr<float>() + block[t], dims[t], bits[t], qparams_fp16[t] != 0,
+        optimizer[t], lr[t], eps[t], num_sets[t], ways[t]));
+    cost[t] = row_work(updates[t].nu, weights[t].size(0));
+  }
   std::vector<std::vector<int64_t>> slots(nt);
   std::vector<int64_t> bad(nt, -1);
-  const std::vector<int64_t> cost = update_costs(weights, unique_rows);
   for_each_by_cost(cost, [&](int64_t t) {
     const RowUpdate& up = updates[t];
-    const bool hinted = slot_hints[t].numel() > 0;
     slots[t].resize(up.nu);
-    find_slots(up, hinted ? c10::optional<at::Tensor>(slot_hints[t]) : c10::nullopt,
+    find_slots(up, hinted ? slot_hints.data_ptr<int64_t>() + row_starts[t] : nullptr,
                slots[t].data());
     if (hinted && optimizer[t] == kSGD &&
         surely_storable(up.f, up.g, up.nu * up.f.dim, lr[t], value_bounds[t]))
@@ -1515,14 +1563,13 @@ std::vector<int64_t> multi_update(
     at::Tensor w = weights[t], prio = cache_priority[t], floor = cache_set_floor[t],
                cnt = counts[t];
     const CommitState cs = check_commit_state(up, w, prio, floor, cnt, lfu[t] != 0);
-    TORCH_CHECK(occurrences[t].numel() == up.nu, "embcache: one occurrence count per row");
-    check_tensor(occurrences[t], at::kLong, "occurrences");
     const int64_t* sl = slots[t].data();
     int64_t* counter = table_counters[t];
     // The new value (and optimizer state) computed in place: read, then written.
     const CommitCounts c = commit_core(
-        up, cs.w, cs.prio, cs.floor, cs.counts, nullptr, sl, occurrences[t].data_ptr<int64_t>(),
-        stochastic[t] != 0, lfu[t] != 0, seed[t], counter[kSteps] + 1, table[t],
+        up, cs.w, cs.prio, cs.floor, cs.counts, nullptr, sl,
+        occurrences.data_ptr<int64_t>() + row_starts[t], stochastic[t] != 0, lfu[t] != 0,
+        seed[t], counter[kSteps] + 1, table[t],
         [&](int64_t u, float* out, float* scratch) {
           up.compute(u, sl[u], scratch, out, up.st + up.rows[u] * up.sw);
         },

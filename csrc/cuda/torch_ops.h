@@ -333,7 +333,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
           at::empty({0}, at::kFloat)};
 }
 
-inline std::vector<at::Tensor> multi_dedup_backward(
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_dedup_backward(
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
     at::IntArrayRef dims, at::IntArrayRef mean, int64_t batch,
@@ -348,7 +348,12 @@ inline std::vector<at::Tensor> multi_dedup_backward(
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == batch &&
                   grad_output.size(1) == col[nf],
               "embcache: grad_output must be [batch, sum of dims]");
-  std::vector<at::Tensor> out(4 * nf);
+  // Each feature deduplicated on its own, then concatenated into the one-tensor-per-kind
+  // layout (gradient_blocks) that the CPU op makes directly.
+  std::vector<at::Tensor> rows(nf), grads(nf), occ(nf);
+  at::Tensor row_starts = at::empty({nf + 1}, at::kLong);
+  int64_t* rs = row_starts.data_ptr<int64_t>();
+  rs[0] = 0;
   for (int64_t f = 0; f < nf; ++f) {
     DedupTensors t{indices.options(), grad_output.options(), dims[f], {}, {}, {}};
     if (batch == 0) {
@@ -361,32 +366,48 @@ inline std::vector<at::Tensor> multi_dedup_backward(
           grad_output.data_ptr<float>() + col[f], col[nf], (int)dims[f], mean[f] != 0,
           &dedup_alloc, &t, current_stream());
     }
-    out[4 * f] = t.rows;
-    out[4 * f + 1] = t.grads;
-    out[4 * f + 2] = t.occ;
-    out[4 * f + 3] = at::empty({0}, indices.options());
+    rows[f] = t.rows;
+    grads[f] = t.grads.reshape({-1});
+    occ[f] = t.occ;
+    rs[f + 1] = rs[f] + t.rows.numel();
   }
-  return out;
+  if (nf == 0)
+    return {at::empty({0}, indices.options()), at::empty({0}, grad_output.options()),
+            at::empty({0}, indices.options()), at::empty({0}, indices.options()), row_starts};
+  return {at::cat(rows), at::cat(grads), at::cat(occ), at::empty({0}, indices.options()),
+          row_starts};
 }
 
 inline std::vector<int64_t> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
-    at::TensorList optimizer_state, at::TensorList unique_rows, at::TensorList grads,
-    at::TensorList occurrences, at::TensorList /*slot_hints: unused on CUDA*/,
-    at::ArrayRef<double> /*value_bounds: unused on CUDA*/, at::IntArrayRef bits,
+    at::TensorList optimizer_state, const at::Tensor& unique_rows, const at::Tensor& grads,
+    const at::Tensor& occurrences, const at::Tensor& slot_hints /*unused on CUDA*/,
+    at::IntArrayRef row_starts, at::ArrayRef<double> /*value_bounds: unused on CUDA*/,
+    at::IntArrayRef dims, at::IntArrayRef bits,
     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
     at::IntArrayRef ways, at::TensorList counters) {
   const int64_t nt = (int64_t)weights.size();
+  TORCH_CHECK((int64_t)dims.size() == nt, "embcache: one dim per table");
+  const std::vector<int64_t> block =
+      gradient_blocks(unique_rows, grads, occurrences, slot_hints, row_starts, dims);
   const std::vector<int64_t*> table_counters = tables_counters(counters, nt, false);
+  // table t's part of the gradient
+  std::vector<at::Tensor> table_rows(nt), table_grads(nt), table_occ(nt);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t n = row_starts[t + 1] - row_starts[t];
+    table_rows[t] = unique_rows.narrow(0, row_starts[t], n);
+    table_grads[t] = grads.narrow(0, block[t], n * dims[t]).view({n, dims[t]});
+    table_occ[t] = occurrences.narrow(0, row_starts[t], n);
+  }
   std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
   std::vector<int64_t> bad(nt);
   bool any_bad = false;
   for (int64_t t = 0; t < nt; ++t) {
     std::tie(fresh[t], fresh_state[t], slots[t], bad[t]) = update_prepare(
-        weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], unique_rows[t], grads[t],
+        weights[t], cache_tags[t], cache_rows[t], optimizer_state[t], table_rows[t], table_grads[t],
         bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, optimizer[t], lr[t], eps[t],
         num_sets[t], ways[t], c10::nullopt);
     any_bad = any_bad || bad[t] >= 0;
@@ -398,10 +419,10 @@ inline std::vector<int64_t> multi_update(
                st = optimizer_state[t];
     int64_t* counter = table_counters[t];
     const at::Tensor c = update_commit(
-        w, tags, rows, ts, floor, cnt, st, unique_rows[t], fresh[t], fresh_state[t], slots[t],
-        occurrences[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
+        w, tags, rows, ts, floor, cnt, st, table_rows[t], fresh[t], fresh_state[t], slots[t],
+        table_occ[t], bits[t], qparams_fp16[t] != 0, stochastic[t] != 0, lfu[t] != 0,
         seed[t], counter[kSteps] + 1, table[t], num_sets[t], ways[t]);
-    count_commit(counter, unique_rows[t].numel(), c.data_ptr<int64_t>());
+    count_commit(counter, table_rows[t].numel(), c.data_ptr<int64_t>());
   }
   return bad;
 }

@@ -41,6 +41,35 @@ def test_matches_torchrec_ebc_in_fp32():
     torch.testing.assert_close(b.values(), a.values())
 
 
+def test_a_table_read_by_two_features_trains_like_torchrec():
+    """Two features of one table: their gradients are merged per row before the update (the
+    step that cannot hand the update one gradient per table as the backward made it)."""
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=50, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=30, feature_names=["f2"]),
+    ]
+    ref = EmbeddingBagCollection(tables=tables)
+    ours = CachedLowPrecisionEmbeddingBagCollection(tables, precision="fp32", cache_ratio=0, lr=0.1)
+    for name, t in ours.embedding_bags.items():
+        t.weights.copy_(ref.embedding_bags[name].weight.detach().contiguous().view(torch.uint8))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(8)
+    batch = 16
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
+        sizes = [int(lengths[f * batch:(f + 1) * batch].sum()) for f in range(3)]
+        values = torch.cat([torch.randint(0, n, (k,), generator=gen) for n, k in zip([50, 50, 30], sizes)])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2"], values=values, lengths=lengths)
+        grad = torch.randn(batch, 20, generator=gen)
+        ref(kjt).values().backward(grad)
+        opt.step()
+        opt.zero_grad()
+        ours(kjt).values().backward(grad)
+        ours.step()
+    for name, t in ours.embedding_bags.items():
+        torch.testing.assert_close(t.weights.view(torch.float32), ref.embedding_bags[name].weight.detach())
+
+
 @pytest.mark.parametrize("precision,dim", [("int8", 16), ("fp16", 8), ("fp32", 5)])
 def test_forward_value_bound_is_the_largest_value_read(precision, dim):
     """The forward's per-feature bound on |value| (which lets the update skip its storability

@@ -136,8 +136,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
         and the step number)."""
         cfg = self.config
         return (
-            cfg.embedding_dim, cfg.bits, int(cfg.qparams_fp16), int(cfg.rounding == "stochastic"), cfg.optimizer_code,
-            cfg.lr, cfg.eps, int(self._lfu), cfg.seed, cfg.table_id, cfg.num_sets, cfg.ways,
+            cfg.embedding_dim, cfg.bits, int(cfg.qparams_fp16), int(cfg.rounding == "stochastic"),
+            cfg.optimizer_code, cfg.lr, cfg.eps, int(self._lfu), cfg.seed, cfg.table_id,
+            cfg.num_sets, cfg.ways,
         )
 
     def _format_args(self) -> tuple[int, bool]:

@@ -1347,15 +1347,6 @@ std::vector<int64_t> column_offsets(at::IntArrayRef dims) {
   return col;
 }
 
-/// Calls fn with a pointer to the lengths (a 1-D int32 or int64 CPU tensor, contiguous).
-template <typename Fn>
-void with_lengths(const at::Tensor& lengths, const Fn& fn) {
-  if (lengths.scalar_type() == at::kInt)
-    fn(lengths.data_ptr<int32_t>());
-  else
-    fn(lengths.data_ptr<int64_t>());
-}
-
 /// The bags of nf features of `batch` bags each, given by their lengths: where each feature's
 /// lookups start (first(f); first(nf) = total), checked (no length is negative, they sum to
 /// `total`), and the int64 offsets with the end appended. The offsets where features begin
@@ -1370,7 +1361,8 @@ class FeatureOffsets {
                 "embcache: lengths must be a 1-D int32 or int64 CPU tensor");
     TORCH_CHECK(batch >= 0 && lengths.numel() == nf * batch,
                 "embcache: lengths must have features * batch entries");
-    with_lengths(lengths_, [&](const auto* l) {
+    AT_DISPATCH_INDEX_TYPES(lengths_.scalar_type(), "FeatureOffsets", [&] {
+      const index_t* l = lengths_.data_ptr<index_t>();
       const int64_t n = nf * batch;
       const int64_t b = first_where(n, [l](int64_t i) { return l[i] < 0; });
       TORCH_CHECK(b == n, "embcache: bag ", b, " has negative length ", b < n ? (int64_t)l[b] : 0);
@@ -1387,7 +1379,8 @@ class FeatureOffsets {
 
   void fill(int64_t f) const {
     int64_t* off = offsets.data_ptr<int64_t>() + f * batch_;
-    with_lengths(lengths_, [&](const auto* l) {
+    AT_DISPATCH_INDEX_TYPES(lengths_.scalar_type(), "FeatureOffsets::fill", [&] {
+      const index_t* l = lengths_.data_ptr<index_t>();
       int64_t o = first_[f];
       for (int64_t b = 1; b < batch_; ++b) {
         o += l[f * batch_ + b - 1];

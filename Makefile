@@ -8,7 +8,7 @@ BUILD_STAMP := $(VENV)/.built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 ARGS ?=
 
-.PHONY: install train test bench clean cuda-check
+.PHONY: install train test lint bench clean cuda-check
 
 install: $(BUILD_STAMP)
 
@@ -30,6 +30,11 @@ train: install
 
 test: install
 	$(PY) -m pytest -n 2 $(ARGS)
+
+# ruff (configured in pyproject.toml): lint and formatting, checked, never rewritten here.
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Compile check of the CUDA kernels for sm_80 and sm_90 (CI has nvcc but no GPU; the tests run
 # the same kernel source on the warp emulator), and a syntax check of their torch binding

@@ -6,13 +6,13 @@
   (torch.ops.embcache_emu, CPU tensors), so that the tests run the kernel code without a GPU.
   Set EMBCACHE_NO_EMULATOR=1 to skip it.
 """
+
 import os
 import platform
 
+import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension
-
-import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = [os.path.join(ROOT, "csrc", "include")]
@@ -24,8 +24,12 @@ INCLUDE = [os.path.join(ROOT, "csrc", "include")]
 # which took every prefetch out of the lookup and most out of the update.
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-finite-loops"]
 # sm_80 and sm_90 binaries, and sm_90 PTX for newer GPUs (JIT-compiled by the driver).
-NVCC_FLAGS = ["-O3", "--fmad=false", "-gencode=arch=compute_80,code=sm_80",
-              "-gencode=arch=compute_90,code=[sm_90,compute_90]"]
+NVCC_FLAGS = [
+    "-O3",
+    "--fmad=false",
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90,code=[sm_90,compute_90]",
+]
 
 
 def _simd_flags():
@@ -37,15 +41,24 @@ def _simd_flags():
 
 def _with_cuda() -> bool:
     """CUDA kernels are built when torch is a CUDA build and nvcc is available."""
-    return torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("EMBCACHE_NO_CUDA") != "1"
+    return (
+        torch.version.cuda is not None
+        and CUDA_HOME is not None
+        and os.environ.get("EMBCACHE_NO_CUDA") != "1"
+    )
 
 
 def _main_extension():
     sources = ["csrc/cpu/embcache_cpu.cpp"]
     cxx = CXX_FLAGS + ["-fopenmp"] + _simd_flags()
     if not _with_cuda():
-        return CppExtension("embcache._C", sources, include_dirs=INCLUDE,
-                            extra_compile_args=cxx, extra_link_args=["-fopenmp"])
+        return CppExtension(
+            "embcache._C",
+            sources,
+            include_dirs=INCLUDE,
+            extra_compile_args=cxx,
+            extra_link_args=["-fopenmp"],
+        )
     from torch.utils.cpp_extension import CUDAExtension
 
     return CUDAExtension(
@@ -63,7 +76,8 @@ def _emulator_extension():
         ["csrc/emulated/emu_ops.cpp"],
         include_dirs=INCLUDE,
         # EMBCACHE_PORTABLE: the header's portable code, the code the GPU runs (no SSE paths).
-        extra_compile_args=["-O2", "-ffp-contract=off", "-pthread", "-DEMBCACHE_PORTABLE"] + _simd_flags(),
+        extra_compile_args=["-O2", "-ffp-contract=off", "-pthread", "-DEMBCACHE_PORTABLE"]
+        + _simd_flags(),
         extra_link_args=["-pthread"],
     )
 

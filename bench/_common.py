@@ -11,6 +11,7 @@ A source is one of:
 Tables are named ``t_0``, ``t_1``, ... as in ``dlrm train``; a table's row count is its
 cardinality (for a trace: the largest id + 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,21 +46,44 @@ class Source:
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data source")
-    g.add_argument("--data", default="synthetic",
-                   help="'synthetic' (dlrm train's default data), a preprocessed directory, or a "
-                        "trace .npy of ids [N, tables] (default: %(default)s)")
+    g.add_argument(
+        "--data",
+        default="synthetic",
+        help="'synthetic' (dlrm train's default data), a preprocessed directory, or a "
+        "trace .npy of ids [N, tables] (default: %(default)s)",
+    )
     g.add_argument("--synthetic-rows", type=int, default=DEFAULTS.synthetic_rows)
-    g.add_argument("--synthetic-scale", type=float, default=DEFAULTS.synthetic_scale,
-                   help="Kaggle cardinalities times this (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=DEFAULTS.seed,
-                   help="seed of the synthetic data and of dlrm train's shuffle (default: %(default)s)")
-    g.add_argument("--data-root", type=Path, default=Path("runs"),
-                   help="the synthetic data goes to DATA_ROOT/data/ (dlrm train's place; default: %(default)s)")
-    g.add_argument("--split", choices=["train", "val", "test"], default="train",
-                   help="split of a data directory (default: %(default)s)")
-    g.add_argument("--min-rows", type=int, default=DEFAULTS.min_rows_for_low_precision,
-                   help="tables with fewer rows have no cache in training and are left out "
-                        "(default: %(default)s)")
+    g.add_argument(
+        "--synthetic-scale",
+        type=float,
+        default=DEFAULTS.synthetic_scale,
+        help="Kaggle cardinalities times this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULTS.seed,
+        help="seed of the synthetic data and of dlrm train's shuffle (default: %(default)s)",
+    )
+    g.add_argument(
+        "--data-root",
+        type=Path,
+        default=Path("runs"),
+        help="the synthetic data goes to DATA_ROOT/data/ (dlrm train's place; default: %(default)s)",
+    )
+    g.add_argument(
+        "--split",
+        choices=["train", "val", "test"],
+        default="train",
+        help="split of a data directory (default: %(default)s)",
+    )
+    g.add_argument(
+        "--min-rows",
+        type=int,
+        default=DEFAULTS.min_rows_for_low_precision,
+        help="tables with fewer rows have no cache in training and are left out "
+        "(default: %(default)s)",
+    )
 
 
 def load_source(args: argparse.Namespace) -> Source:
@@ -67,20 +91,33 @@ def load_source(args: argparse.Namespace) -> Source:
     if args.data.endswith(".npy"):
         ids = np.load(args.data, mmap_mode="r")
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise SystemExit(f"{args.data}: expected integer ids [N, tables], got {ids.dtype} {ids.shape}")
+            raise SystemExit(
+                f"{args.data}: expected integer ids [N, tables], got {ids.dtype} {ids.shape}"
+            )
         if len(ids) and ids.min() < 0:
             raise SystemExit(f"{args.data}: negative ids")
         cards = [int(m) + 1 for m in ids.max(axis=0)] if len(ids) else [1] * ids.shape[1]
         return Source(ids, cards, f"trace {args.data} ({len(ids):,} rows)", False)
-    cfg = RunConfig(data=args.data, synthetic_rows=args.synthetic_rows,
-                    synthetic_scale=args.synthetic_scale, seed=args.seed)
+    cfg = RunConfig(
+        data=args.data,
+        synthetic_rows=args.synthetic_rows,
+        synthetic_scale=args.synthetic_scale,
+        seed=args.seed,
+    )
     path = resolve_data(cfg, args.data_root)
     ds = batches.load(path)
     start, stop = ds.split(args.split)
-    what = (f"synthetic scale {args.synthetic_scale}, {args.synthetic_rows:,} rows, seed {args.seed}"
-            if args.data == "synthetic" else str(args.data))
-    return Source(ds.sparse[start:stop], list(ds.meta["cardinalities"]),
-                  f"{what}: {args.split} split ({stop - start:,} rows)", True)
+    what = (
+        f"synthetic scale {args.synthetic_scale}, {args.synthetic_rows:,} rows, seed {args.seed}"
+        if args.data == "synthetic"
+        else str(args.data)
+    )
+    return Source(
+        ds.sparse[start:stop],
+        list(ds.meta["cardinalities"]),
+        f"{what}: {args.split} split ({stop - start:,} rows)",
+        True,
+    )
 
 
 def cached_tables(source: Source, min_rows: int) -> tuple[list[int], list[int]]:
@@ -93,8 +130,10 @@ def small_tables_note(source: Source, small: list[int], min_rows: int) -> str:
     if not small:
         return ""
     listed = ", ".join(f"{source.names[t]} ({source.cardinalities[t]:,})" for t in small)
-    return (f"Left out: {len(small)} tables with fewer than {min_rows:,} rows, which stay FP32 "
-            f"without a cache in training: {listed}.")
+    return (
+        f"Left out: {len(small)} tables with fewer than {min_rows:,} rows, which stay FP32 "
+        f"without a cache in training: {listed}."
+    )
 
 
 def markdown_table(df: pd.DataFrame) -> str:
@@ -107,8 +146,11 @@ def markdown_table(df: pd.DataFrame) -> str:
 
 def parser(doc: str) -> argparse.ArgumentParser:
     """An argument parser whose help is the script's docstring (first paragraph, then the rest)."""
-    return argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def write_atomic(path, write) -> None:

@@ -31,6 +31,7 @@ Example:
     python bench/embedding_step.py                      # dim 16, full Kaggle cardinalities
     python bench/embedding_step.py --dim 128 --max-rows 2000000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,14 +62,40 @@ def keep_freed_memory() -> bool:
 KEEP_FREED_MEMORY = os.environ.get("EMBCACHE_KEEP_FREED_MEMORY", "1") != "0" and keep_freed_memory()
 
 import torch  # noqa: E402
+from _common import write_text  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import embcache  # noqa: E402
-from _common import write_text  # noqa: E402
 
-KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-          27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+KAGGLE = [
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+]
 
 
 def trace(cards, batch, steps, alpha, seed):
@@ -77,7 +104,10 @@ def trace(cards, batch, steps, alpha, seed):
     gen = torch.Generator().manual_seed(seed)
     perms = [torch.randperm(n, generator=gen) for n in cards]
     return [
-        [perms[t][(torch.rand(batch, generator=gen) ** alpha * n).long()] for t, n in enumerate(cards)]
+        [
+            perms[t][(torch.rand(batch, generator=gen) ** alpha * n).long()]
+            for t, n in enumerate(cards)
+        ]
         for _ in range(steps)
     ]
 
@@ -89,7 +119,9 @@ class Ours:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
         tables = [
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"])
+            EmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"]
+            )
             for i, n in enumerate(cards)
         ]
         self.ebc = embcache.CachedLowPrecisionEmbeddingBagCollection(tables, lr=0.01, **options)
@@ -99,7 +131,8 @@ class Ours:
 
         values = torch.cat(ids)
         return KeyedJaggedTensor.from_lengths_sync(
-            keys=[f"f{i}" for i in range(len(ids))], values=values,
+            keys=[f"f{i}" for i in range(len(ids))],
+            values=values,
             lengths=torch.ones(values.numel(), dtype=torch.int32),
         )
 
@@ -137,7 +170,10 @@ class EmbeddingBagSGD:
 class FbgemmTBE:
     def __init__(self, cards, dim):
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice,
             SplitTableBatchedEmbeddingBagsCodegen,
@@ -145,7 +181,9 @@ class FbgemmTBE:
 
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(n, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in cards],
-            optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, pooling_mode=PoolingMode.SUM,
+            optimizer=EmbOptimType.EXACT_SGD,
+            learning_rate=0.01,
+            pooling_mode=PoolingMode.SUM,
         )
 
     def prepare(self, ids):
@@ -188,8 +226,9 @@ def main():
     batches = trace(cards, args.batch, total_steps, args.alpha, seed=0)
     grad = torch.randn(args.batch, len(cards) * args.dim) * 1e-2
     engines = {
-        "ours int8 + 5% 32-way LFU": Ours(cards, args.dim, precision="int8", cache_ratio=0.05,
-                                          associativity=32, policy="lfu"),
+        "ours int8 + 5% 32-way LFU": Ours(
+            cards, args.dim, precision="int8", cache_ratio=0.05, associativity=32, policy="lfu"
+        ),
         "ours fp32, no cache": Ours(cards, args.dim, precision="fp32", cache_ratio=0),
         "FBGEMM TBE fp32 EXACT_SGD": FbgemmTBE(cards, args.dim),
         "nn.EmbeddingBag + SGD": EmbeddingBagSGD(cards, args.dim),
@@ -222,27 +261,42 @@ def main():
             "page_faults_per_step": statistics.mean(faults[name]),
         }
     ref = rows["FBGEMM TBE fp32 EXACT_SGD"]
-    print(f"\n{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
-          f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
-          f"median of {args.rounds} rounds of {args.steps} steps, "
-          f"huge pages {'on' if HUGE_PAGES else 'off'} and freed memory "
-          f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine")
-    print("| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | memory vs FBGEMM "
-          "| hit rate | page faults/step |")
+    print(
+        f"\n{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
+        f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
+        f"median of {args.rounds} rounds of {args.steps} steps, "
+        f"huge pages {'on' if HUGE_PAGES else 'off'} and freed memory "
+        f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine"
+    )
+    print(
+        "| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | memory vs FBGEMM "
+        "| hit rate | page faults/step |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         r["speed_vs_fbgemm"] = ref["ms_per_step"] / r["ms_per_step"]
         r["memory_vs_fbgemm"] = r["memory_bytes"] / ref["memory_bytes"]
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
-        print(f"| {name} | {r['ms_per_step']:.1f} | {r['lookups_per_s'] / 1e6:.2f} | "
-              f"{r['memory_bytes'] / 2**20:.0f} | {r['speed_vs_fbgemm']:.2f}x | "
-              f"{r['memory_vs_fbgemm']:.3f}x | {hr} | {r['page_faults_per_step']:.0f} |")
+        print(
+            f"| {name} | {r['ms_per_step']:.1f} | {r['lookups_per_s'] / 1e6:.2f} | "
+            f"{r['memory_bytes'] / 2**20:.0f} | {r['speed_vs_fbgemm']:.2f}x | "
+            f"{r['memory_vs_fbgemm']:.3f}x | {hr} | {r['page_faults_per_step']:.0f} |"
+        )
     ebag = rows["nn.EmbeddingBag + SGD"]["ms_per_step"]
     print(f"ours fp32 vs nn.EmbeddingBag: {ebag / rows['ours fp32, no cache']['ms_per_step']:.2f}x")
     if args.json:
-        write_text(args.json, json.dumps({"args": vars(args), "huge_pages": HUGE_PAGES,
-                                          "keep_freed_memory": KEEP_FREED_MEMORY, "results": rows},
-                                         indent=2))
+        write_text(
+            args.json,
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "huge_pages": HUGE_PAGES,
+                    "keep_freed_memory": KEEP_FREED_MEMORY,
+                    "results": rows,
+                },
+                indent=2,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ The replay rate (accesses/s of one configuration, i.e. one single-threaded op ca
 
 Writes --out/hit_rate.md (also printed), hit_rate.json (every count) and hit_rate.png.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,23 +33,38 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from _common import (
+    add_source_args,
+    cached_tables,
+    load_source,
+    markdown_table,
+    parser,
+    save_figure,
+    small_tables_note,
+    write_text,
+)
 from tqdm import tqdm
 
-from _common import (add_source_args, cached_tables, load_source, markdown_table, parser, save_figure,
-                     small_tables_note, write_text)
 from embcache import TableConfig  # also registers torch.ops.embcache
 
 COUNTERS = ("lookups", "hits", "unique_rows", "unique_hits", "insertions", "evictions", "bypasses")
 
 
-def replay(ids: torch.Tensor, num_rows: int, batch_size: int, cache_ratio: float, policy: str,
-           ways: int) -> tuple[dict, torch.Tensor]:
+def replay(
+    ids: torch.Tensor, num_rows: int, batch_size: int, cache_ratio: float, policy: str, ways: int
+) -> tuple[dict, torch.Tensor]:
     """Replays ``ids`` (int64, steps of ``batch_size`` lookups) through a fresh cache of one
     table; returns the counters (COUNTERS, slots, sets, seconds) and the final cache tags."""
     if len(ids) % batch_size:
         raise ValueError("ids must hold whole steps")
-    cfg = TableConfig(num_rows, 1, cache_ratio=cache_ratio, associativity=ways, policy=policy,
-                      min_rows_for_low_precision=0)
+    cfg = TableConfig(
+        num_rows,
+        1,
+        cache_ratio=cache_ratio,
+        associativity=ways,
+        policy=policy,
+        min_rows_for_low_precision=0,
+    )
     lfu = policy == "lfu"
     tags = torch.full((cfg.num_slots,), -1, dtype=torch.int32)
     priority = torch.zeros(cfg.num_slots, dtype=torch.int32)
@@ -56,18 +72,25 @@ def replay(ids: torch.Tensor, num_rows: int, batch_size: int, cache_ratio: float
     offsets = torch.arange(0, len(ids) + 1, batch_size)
     start = time.perf_counter()
     if cfg.num_sets:
-        out = torch.ops.embcache.cache_replay(tags, priority, counts, ids, offsets, lfu,
-                                              cfg.num_sets, ways, 1).tolist()
+        out = torch.ops.embcache.cache_replay(
+            tags, priority, counts, ids, offsets, lfu, cfg.num_sets, ways, 1
+        ).tolist()
     else:  # no cache: every updated row goes to the table
         per_step = np.sort(ids.numpy().reshape(-1, batch_size), axis=1)
         unique = int(len(per_step) + (per_step[:, 1:] != per_step[:, :-1]).sum())
         out = [len(ids), 0, unique, 0, 0, 0, unique]
     seconds = time.perf_counter() - start
-    return {**dict(zip(COUNTERS, out)), "slots": cfg.num_slots, "sets": cfg.num_sets,
-            "seconds": seconds}, tags
+    return {
+        **dict(zip(COUNTERS, out)),
+        "slots": cfg.num_slots,
+        "sets": cfg.num_sets,
+        "seconds": seconds,
+    }, tags
 
 
-def step_order(num_rows: int, batch_size: int, steps: int | None, shuffle: bool, seed: int) -> np.ndarray:
+def step_order(
+    num_rows: int, batch_size: int, steps: int | None, shuffle: bool, seed: int
+) -> np.ndarray:
     """The source rows of the first ``steps`` whole steps, step after step: ``dlrm train``'s
     first epoch (``iterate_batches(shuffle=True, seed=seed, epoch=0, drop_last=True)``) or
     file order."""
@@ -83,7 +106,7 @@ def gather_trace(ids: np.ndarray, tables: list[int], rows: np.ndarray) -> np.nda
     out = np.empty((len(tables), len(rows)), np.int32)
     chunk = 1 << 20
     for lo in tqdm(range(0, len(rows), chunk), desc="trace", unit="chunk", leave=False):
-        out[:, lo:lo + chunk] = ids[rows[lo:lo + chunk]][:, tables].T
+        out[:, lo : lo + chunk] = ids[rows[lo : lo + chunk]][:, tables].T
     return out
 
 
@@ -106,8 +129,15 @@ def _job(job: tuple) -> tuple:
     return job, replay(_current[1], num_rows, batch_size, ratio, policy, ways)[0]
 
 
-def run_grid(trace: np.ndarray, cards: list[int], batch_size: int, sizes: list[float],
-             policies: list[str], ways: list[int], jobs: int) -> pd.DataFrame:
+def run_grid(
+    trace: np.ndarray,
+    cards: list[int],
+    batch_size: int,
+    sizes: list[float],
+    policies: list[str],
+    ways: list[int],
+    jobs: int,
+) -> pd.DataFrame:
     """One record per (size, policy, ways, trace row); ``cards[i]`` is trace row i's table size."""
     global _trace, _current
     grid = [(s, p, w) for s in sizes for p in policies for w in ways]
@@ -120,11 +150,27 @@ def run_grid(trace: np.ndarray, cards: list[int], batch_size: int, sizes: list[f
         with tempfile.TemporaryDirectory() as tmp:
             np.save(Path(tmp) / "trace.npy", trace)
             ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(jobs, initializer=_init, initargs=(str(Path(tmp) / "trace.npy"),)) as pool:
-                results = dict(tqdm(pool.imap_unordered(_job, work), total=len(work), desc="replay", unit="cfg"))
-    return pd.DataFrame([{"row": i, "size": s, "policy": p, "ways": w,
-                          **results[(i, cards[i], batch_size, s / 100, p, w)]}
-                         for s, p, w in grid for i in range(len(trace))])
+            with ctx.Pool(
+                jobs, initializer=_init, initargs=(str(Path(tmp) / "trace.npy"),)
+            ) as pool:
+                results = dict(
+                    tqdm(
+                        pool.imap_unordered(_job, work), total=len(work), desc="replay", unit="cfg"
+                    )
+                )
+    return pd.DataFrame(
+        [
+            {
+                "row": i,
+                "size": s,
+                "policy": p,
+                "ways": w,
+                **results[(i, cards[i], batch_size, s / 100, p, w)],
+            }
+            for s, p, w in grid
+            for i in range(len(trace))
+        ]
+    )
 
 
 def config_label(policy: str, ways: int) -> str:
@@ -133,8 +179,10 @@ def config_label(policy: str, ways: int) -> str:
 
 def render(df: pd.DataFrame, header: str, footnote: str) -> str:
     """The markdown report: overall hit rate (size x configuration), then per table."""
-    df = df.assign(config=[config_label(p, w) for p, w in zip(df.policy, df.ways)],
-                   size=[f"{s:g}%" for s in df["size"]])
+    df = df.assign(
+        config=[config_label(p, w) for p, w in zip(df.policy, df.ways)],
+        size=[f"{s:g}%" for s in df["size"]],
+    )
     columns = list(dict.fromkeys(df.config))
     sizes = list(dict.fromkeys(df["size"]))
     tables = list(dict.fromkeys(zip(df.table, df.rows)))
@@ -144,13 +192,28 @@ def render(df: pd.DataFrame, header: str, footnote: str) -> str:
 
     overall = df.groupby(["size", "config"], sort=False)[["hits", "lookups"]].sum()
     overall = (overall.hits / overall.lookups).rename("rate").reset_index()
-    out = [header, "", "## Overall hit rate (the paper's Table 6)", "",
-           markdown_table(pivot(overall, "size", "rate").reindex(sizes).map(lambda r: f"{r:.2%}")
-                          .rename_axis("cache size").rename_axis(None, axis=1)), ""]
+    out = [
+        header,
+        "",
+        "## Overall hit rate (the paper's Table 6)",
+        "",
+        markdown_table(
+            pivot(overall, "size", "rate")
+            .reindex(sizes)
+            .map(lambda r: f"{r:.2%}")
+            .rename_axis("cache size")
+            .rename_axis(None, axis=1)
+        ),
+        "",
+    ]
     for size in sizes:
         d = df[df["size"] == size].assign(rate=lambda x: x.hits / x.lookups)
         cell = d.rate.map(lambda r: f"{r:.2%}").where(d.slots > 0, "no cache")
-        table = pivot(d.assign(cell=cell), ["table", "rows"], "cell").reindex(tables).rename_axis(None, axis=1)
+        table = (
+            pivot(d.assign(cell=cell), ["table", "rows"], "cell")
+            .reindex(tables)
+            .rename_axis(None, axis=1)
+        )
         out += [f"## Per table, cache {size} of each table", "", markdown_table(table), ""]
     return "\n".join(out + [footnote, ""])
 
@@ -162,13 +225,19 @@ def plot(df: pd.DataFrame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     policies = list(dict.fromkeys(df.policy))
-    fig, axes = plt.subplots(1, len(policies), figsize=(5.5 * len(policies), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(policies), figsize=(5.5 * len(policies), 4), sharey=True, squeeze=False
+    )
     overall = df.groupby(["policy", "ways", "size"])[["hits", "lookups"]].sum()
     overall = (100 * overall.hits / overall.lookups).rename("rate").reset_index()
     for ax, policy in zip(axes[0], policies):
         for w, d in overall[overall.policy == policy].groupby("ways"):
             ax.plot(d["size"], d.rate, marker="o", label=config_label(policy, w))
-        ax.set(title=policy.upper(), xlabel="cache size (% of each table's rows)", ylabel="hit rate (%)")
+        ax.set(
+            title=policy.upper(),
+            xlabel="cache size (% of each table's rows)",
+            ylabel="hit rate (%)",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     save_figure(fig, path)
@@ -177,16 +246,42 @@ def plot(df: pd.DataFrame, path: Path) -> None:
 def main(argv=None) -> dict:
     p = parser(__doc__)
     add_source_args(p)
-    p.add_argument("--order", choices=["shuffled", "file"],
-                   help="step order: dlrm train's shuffled first epoch (default for a data directory) "
-                        "or file order (default, and the only choice, for a trace)")
-    p.add_argument("--batch-size", type=int, default=2048, help="lookups per table per step (default: %(default)s)")
-    p.add_argument("--steps", type=int, help="replay only the first STEPS steps (default: all whole steps)")
-    p.add_argument("--sizes", type=float, nargs="+", default=[1, 5, 10, 30, 50], help="cache sizes, %% of each table's rows (default: %(default)s)")
+    p.add_argument(
+        "--order",
+        choices=["shuffled", "file"],
+        help="step order: dlrm train's shuffled first epoch (default for a data directory) "
+        "or file order (default, and the only choice, for a trace)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=2048,
+        help="lookups per table per step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps", type=int, help="replay only the first STEPS steps (default: all whole steps)"
+    )
+    p.add_argument(
+        "--sizes",
+        type=float,
+        nargs="+",
+        default=[1, 5, 10, 30, 50],
+        help="cache sizes, %% of each table's rows (default: %(default)s)",
+    )
     p.add_argument("--policies", nargs="+", choices=["lru", "lfu"], default=["lru", "lfu"])
-    p.add_argument("--ways", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="associativities (default: %(default)s)")
-    p.add_argument("--jobs", type=int, default=1, help="processes replaying (table, configuration) pairs")
-    p.add_argument("--out", type=Path, default=Path("bench/results/hit_rate"), help="(default: %(default)s)")
+    p.add_argument(
+        "--ways",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16, 32],
+        help="associativities (default: %(default)s)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="processes replaying (table, configuration) pairs"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("bench/results/hit_rate"), help="(default: %(default)s)"
+    )
     args = p.parse_args(argv)
 
     source = load_source(args)
@@ -202,40 +297,61 @@ def main(argv=None) -> dict:
     trace = gather_trace(source.ids, big, rows)
 
     start = time.perf_counter()
-    df = run_grid(trace, [source.cardinalities[t] for t in big], args.batch_size, args.sizes,
-                  args.policies, args.ways, args.jobs)
+    df = run_grid(
+        trace,
+        [source.cardinalities[t] for t in big],
+        args.batch_size,
+        args.sizes,
+        args.policies,
+        args.ways,
+        args.jobs,
+    )
     wall = time.perf_counter() - start
     table = [big[i] for i in df.pop("row")]
     df.insert(0, "table", [source.names[t] for t in table])
     df.insert(1, "rows", [source.cardinalities[t] for t in table])
 
     per_config = df.lookups / df.seconds
-    rate = {"per_configuration_median": float(per_config.median()),
-            "per_configuration_min": float(per_config.min()),
-            "per_configuration_total": float(df.lookups.sum() / df.seconds.sum()),
-            "wall_seconds": wall, "jobs": args.jobs,
-            "all_jobs": float(df.lookups.sum() / wall)}
+    rate = {
+        "per_configuration_median": float(per_config.median()),
+        "per_configuration_min": float(per_config.min()),
+        "per_configuration_total": float(df.lookups.sum() / df.seconds.sum()),
+        "wall_seconds": wall,
+        "jobs": args.jobs,
+        "all_jobs": float(df.lookups.sum() / wall),
+    }
     steps = len(rows) // args.batch_size
-    header = (f"# Cache hit rate\n\nData: {source.description}; {steps:,} steps of {args.batch_size:,} "
-              f"lookups per table, {'shuffled as dlrm train (seed ' + str(args.seed) + ')' if shuffle else 'in file order'}. "
-              f"A hit is a lookup whose row is cached before its step's update; cache size is % of each "
-              f"table's rows; overall = hits / lookups over the {len(big)} tables with a cache in training "
-              f"('no cache': capacity rounds to 0 slots, 0 hits).")
+    header = (
+        f"# Cache hit rate\n\nData: {source.description}; {steps:,} steps of {args.batch_size:,} "
+        f"lookups per table, {'shuffled as dlrm train (seed ' + str(args.seed) + ')' if shuffle else 'in file order'}. "
+        f"A hit is a lookup whose row is cached before its step's update; cache size is % of each "
+        f"table's rows; overall = hits / lookups over the {len(big)} tables with a cache in training "
+        f"('no cache': capacity rounds to 0 slots, 0 hits)."
+    )
     footnote = small_tables_note(source, small, args.min_rows)
     md = render(df, header, footnote)
-    rate_line = (f"replay: {rate['per_configuration_median'] / 1e6:.1f} M accesses/s per configuration "
-                 f"(median over {len(df)} table x configuration replays, slowest "
-                 f"{rate['per_configuration_min'] / 1e6:.1f} M/s); {wall:.1f} s wall with {args.jobs} job(s), "
-                 f"{rate['all_jobs'] / 1e6:.1f} M accesses/s in all")
+    rate_line = (
+        f"replay: {rate['per_configuration_median'] / 1e6:.1f} M accesses/s per configuration "
+        f"(median over {len(df)} table x configuration replays, slowest "
+        f"{rate['per_configuration_min'] / 1e6:.1f} M/s); {wall:.1f} s wall with {args.jobs} job(s), "
+        f"{rate['all_jobs'] / 1e6:.1f} M accesses/s in all"
+    )
     print(md)
     print(rate_line)
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_text(args.out / "hit_rate.md", md + "\n" + rate_line + "\n")
-    result = {"data": source.description, "batch_size": args.batch_size, "steps": steps,
-              "shuffled": shuffle, "seed": args.seed, "min_rows": args.min_rows,
-              "left_out": [source.names[t] for t in small], "rate": rate,
-              "records": df.to_dict(orient="records")}
+    result = {
+        "data": source.description,
+        "batch_size": args.batch_size,
+        "steps": steps,
+        "shuffled": shuffle,
+        "seed": args.seed,
+        "min_rows": args.min_rows,
+        "left_out": [source.names[t] for t in small],
+        "rate": rate,
+        "records": df.to_dict(orient="records"),
+    }
     write_text(args.out / "hit_rate.json", json.dumps(result, indent=1))
     plot(df, args.out / "hit_rate.png")
     print(f"wrote {args.out}/hit_rate.md, hit_rate.json, hit_rate.png")

@@ -12,6 +12,7 @@ compared on a padded copy of the file; ours also runs on the ragged original. No
 
     python bench/preprocess.py --lines 2000000 [--workdir DIR] [--seed 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 # Runs argv[1:] and prints its peak RSS in KiB (Linux ru_maxrss unit).
-MEASURE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
-           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+MEASURE = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
 
 
-def write_random_tsv(path: Path, lines: int, seed: int = 0, ragged: bool = True,
-                     chunk: int = 100_000) -> None:
+def write_random_tsv(
+    path: Path, lines: int, seed: int = 0, ragged: bool = True, chunk: int = 100_000
+) -> None:
     """A random Criteo-format TSV: 0/1 label, 13 ints (some empty or negative), 26 hex fields.
 
     5% of the lines have their last two categorical fields empty; with ``ragged`` their two
@@ -38,8 +42,10 @@ def write_random_tsv(path: Path, lines: int, seed: int = 0, ragged: bool = True,
     """
     rng = np.random.default_rng(seed)
     # Per column a pool of hex strings, drawn with a skew (Criteo ids are heavy-tailed).
-    pools = [np.array([f"{v:08x}" for v in rng.integers(0, 2**32, size=n)], dtype=object)
-             for n in rng.integers(3, 50_000, size=26)]
+    pools = [
+        np.array([f"{v:08x}" for v in rng.integers(0, 2**32, size=n)], dtype=object)
+        for n in rng.integers(3, 50_000, size=26)
+    ]
     with open(path, "w") as f:
         for start in range(0, lines, chunk):
             n = min(chunk, lines - start)
@@ -60,19 +66,40 @@ def _child(tool: str, src: str, out: str) -> None:
     if tool == "ours":
         sys.path.insert(0, str(ROOT))
         from dlrm.data.criteo import preprocess_criteo
+
         preprocess_criteo(src, out, progress=False)
     else:
         from torchrec.datasets.criteo import BinaryCriteoUtils
+
         Path(out).mkdir(parents=True, exist_ok=True)
-        BinaryCriteoUtils.tsv_to_npys(src, f"{out}/dense.npy", f"{out}/sparse.npy",
-                                      f"{out}/labels.npy", dataset_name="criteo_1tb")
+        BinaryCriteoUtils.tsv_to_npys(
+            src,
+            f"{out}/dense.npy",
+            f"{out}/sparse.npy",
+            f"{out}/labels.npy",
+            dataset_name="criteo_1tb",
+        )
 
 
 def _measure(tool: str, src: Path, out: Path) -> tuple[float, float]:
     """(seconds, peak RSS MiB) of one preprocessing run in a fresh subprocess."""
     start = time.perf_counter()
-    rss = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, __file__, "--child",
-                          tool, str(src), str(out)], check=True, capture_output=True, text=True)
+    rss = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MEASURE,
+            sys.executable,
+            __file__,
+            "--child",
+            tool,
+            str(src),
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return time.perf_counter() - start, int(rss.stdout.split()[-1]) / 1024
 
 
@@ -92,17 +119,23 @@ def main() -> None:
         start = time.perf_counter()
         write_random_tsv(ragged, args.lines, args.seed, ragged=True)
         write_random_tsv(padded, args.lines, args.seed, ragged=False)
-        print(f"wrote 2 x {args.lines} lines in {time.perf_counter() - start:.1f} s "
-              f"({padded.stat().st_size / 2**20:.0f} MiB each)")
-        runs = {(tool, src.stem): _measure(tool, src, tmp / f"out_{tool}_{src.stem}")
-                for tool, src in (("ours", ragged), ("ours", padded), ("torchrec", padded))}
+        print(
+            f"wrote 2 x {args.lines} lines in {time.perf_counter() - start:.1f} s "
+            f"({padded.stat().st_size / 2**20:.0f} MiB each)"
+        )
+        runs = {
+            (tool, src.stem): _measure(tool, src, tmp / f"out_{tool}_{src.stem}")
+            for tool, src in (("ours", ragged), ("ours", padded), ("torchrec", padded))
+        }
 
     print(f"\n{'tool':<10}{'input':<8}{'seconds':>9}{'lines/s':>12}{'peak RSS MiB':>14}")
     for (tool, src), (sec, rss) in runs.items():
         print(f"{tool:<10}{src:<8}{sec:>9.2f}{args.lines / sec:>12,.0f}{rss:>14.0f}")
     (ours_s, ours_rss), (tr_s, tr_rss) = runs["ours", "padded"], runs["torchrec", "padded"]
-    print(f"\ntorchrec / ours on the padded file: time x{tr_s / ours_s:.2f}, "
-          f"peak RSS x{tr_rss / ours_rss:.2f}")
+    print(
+        f"\ntorchrec / ours on the padded file: time x{tr_s / ours_s:.2f}, "
+        f"peak RSS x{tr_rss / ours_rss:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ accesses does not matter here.
 Writes --out/skew.md (also printed; columns: share of accesses of the hottest fractions),
 skew.json and skew.png (cumulative share against fraction of rows, log x, one curve per table).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from _common import (
+    add_source_args,
+    cached_tables,
+    load_source,
+    markdown_table,
+    parser,
+    save_figure,
+    small_tables_note,
+    write_text,
+)
 from tqdm import tqdm
-
-from _common import (add_source_args, cached_tables, load_source, markdown_table, parser, save_figure,
-                     small_tables_note, write_text)
 
 CURVE_POINTS = 400  # log-spaced points per curve in skew.json / skew.png
 
@@ -35,7 +43,7 @@ def access_counts(ids: np.ndarray, tables: list[int], cards: list[int]) -> list[
     counts = [np.zeros(cards[t], np.int64) for t in tables]
     chunk = 1 << 20
     for lo in tqdm(range(0, len(ids), chunk), desc="count", unit="chunk", leave=False):
-        block = np.asarray(ids[lo:lo + chunk])
+        block = np.asarray(ids[lo : lo + chunk])
         for c, t in zip(counts, tables):
             c += np.bincount(block[:, t], minlength=len(c))
     return counts
@@ -61,8 +69,12 @@ def plot(curves: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name, (x, y) in curves.items():
         ax.plot(x, 100 * y, label=name)
-    ax.set(xscale="log", xlabel="hottest fraction of the table's rows",
-           ylabel="share of accesses (%)", title="Cumulative share of accesses by the hottest rows")
+    ax.set(
+        xscale="log",
+        xlabel="hottest fraction of the table's rows",
+        ylabel="share of accesses (%)",
+        title="Cumulative share of accesses by the hottest rows",
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2 if len(curves) > 8 else 1)
     save_figure(fig, path)
@@ -71,9 +83,16 @@ def plot(curves: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     p = parser(__doc__)
     add_source_args(p)
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.001, 0.01, 0.05, 0.1, 0.5],
-                   help="hottest fractions of rows to report (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/skew"), help="(default: %(default)s)")
+    p.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=[0.001, 0.01, 0.05, 0.1, 0.5],
+        help="hottest fractions of rows to report (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("bench/results/skew"), help="(default: %(default)s)"
+    )
     args = p.parse_args(argv)
 
     source = load_source(args)
@@ -88,25 +107,47 @@ def main(argv=None) -> dict:
         rows = len(c)
         k = np.unique(np.geomspace(1, rows, CURVE_POINTS).round().astype(int))
         curves[f"{source.names[t]} ({rows:,} rows)"] = (k / rows, cum[k])
-        records.append({"table": source.names[t], "rows": rows, "accesses": int(c.sum()),
-                        "rows accessed": float((c > 0).mean()),
-                        **{f"hottest {f:.1%}".replace(".0%", "%"): share_of_hottest(cum, f) for f in args.fractions}})
+        records.append(
+            {
+                "table": source.names[t],
+                "rows": rows,
+                "accesses": int(c.sum()),
+                "rows accessed": float((c > 0).mean()),
+                **{
+                    f"hottest {f:.1%}".replace(".0%", "%"): share_of_hottest(cum, f)
+                    for f in args.fractions
+                },
+            }
+        )
     df = pd.DataFrame(records).set_index("table")
     shown = df.assign(**{col: df[col].map(lambda v: f"{v:.1%}") for col in df.columns[2:]})
-    md = "\n".join([
-        "# Access skew per table", "",
-        f"Data: {source.description}. Share of the table's accesses taken by its hottest rows "
-        "(fraction of the table's rows, rows never accessed included); 'rows accessed': share of "
-        "the table's rows accessed at least once.", "",
-        markdown_table(shown), "", small_tables_note(source, small, args.min_rows), ""])
+    md = "\n".join(
+        [
+            "# Access skew per table",
+            "",
+            f"Data: {source.description}. Share of the table's accesses taken by its hottest rows "
+            "(fraction of the table's rows, rows never accessed included); 'rows accessed': share of "
+            "the table's rows accessed at least once.",
+            "",
+            markdown_table(shown),
+            "",
+            small_tables_note(source, small, args.min_rows),
+            "",
+        ]
+    )
     print(md)
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_text(args.out / "skew.md", md)
-    result = {"data": source.description, "min_rows": args.min_rows,
-              "left_out": [source.names[t] for t in small],
-              "tables": df.reset_index().to_dict(orient="records"),
-              "curves": {name: {"fraction": x.tolist(), "share": y.tolist()} for name, (x, y) in curves.items()}}
+    result = {
+        "data": source.description,
+        "min_rows": args.min_rows,
+        "left_out": [source.names[t] for t in small],
+        "tables": df.reset_index().to_dict(orient="records"),
+        "curves": {
+            name: {"fraction": x.tolist(), "share": y.tolist()} for name, (x, y) in curves.items()
+        },
+    }
     write_text(args.out / "skew.json", json.dumps(result, indent=1))
     plot(curves, args.out / "skew.png")
     print(f"wrote {args.out}/skew.md, skew.json, skew.png")

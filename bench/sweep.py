@@ -30,6 +30,7 @@ Outputs in --out: sweep.md (Tables 2-5 and 11, all configurations), figure7.png 
 drop against compression factor, one point per configuration), figure2.png (drop against
 cache size), runs.jsonl, runs.csv.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,13 +41,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from itertools import product
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pandas as pd
+from _common import markdown_table, parser, save_figure, write_atomic, write_text
 from tqdm import tqdm
 
-from _common import markdown_table, parser, save_figure, write_atomic, write_text
 from dlrm.train import RunConfig, resolve_data, train
 from embcache import TableConfig, compression_factor
 
@@ -60,10 +60,10 @@ CONFIG = ["precision", "rounding", "cache", "policy", "ways"]
 @dataclasses.dataclass(frozen=True)
 class Run:
     precision: str
-    rounding: Optional[str]  # None for fp32
+    rounding: str | None  # None for fp32
     cache: float  # % of each table's rows
-    policy: Optional[str]  # None without a cache
-    ways: Optional[int]
+    policy: str | None  # None without a cache
+    ways: int | None
     seed: int
 
     @property
@@ -85,29 +85,50 @@ def grid(precisions, roundings, caches, policies, ways, seeds) -> list[Run]:
             if cache == 0:
                 runs.append(Run(precision, rounding, 0, None, None, seed))
             else:
-                runs += [Run(precision, rounding, cache, p, w, seed) for p, w in product(policies, ways)]
+                runs += [
+                    Run(precision, rounding, cache, p, w, seed) for p, w in product(policies, ways)
+                ]
     return list(dict.fromkeys(runs))
 
 
-def run_config(run: Run, base: dict, threads: Optional[int]) -> RunConfig:
-    return RunConfig(**base, precision=run.precision, rounding=run.rounding or "nearest",
-                     cache_ratio=run.cache / 100, policy=run.policy or "lfu",
-                     associativity=run.ways or 1, seed=run.seed, eval_every=0, progress=False,
-                     threads=threads)
+def run_config(run: Run, base: dict, threads: int | None) -> RunConfig:
+    return RunConfig(
+        **base,
+        precision=run.precision,
+        rounding=run.rounding or "nearest",
+        cache_ratio=run.cache / 100,
+        policy=run.policy or "lfu",
+        associativity=run.ways or 1,
+        seed=run.seed,
+        eval_every=0,
+        progress=False,
+        threads=threads,
+    )
 
 
-def execute(run: Run, base: dict, run_dir: Path, threads: Optional[int]) -> dict:
+def execute(run: Run, base: dict, run_dir: Path, threads: int | None) -> dict:
     """Train (or finish) one run; its result row."""
     start = time.perf_counter()
-    report = train(run_config(run, base, threads), run_dir, resume=(run_dir / "checkpoint.pt").exists())
+    report = train(
+        run_config(run, base, threads), run_dir, resume=(run_dir / "checkpoint.pt").exists()
+    )
     emb = report["embeddings"]
-    cached = [t["hit_rate"] for t in emb["tables"].values() if t["precision"] != "fp32"] if run.cache else []
-    return {"name": run.name, **dataclasses.asdict(run), "steps": report["steps"],
-            **{k: report["test"][k] for k in ("accuracy", "auc", "log_loss", "normalized_entropy")},
-            "compression_factor": emb["compression_factor"],
-            "hit_rate": float(np.mean(cached)) if cached else None,
-            "samples_per_second": report["samples_per_second"],
-            "seconds": time.perf_counter() - start, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    cached = (
+        [t["hit_rate"] for t in emb["tables"].values() if t["precision"] != "fp32"]
+        if run.cache
+        else []
+    )
+    return {
+        "name": run.name,
+        **dataclasses.asdict(run),
+        "steps": report["steps"],
+        **{k: report["test"][k] for k in ("accuracy", "auc", "log_loss", "normalized_entropy")},
+        "compression_factor": emb["compression_factor"],
+        "hit_rate": float(np.mean(cached)) if cached else None,
+        "samples_per_second": report["samples_per_second"],
+        "seconds": time.perf_counter() - start,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def run_all(todo: list[Run], base: dict, runs_dir: Path, jobs: int):
@@ -147,12 +168,25 @@ def relative_drop(rows: pd.DataFrame) -> pd.Series:
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration: mean and std over seeds of the drop, and the other metrics."""
     g = rows.assign(drop=relative_drop(rows)).groupby(CONFIG, dropna=False, sort=False)
-    out = g.agg(seeds=("seed", "nunique"), accuracy=("accuracy", "mean"), auc=("auc", "mean"),
-                drop=("drop", "mean"), drop_std=("drop", "std"),
-                compression_factor=("compression_factor", "mean"), hit_rate=("hit_rate", "mean"))
-    rank = {"precision": PRECISIONS.index, "rounding": lambda r: ROUNDINGS.index(r) if r in ROUNDINGS else -1}
-    return out.reset_index().sort_values(CONFIG, key=lambda c: c.map(rank[c.name]) if c.name in rank else c,
-                                         na_position="first", ignore_index=True)
+    out = g.agg(
+        seeds=("seed", "nunique"),
+        accuracy=("accuracy", "mean"),
+        auc=("auc", "mean"),
+        drop=("drop", "mean"),
+        drop_std=("drop", "std"),
+        compression_factor=("compression_factor", "mean"),
+        hit_rate=("hit_rate", "mean"),
+    )
+    rank = {
+        "precision": PRECISIONS.index,
+        "rounding": lambda r: ROUNDINGS.index(r) if r in ROUNDINGS else -1,
+    }
+    return out.reset_index().sort_values(
+        CONFIG,
+        key=lambda c: c.map(rank[c.name]) if c.name in rank else c,
+        na_position="first",
+        ignore_index=True,
+    )
 
 
 def cell(mean: float, std: float) -> str:
@@ -172,9 +206,17 @@ def cache_label(cache: float, policy: str, ways: int) -> str:
 
 def formula_factor(precision: str, cache: float, policy, ways) -> float:
     """The compression factor of a 10M-row, dim-128 table without optimizer state (SPEC §5)."""
-    return compression_factor(TableConfig(10_000_000, 128, precision=precision, cache_ratio=cache / 100,
-                                          policy=policy if cache else "lfu", associativity=int(ways) if cache else 1,
-                                          optimizer="sgd"))
+    return compression_factor(
+        TableConfig(
+            10_000_000,
+            128,
+            precision=precision,
+            cache_ratio=cache / 100,
+            policy=policy if cache else "lfu",
+            associativity=int(ways) if cache else 1,
+            optimizer="sgd",
+        )
+    )
 
 
 def render(rows: pd.DataFrame, base: dict) -> str:
@@ -182,53 +224,116 @@ def render(rows: pd.DataFrame, base: dict) -> str:
     s["cell"] = [cell(m, sd) for m, sd in zip(s["drop"], s.drop_std)]
     precisions = [p for p in PRECISIONS[1:] if p in set(s.precision)]
     seeds = sorted(rows.seed.unique())
-    data = base["data"] if base["data"] != "synthetic" else (
-        f"synthetic (scale {base['synthetic_scale']}, {base['synthetic_rows']:,} rows)")
+    data = (
+        base["data"]
+        if base["data"] != "synthetic"
+        else (f"synthetic (scale {base['synthetic_scale']}, {base['synthetic_rows']:,} rows)")
+    )
     steps = f"{base['steps']} steps" if base["steps"] else "one epoch"
-    out = ["# Accuracy and memory sweep", "",
-           f"Data: {data}; {steps} of batch {base['batch_size']}; preset "
-           f"{base['preset']}; seeds {', '.join(map(str, seeds))}. Cells: relative test accuracy drop in % "
-           f"vs the FP32 run of the same seed, `(acc_fp32 - acc) / acc_fp32 * 100`, mean ± std over "
-           f"seeds; **bold**: neutral (mean < {NEUTRAL}%).", ""]
+    out = [
+        "# Accuracy and memory sweep",
+        "",
+        f"Data: {data}; {steps} of batch {base['batch_size']}; preset "
+        f"{base['preset']}; seeds {', '.join(map(str, seeds))}. Cells: relative test accuracy drop in % "
+        f"vs the FP32 run of the same seed, `(acc_fp32 - acc) / acc_fp32 * 100`, mean ± std over "
+        f"seeds; **bold**: neutral (mean < {NEUTRAL}%).",
+        "",
+    ]
 
     lp = s[s.precision != "fp32"]
     nocache = lp[lp.cache == 0]
     if len(nocache):
         t = nocache.pivot(index="rounding", columns="precision", values="cell")
-        out += ["## Without cache (the paper's Table 2)", "",
-                markdown_table(t.reindex(columns=precisions).fillna("–").rename_axis(None, axis=1)), ""]
+        out += [
+            "## Without cache (the paper's Table 2)",
+            "",
+            markdown_table(t.reindex(columns=precisions).fillna("–").rename_axis(None, axis=1)),
+            "",
+        ]
     cached = lp[lp.cache != 0]
     for (policy, ways), d in cached.groupby(["policy", "ways"], sort=False):
         sizes = sorted(d.cache.unique())
         cells = d.set_index(["cache", "precision", "rounding"]).cell
-        t = pd.DataFrame({p: [f"{cells.get((c, p, 'nearest'), '–')} / {cells.get((c, p, 'stochastic'), '–')}"
-                              for c in sizes] for p in precisions},
-                         index=pd.Index([f"{c:g}%" for c in sizes], name="cache size"))
-        ref = f" (the paper's Table {PAPER_TABLE[(policy, ways)]})" if (policy, ways) in PAPER_TABLE else ""
-        out += [f"## {kind_label(policy, ways)} cache, nearest / stochastic{ref}", "", markdown_table(t), ""]
+        t = pd.DataFrame(
+            {
+                p: [
+                    f"{cells.get((c, p, 'nearest'), '–')} / {cells.get((c, p, 'stochastic'), '–')}"
+                    for c in sizes
+                ]
+                for p in precisions
+            },
+            index=pd.Index([f"{c:g}%" for c in sizes], name="cache size"),
+        )
+        ref = (
+            f" (the paper's Table {PAPER_TABLE[(policy, ways)]})"
+            if (policy, ways) in PAPER_TABLE
+            else ""
+        )
+        out += [
+            f"## {kind_label(policy, ways)} cache, nearest / stochastic{ref}",
+            "",
+            markdown_table(t),
+            "",
+        ]
 
     s["config"] = [cache_label(c, p, w) for c, p, w in zip(s.cache, s.policy, s.ways)]
     comp = s.groupby(["config", "precision"], sort=False).compression_factor.mean().unstack()
     comp = comp.reindex(columns=[p for p in PRECISIONS if p in comp.columns])
     kind = s.drop_duplicates("config").set_index("config").loc[comp.index]
-    paper = pd.DataFrame({p: [formula_factor(p, k.cache, k.policy, k.ways) for k in kind.itertuples()]
-                          for p in comp.columns}, index=comp.index).where(comp.notna())
+    paper = pd.DataFrame(
+        {
+            p: [formula_factor(p, k.cache, k.policy, k.ways) for k in kind.itertuples()]
+            for p in comp.columns
+        },
+        index=comp.index,
+    ).where(comp.notna())
     comp, paper = (t.map(lambda v: "–" if pd.isna(v) else f"{v:.4f}") for t in (comp, paper))
-    out += ["## Memory compression factor (the paper's Table 11)", "",
-            "Measured: these runs' embedding memory (tables, qparams, cache, tags, priorities, "
-            "optimizer state) over FP32 tables with the same optimizer state, all tables (small "
-            "ones stay FP32).", "",
-            markdown_table(comp.rename_axis("cache").rename_axis(None, axis=1)), "",
-            "Formula at the paper's setting (one large table, dim 128, no optimizer state; "
-            "SPEC §5 reference points: fp16 0.5, int8 0.2656, int8 + 10% LFU 0.374):", "",
-            markdown_table(paper.rename_axis("cache").rename_axis(None, axis=1)), ""]
+    out += [
+        "## Memory compression factor (the paper's Table 11)",
+        "",
+        "Measured: these runs' embedding memory (tables, qparams, cache, tags, priorities, "
+        "optimizer state) over FP32 tables with the same optimizer state, all tables (small "
+        "ones stay FP32).",
+        "",
+        markdown_table(comp.rename_axis("cache").rename_axis(None, axis=1)),
+        "",
+        "Formula at the paper's setting (one large table, dim 128, no optimizer state; "
+        "SPEC §5 reference points: fp16 0.5, int8 0.2656, int8 + 10% LFU 0.374):",
+        "",
+        markdown_table(paper.rename_axis("cache").rename_axis(None, axis=1)),
+        "",
+    ]
 
-    full = s.assign(rounding=s.rounding.fillna("–"), cache=s.config, drop=s.cell, accuracy=s.accuracy.map("{:.4f}".format), auc=s.auc.map("{:.4f}".format),
-                    compression_factor=s.compression_factor.map("{:.4f}".format),
-                    hit_rate=s.hit_rate.map(lambda v: "–" if pd.isna(v) else f"{v:.1%}"))
-    full = full[["precision", "rounding", "cache", "seeds", "accuracy", "drop", "auc", "compression_factor", "hit_rate"]]
-    out += ["## All configurations", "", "Accuracy and AUC: means over seeds; drop in %.", "",
-            markdown_table(full.set_index("precision")), ""]
+    full = s.assign(
+        rounding=s.rounding.fillna("–"),
+        cache=s.config,
+        drop=s.cell,
+        accuracy=s.accuracy.map("{:.4f}".format),
+        auc=s.auc.map("{:.4f}".format),
+        compression_factor=s.compression_factor.map("{:.4f}".format),
+        hit_rate=s.hit_rate.map(lambda v: "–" if pd.isna(v) else f"{v:.1%}"),
+    )
+    full = full[
+        [
+            "precision",
+            "rounding",
+            "cache",
+            "seeds",
+            "accuracy",
+            "drop",
+            "auc",
+            "compression_factor",
+            "hit_rate",
+        ]
+    ]
+    out += [
+        "## All configurations",
+        "",
+        "Accuracy and AUC: means over seeds; drop in %.",
+        "",
+        markdown_table(full.set_index("precision")),
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -247,22 +352,38 @@ def plot_figure7(rows: pd.DataFrame, path: Path) -> None:
     s = summarize(rows)
     lp = s[s.precision != "fp32"]
     roundings = [r for r in ROUNDINGS if r in set(lp.rounding)] or ROUNDINGS[-1:]
-    fig, axes = plt.subplots(1, len(roundings), figsize=(6 * len(roundings), 4.5), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(roundings), figsize=(6 * len(roundings), 4.5), sharey=True, squeeze=False
+    )
     for ax, rounding in zip(axes[0], roundings):
         ax.scatter([1.0], [0.0], color=colors["fp32"], marker="*", s=80, label="fp32 (reference)")
         for precision, d in lp[lp.rounding == rounding].groupby("precision", sort=False):
             for cached, marker in ((False, "s"), (True, "o")):
                 e = d[(d.cache != 0) == cached]
                 if len(e):
-                    ax.errorbar(e.compression_factor, e["drop"], yerr=e.drop_std.fillna(0), fmt=marker,
-                                color=colors[precision], capsize=2,
-                                label=f"{precision} {'+ cache' if cached else 'no cache'}")
+                    ax.errorbar(
+                        e.compression_factor,
+                        e["drop"],
+                        yerr=e.drop_std.fillna(0),
+                        fmt=marker,
+                        color=colors[precision],
+                        capsize=2,
+                        label=f"{precision} {'+ cache' if cached else 'no cache'}",
+                    )
             for _, r in d[d.cache != 0].iterrows():
-                ax.annotate(f"{r.cache:g}%", (r.compression_factor, r["drop"]), fontsize=6,
-                            xytext=(3, 3), textcoords="offset points")
+                ax.annotate(
+                    f"{r.cache:g}%",
+                    (r.compression_factor, r["drop"]),
+                    fontsize=6,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
         ax.axhline(NEUTRAL, color="gray", ls="--", lw=0.8)
-        ax.set(title=f"{rounding} rounding", xlabel="memory compression factor (lower = smaller)",
-               ylabel="relative accuracy drop (%)")
+        ax.set(
+            title=f"{rounding} rounding",
+            xlabel="memory compression factor (lower = smaller)",
+            ylabel="relative accuracy drop (%)",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path)
@@ -277,16 +398,31 @@ def plot_figure2(rows: pd.DataFrame, path: Path) -> None:
     panels = [(k, r) for k in kinds for r in ROUNDINGS if r in set(lp.rounding)]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4.5 * len(panels), 4), sharey=True, squeeze=False
+    )
     for ax, ((policy, ways), rounding) in zip(axes[0], panels):
-        d = lp[(lp.rounding == rounding) & ((lp.cache == 0) | ((lp.policy == policy) & (lp.ways == ways)))]
+        d = lp[
+            (lp.rounding == rounding)
+            & ((lp.cache == 0) | ((lp.policy == policy) & (lp.ways == ways)))
+        ]
         for precision, e in d.groupby("precision", sort=False):
             e = e.sort_values("cache")
-            ax.errorbar(e.cache, e["drop"], yerr=e.drop_std.fillna(0), marker="o", capsize=2,
-                        color=colors[precision], label=precision)
+            ax.errorbar(
+                e.cache,
+                e["drop"],
+                yerr=e.drop_std.fillna(0),
+                marker="o",
+                capsize=2,
+                color=colors[precision],
+                label=precision,
+            )
         ax.axhline(NEUTRAL, color="gray", ls="--", lw=0.8)
-        ax.set(title=f"{kind_label(policy, ways)}, {rounding}", xlabel="cache size (% of rows)",
-               ylabel="relative accuracy drop (%)")
+        ax.set(
+            title=f"{kind_label(policy, ways)}, {rounding}",
+            xlabel="cache size (% of rows)",
+            ylabel="relative accuracy drop (%)",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path)
@@ -307,42 +443,74 @@ def main(argv=None) -> int:
     g = p.add_argument_group("grid (fp32 = the reference, always run once per seed)")
     g.add_argument("--precision", nargs="+", choices=PRECISIONS, default=PRECISIONS[1:])
     g.add_argument("--rounding", nargs="+", choices=ROUNDINGS, default=ROUNDINGS)
-    g.add_argument("--cache", type=float, nargs="+", default=[0, 5, 10, 30, 50], help="%% of each table's rows; 0 = none")
+    g.add_argument(
+        "--cache",
+        type=float,
+        nargs="+",
+        default=[0, 5, 10, 30, 50],
+        help="%% of each table's rows; 0 = none",
+    )
     g.add_argument("--policy", nargs="+", choices=["lfu", "lru"], default=["lfu"])
     g.add_argument("--ways", type=int, nargs="+", default=[32], help="associativities")
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     g = p.add_argument_group("shared by every run (fixed by the sweep's first invocation)")
     d = RunConfig()
-    g.add_argument("--data", default=d.data, help="a preprocessed directory, or 'synthetic' (dlrm train's default)")
+    g.add_argument(
+        "--data",
+        default=d.data,
+        help="a preprocessed directory, or 'synthetic' (dlrm train's default)",
+    )
     g.add_argument("--synthetic-rows", type=int, default=d.synthetic_rows)
     g.add_argument("--synthetic-scale", type=float, default=d.synthetic_scale)
-    g.add_argument("--steps", type=int, default=d.steps, help="training steps per run (default: one epoch)")
+    g.add_argument(
+        "--steps", type=int, default=d.steps, help="training steps per run (default: one epoch)"
+    )
     g.add_argument("--batch-size", type=int, default=d.batch_size)
     g.add_argument("--preset", choices=["kaggle", "paper"], default=d.preset)
-    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process (1 thread) each")
-    p.add_argument("--out", type=Path, default=Path("bench/results/sweep"), help="results (default: %(default)s)")
-    p.add_argument("--runs", type=Path, default=Path("runs/sweep"),
-                   help="run directories and synthetic data (default: %(default)s, git-ignored)")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs trained at once, one process (1 thread) each"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results/sweep"),
+        help="results (default: %(default)s)",
+    )
+    p.add_argument(
+        "--runs",
+        type=Path,
+        default=Path("runs/sweep"),
+        help="run directories and synthetic data (default: %(default)s, git-ignored)",
+    )
     args = p.parse_args(argv)
 
-    base = {k: getattr(args, k) for k in ("data", "synthetic_rows", "synthetic_scale", "steps", "batch_size", "preset")}
+    base = {
+        k: getattr(args, k)
+        for k in ("data", "synthetic_rows", "synthetic_scale", "steps", "batch_size", "preset")
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     settings = args.out / "sweep.json"
     if settings.exists() and json.loads(settings.read_text()) != base:
-        p.error(f"{args.out} is a sweep with other shared settings ({settings.read_text().strip()}); "
-                f"use another --out")
+        p.error(
+            f"{args.out} is a sweep with other shared settings ({settings.read_text().strip()}); "
+            f"use another --out"
+        )
     write_text(settings, json.dumps(base))
 
     runs = grid(args.precision, args.rounding, args.cache, args.policy, args.ways, args.seeds)
     done = set(read_rows(args.out).name)
     todo = [r for r in runs if r.name not in done]
-    print(f"{len(runs)} runs in the grid, {len(runs) - len(todo)} already done, {len(todo)} to run "
-          f"with {args.jobs} job(s)")
+    print(
+        f"{len(runs)} runs in the grid, {len(runs) - len(todo)} already done, {len(todo)} to run "
+        f"with {args.jobs} job(s)"
+    )
     for seed in sorted({r.seed for r in todo}):  # generate the data once, before the jobs start
         resolve_data(run_config(Run("fp32", None, 0, None, None, seed), base, None), args.runs)
     failed = []
     with open(args.out / "runs.jsonl", "a") as log:
-        for run, row, error in tqdm(run_all(todo, base, args.runs, args.jobs), total=len(todo), desc="sweep", unit="run"):
+        for run, row, error in tqdm(
+            run_all(todo, base, args.runs, args.jobs), total=len(todo), desc="sweep", unit="run"
+        ):
             if error is not None:
                 failed.append(run.name)
                 tqdm.write(f"{run.name}: failed: {type(error).__name__}: {error}")
@@ -355,7 +523,9 @@ def main(argv=None) -> int:
         print(render(rows, base))
     print(f"wrote {args.out}/sweep.md, figure7.png, figure2.png, runs.csv, runs.jsonl")
     if failed:
-        print(f"{len(failed)} run(s) failed (re-run to retry): {', '.join(failed)}", file=sys.stderr)
+        print(
+            f"{len(failed)} run(s) failed (re-run to retry): {', '.join(failed)}", file=sys.stderr
+        )
         return 1
     return 0
 

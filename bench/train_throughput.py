@@ -7,6 +7,7 @@ steps after --warmup steps; the table prints samples/s and the ratio (target >= 
     python bench/train_throughput.py                       # scale 0.01: tables up to ~100k rows
     python bench/train_throughput.py --dense-precision fp32 --scale 0.05
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ import torch
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 from _common import write_text  # noqa: E402
+
 from dlrm.data.synthetic import SyntheticCriteo  # noqa: E402
 from dlrm.train import RunConfig, build_model, build_trainer  # noqa: E402
 
@@ -46,25 +48,42 @@ def main():
     args = p.parse_args()
     gen = SyntheticCriteo(scale=args.scale, seed=0)
     n = args.batch_size * (args.steps + args.warmup)
-    batches = list(gen.batches(n * 14 // 12 + 14 * args.batch_size, "train", args.batch_size, drop_last=True))
+    batches = list(
+        gen.batches(n * 14 // 12 + 14 * args.batch_size, "train", args.batch_size, drop_last=True)
+    )
     batches = batches[: args.steps + args.warmup]
     base = RunConfig(preset=args.preset, dense_precision=args.dense_precision, progress=False)
     engines = {
-        "embcache int8 + 5% 32-way LFU": dataclasses.replace(base, embeddings="embcache", precision="int8",
-                                                              cache_ratio=0.05, associativity=32, policy="lfu"),
+        "embcache int8 + 5% 32-way LFU": dataclasses.replace(
+            base,
+            embeddings="embcache",
+            precision="int8",
+            cache_ratio=0.05,
+            associativity=32,
+            policy="lfu",
+        ),
         "TorchRec EBC fp32": dataclasses.replace(base, embeddings="torchrec"),
     }
-    results = {name: samples_per_second(cfg, gen.cardinalities, batches, args.warmup) for name, cfg in engines.items()}
+    results = {
+        name: samples_per_second(cfg, gen.cardinalities, batches, args.warmup)
+        for name, cfg in engines.items()
+    }
     ratio = results["embcache int8 + 5% 32-way LFU"] / results["TorchRec EBC fp32"]
-    print(f"\n{sum(gen.cardinalities):,} rows, batch {args.batch_size}, dense {args.dense_precision}, "
-          f"{torch.get_num_threads()} threads, {args.steps} timed steps")
+    print(
+        f"\n{sum(gen.cardinalities):,} rows, batch {args.batch_size}, dense {args.dense_precision}, "
+        f"{torch.get_num_threads()} threads, {args.steps} timed steps"
+    )
     print("| engine | samples/s |\n|---|---:|")
     for name, sps in results.items():
         print(f"| {name} | {sps:,.0f} |")
     print(f"ratio (ours / TorchRec): {ratio:.2f}x")
     if args.json:
-        write_text(args.json, json.dumps({"args": vars(args), "samples_per_second": results, "ratio": ratio},
-                                         indent=2))
+        write_text(
+            args.json,
+            json.dumps(
+                {"args": vars(args), "samples_per_second": results, "ratio": ratio}, indent=2
+            ),
+        )
 
 
 if __name__ == "__main__":

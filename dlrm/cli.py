@@ -3,6 +3,7 @@
 User errors (missing or corrupt data, a checkpoint from another configuration, an
 unwritable output, an invalid option) print one line on stderr and exit with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,34 +37,65 @@ def _table_override(text: str) -> tuple[str, dict]:
             options[key.strip().replace("-", "_")] = value
         return name, options
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--table expects NAME:key=value[,key=value], got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--table expects NAME:key=value[,key=value], got {text!r}"
+        ) from None
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=d.data, help="a preprocessed directory, or 'synthetic' (default: generated once, deterministic)")
+    g.add_argument(
+        "--data",
+        default=d.data,
+        help="a preprocessed directory, or 'synthetic' (default: generated once, deterministic)",
+    )
     g.add_argument("--synthetic-rows", type=int, default=d.synthetic_rows)
-    g.add_argument("--synthetic-scale", type=float, default=d.synthetic_scale, help="Kaggle cardinalities times this")
+    g.add_argument(
+        "--synthetic-scale",
+        type=float,
+        default=d.synthetic_scale,
+        help="Kaggle cardinalities times this",
+    )
     g = p.add_argument_group("embedding tables")
-    g.add_argument("--embeddings", choices=["embcache", "torchrec"], default=d.embeddings, help="ours, or TorchRec's FP32 EmbeddingBagCollection (baseline)")
-    g.add_argument("--precision", choices=["fp32", "fp16", "int8", "int4", "int2"], default=d.precision)
+    g.add_argument(
+        "--embeddings",
+        choices=["embcache", "torchrec"],
+        default=d.embeddings,
+        help="ours, or TorchRec's FP32 EmbeddingBagCollection (baseline)",
+    )
+    g.add_argument(
+        "--precision", choices=["fp32", "fp16", "int8", "int4", "int2"], default=d.precision
+    )
     g.add_argument("--rounding", choices=["nearest", "stochastic"], default=d.rounding)
     g.add_argument("--cache-ratio", type=float, default=d.cache_ratio)
     g.add_argument("--associativity", type=int, default=d.associativity)
     g.add_argument("--policy", choices=["lru", "lfu"], default=d.policy)
-    g.add_argument("--emb-optimizer", choices=["sgd", "rowwise_adagrad", "adagrad"], default=d.emb_optimizer)
+    g.add_argument(
+        "--emb-optimizer", choices=["sgd", "rowwise_adagrad", "adagrad"], default=d.emb_optimizer
+    )
     g.add_argument("--emb-lr", type=float, default=d.emb_lr)
     g.add_argument("--qparams", choices=["fp32", "fp16"], default=d.qparams)
     g.add_argument("--min-rows-for-low-precision", type=int, default=d.min_rows_for_low_precision)
-    g.add_argument("--table", type=_table_override, action="append", default=[], metavar="NAME:key=value,...",
-                   help="per-table override, e.g. t_2:precision=int4,cache_ratio=0.1 (tables are t_0..t_25)")
+    g.add_argument(
+        "--table",
+        type=_table_override,
+        action="append",
+        default=[],
+        metavar="NAME:key=value,...",
+        help="per-table override, e.g. t_2:precision=int4,cache_ratio=0.1 (tables are t_0..t_25)",
+    )
     g = p.add_argument_group("training")
     g.add_argument("--preset", choices=["kaggle", "paper"], default=d.preset)
     g.add_argument("--dense-precision", choices=["fp32", "fp16"], default=d.dense_precision)
     g.add_argument("--loss-scaler", choices=["static", "backoff", "logmax"], default=d.loss_scaler)
     g.add_argument("--static-scale", type=float, default=d.static_scale)
-    g.add_argument("--optimizer", choices=["sgd", "adam", "adagrad"], default=d.optimizer, help="dense optimizer")
+    g.add_argument(
+        "--optimizer",
+        choices=["sgd", "adam", "adagrad"],
+        default=d.optimizer,
+        help="dense optimizer",
+    )
     g.add_argument("--lr", type=float, default=d.lr, help="dense learning rate")
     g.add_argument("--batch-size", type=int, default=d.batch_size)
     g.add_argument("--epochs", type=int, default=d.epochs)
@@ -73,7 +105,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--threads", type=int, default=d.threads)
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    g.add_argument("--stop-after", type=int, default=d.stop_after, help="stop after this many steps of this invocation, as if interrupted (resume with --resume)")
+    g.add_argument(
+        "--stop-after",
+        type=int,
+        default=d.stop_after,
+        help="stop after this many steps of this invocation, as if interrupted (resume with --resume)",
+    )
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -95,33 +132,57 @@ def _summary(report: dict) -> str:
     ]
     emb = report["embeddings"]
     if "hit_rate" in emb:
-        lines.append(f"embeddings: {emb['memory_bytes'] / 2**20:.1f} MiB, compression factor "
-                     f"{emb['compression_factor']:.3f}, cache hit rate {emb['hit_rate']:.3f} (tables with a cache)")
+        lines.append(
+            f"embeddings: {emb['memory_bytes'] / 2**20:.1f} MiB, compression factor "
+            f"{emb['compression_factor']:.3f}, cache hit rate {emb['hit_rate']:.3f} (tables with a cache)"
+        )
     if report["data"].get("bayes_auc"):
         lines.append(f"data: Bayes-optimal AUC {json.dumps(report['data']['bayes_auc'])}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dlrm", description="DLRM on Criteo with low-precision cached embedding tables")
+    parser = argparse.ArgumentParser(
+        prog="dlrm", description="DLRM on Criteo with low-precision cached embedding tables"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train a model (default: INT8 tables + 5%% LFU cache, FP16 dense, synthetic data)")
+    p = sub.add_parser(
+        "train",
+        help="train a model (default: INT8 tables + 5%% LFU cache, FP16 dense, synthetic data)",
+    )
     _add_run_options(p)
-    p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory (checkpoint.pt, report.json)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/train"),
+        help="run directory (checkpoint.pt, report.json)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its checkpoint"
+    )
 
     p = sub.add_parser("evaluate", help="evaluate a run's checkpoint")
     _add_run_options(p)
     p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
     p.add_argument("--split", choices=["val", "test"], default="test")
 
-    p = sub.add_parser("preprocess", help="raw Criteo TSV (or TorchRec npy directory) -> preprocessed directory")
-    p.add_argument("src", type=Path, help="train.txt, or a directory of TorchRec day_*.npy files with --torchrec")
+    p = sub.add_parser(
+        "preprocess", help="raw Criteo TSV (or TorchRec npy directory) -> preprocessed directory"
+    )
+    p.add_argument(
+        "src",
+        type=Path,
+        help="train.txt, or a directory of TorchRec day_*.npy files with --torchrec",
+    )
     p.add_argument("out", type=Path)
-    p.add_argument("--torchrec", action="store_true", help="src is TorchRec's preprocessed npy layout")
+    p.add_argument(
+        "--torchrec", action="store_true", help="src is TorchRec's preprocessed npy layout"
+    )
     p.add_argument("--min-count", type=int, default=1)
-    p.add_argument("--max-ind-range", type=int, default=0, help="hash ids modulo this (0: no hashing)")
+    p.add_argument(
+        "--max-ind-range", type=int, default=0, help="hash ids modulo this (0: no hashing)"
+    )
 
     p = sub.add_parser("generate", help="write the synthetic Criteo-like data set to a directory")
     p.add_argument("out", type=Path)
@@ -164,13 +225,19 @@ def _dispatch(args) -> int:
             if args.torchrec:
                 meta = convert_torchrec_npys(args.src, args.out)
             else:
-                meta = preprocess_criteo(args.src, args.out, min_count=args.min_count, max_ind_range=args.max_ind_range)
+                meta = preprocess_criteo(
+                    args.src, args.out, min_count=args.min_count, max_ind_range=args.max_ind_range
+                )
             print(json.dumps({k: meta[k] for k in ("rows", "cardinalities") if k in meta}))
         elif args.command == "generate":
             from dlrm.data.synthetic import SyntheticCriteo
 
             meta = SyntheticCriteo(scale=args.scale, seed=args.seed).write(args.out, args.rows)
-            print(json.dumps({k: meta[k] for k in ("rows", "cardinalities", "bayes_auc") if k in meta}))
+            print(
+                json.dumps(
+                    {k: meta[k] for k in ("rows", "cardinalities", "bayes_auc") if k in meta}
+                )
+            )
     except DataError as e:
         raise RunError(str(e)) from None
     return 0

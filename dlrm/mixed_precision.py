@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ def _emulated(t: Tensor) -> bool:
     return t.dtype == torch.float16 and t.device.type == "cpu"
 
 
-def _check_same_dtype(*tensors: Optional[Tensor]) -> None:
+def _check_same_dtype(*tensors: Tensor | None) -> None:
     dtypes = {t.dtype for t in tensors if t is not None}
     if len(dtypes) > 1:
         raise TypeError(f"operands must share one dtype, got {sorted(map(str, dtypes))}")
@@ -67,7 +68,7 @@ class _EmulatedHalfLinear(torch.autograd.Function):
     """``y = fp16(x @ W^T + b)`` with FP32 accumulation; backward likewise (see :func:`linear`)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         y = x.float() @ weight.float().t()
         if bias is not None:
@@ -111,7 +112,7 @@ class _EmulatedHalfBmm(torch.autograd.Function):
         return grad_a, grad_b
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` whose FP16 version is what a tensor core computes, on CPU too.
 
     For FP16 operands on CPU the result is ``fp16(fp32(x) @ fp32(W)^T + fp32(b))``: an FP32
@@ -328,7 +329,9 @@ class LogMaxScaler(LossScaler):
         mu_s = self.m1s / (1 - b2**self.t)
         sigma = math.sqrt(max(self.m2 / (1 - b2**self.t) - mu_s * mu_s, 0.0))
         log_scale = self.log_max - (mu + self.overflow_std_dev * sigma)
-        self.scale = 2.0 ** min(max(log_scale, math.log2(MIN_SCALE)), math.log2(MAX_SCALE))  # clamp(2^log_scale)
+        self.scale = 2.0 ** min(
+            max(log_scale, math.log2(MIN_SCALE)), math.log2(MAX_SCALE)
+        )  # clamp(2^log_scale)
 
 
 _SCALERS = {"static": StaticScaler, "backoff": BackoffScaler, "logmax": LogMaxScaler}
@@ -419,9 +422,10 @@ class MixedPrecisionTrainer:
         precision: str = "fp16",
         optimizer: str = "sgd",
         lr: float = 0.01,
-        optimizer_kwargs: Optional[dict] = None,
-        scaler: Optional[LossScaler] = None,
-        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]] = None,
+        optimizer_kwargs: dict | None = None,
+        scaler: LossScaler | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+        | None = None,
     ) -> None:
         if precision not in ("fp32", "fp16"):
             raise ValueError(f"precision must be 'fp32' or 'fp16', got {precision!r}")
@@ -430,7 +434,9 @@ class MixedPrecisionTrainer:
         self.model = model
         self.precision = precision
         embeddings = model.embedding_collection
-        self.protocol_embedding = embeddings if isinstance(embeddings, MixedPrecisionEmbedding) else None
+        self.protocol_embedding = (
+            embeddings if isinstance(embeddings, MixedPrecisionEmbedding) else None
+        )
         embedding_params = list(embeddings.parameters()) if embeddings is not None else []
         embedding_ids = {id(p) for p in embedding_params}
         self.dense_params = [p for p in model.parameters() if id(p) not in embedding_ids]
@@ -438,7 +444,9 @@ class MixedPrecisionTrainer:
         if precision == "fp16":
             self.masters = [p.detach().float().clone() for p in self.dense_params]
             for p in self.dense_params:
-                p.data = p.data.half()  # in place, as Module.half() does: the Parameter stays the same object
+                p.data = (
+                    p.data.half()
+                )  # in place, as Module.half() does: the Parameter stays the same object
             pairs = list(zip(self.dense_params, self.masters))
         else:
             self.masters = []
@@ -450,9 +458,15 @@ class MixedPrecisionTrainer:
             pairs += [(p, p) for p in embedding_params]
         self._pairs = pairs  # (model parameter, FP32 tensor the optimizer updates)
 
-        self.optimizer = _OPTIMIZERS[optimizer]([m for _, m in pairs], lr=lr, **(optimizer_kwargs or {}))
+        self.optimizer = _OPTIMIZERS[optimizer](
+            [m for _, m in pairs], lr=lr, **(optimizer_kwargs or {})
+        )
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self.scaler = scaler if scaler is not None else (BackoffScaler() if precision == "fp16" else StaticScaler(1.0))
+        self.scaler = (
+            scaler
+            if scaler is not None
+            else (BackoffScaler() if precision == "fp16" else StaticScaler(1.0))
+        )
         self.report = ScalingReport(scale_trace=[(0, self.scaler.scale)])
 
     def train_step(self, dense: Tensor, sparse, labels: Tensor) -> dict:
@@ -462,7 +476,9 @@ class MixedPrecisionTrainer:
         possibly inf or NaN)."""
         scale = self.scaler.scale
         logits = self.model(dense, sparse)
-        loss = F.binary_cross_entropy_with_logits(logits.float().reshape(-1), labels.float().reshape(-1))
+        loss = F.binary_cross_entropy_with_logits(
+            logits.float().reshape(-1), labels.float().reshape(-1)
+        )
         (loss * scale).backward()
 
         grads = self._unscale_grads(1.0 / scale)
@@ -529,13 +545,17 @@ class MixedPrecisionTrainer:
             "masters": list(self.masters),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "lr_scheduler": self.lr_scheduler.state_dict()
+            if self.lr_scheduler is not None
+            else None,
             "report": dataclasses.asdict(self.report),
         }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["masters"]) != len(self.masters):
-            raise ValueError("state has a different number of master tensors (precision or model differ)")
+            raise ValueError(
+                "state has a different number of master tensors (precision or model differ)"
+            )
         self.model.load_state_dict(state["model"])
         with torch.no_grad():
             for master, saved in zip(self.masters, state["masters"]):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -66,7 +66,7 @@ def make_torchrec_ebc(
     dim: int,
     *,
     pooling: PoolingType = PoolingType.SUM,
-    device: Optional[torch.device] = None,
+    device: torch.device | None = None,
 ) -> EmbeddingBagCollection:
     """TorchRec's FP32 ``EmbeddingBagCollection`` (the baseline): table ``t_k`` of
     ``cardinalities[k]`` rows serves feature ``cat_k``. Rows are initialised by TorchRec's
@@ -168,12 +168,14 @@ class DLRM(nn.Module):
         self.num_sparse_features = num_sparse_features
         self.bottom_mlp = _mlp(bottom_mlp, relu_last=True)
         self.interaction = DotInteraction(num_sparse_features)
-        self.top_mlp = _mlp((self.embedding_dim + self.interaction.num_pairs, *top_mlp), relu_last=False)
+        self.top_mlp = _mlp(
+            (self.embedding_dim + self.interaction.num_pairs, *top_mlp), relu_last=False
+        )
 
     @classmethod
     def from_preset(
         cls, name: str, embedding_collection: nn.Module, num_sparse_features: int = len(SPARSE_KEYS)
-    ) -> "DLRM":
+    ) -> DLRM:
         """A DLRM with the widths of ``PRESETS[name]`` (``"kaggle"`` or ``"paper"``)."""
         try:
             config = PRESETS[name]

@@ -6,6 +6,7 @@ A run lives in one directory: ``checkpoint.pt`` (written atomically every
 :class:`RunConfig`; resuming checks that the checkpoint was made by the same configuration
 (everything but the step budget and the bookkeeping fields may not change).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -59,14 +59,16 @@ class RunConfig:
     lr: float = 0.01
     batch_size: int = 1024
     epochs: int = 1
-    steps: Optional[int] = None  # None: whole epochs
+    steps: int | None = None  # None: whole epochs
     eval_every: int = 100
     eval_batches: int = 20
     seed: int = 0
     # bookkeeping: may differ between a run and its resumption
-    threads: Optional[int] = None
+    threads: int | None = None
     checkpoint_every: int = 100
-    stop_after: Optional[int] = None  # stop (as if interrupted) after this many steps of this invocation
+    stop_after: int | None = (
+        None  # stop (as if interrupted) after this many steps of this invocation
+    )
     progress: bool = True
 
     BOOKKEEPING = ("steps", "threads", "checkpoint_every", "stop_after", "progress", "eval_every")
@@ -86,7 +88,11 @@ def resolve_data(cfg: RunConfig, root: Path) -> Path:
         path = Path(cfg.data)
         data_batches.read_meta(path)  # DataError if not a preprocessed directory
         return path
-    path = root / "data" / f"synthetic-scale{cfg.synthetic_scale}-rows{cfg.synthetic_rows}-seed{cfg.seed}"
+    path = (
+        root
+        / "data"
+        / f"synthetic-scale{cfg.synthetic_scale}-rows{cfg.synthetic_rows}-seed{cfg.seed}"
+    )
     if not (path / "meta.json").exists():
         SyntheticCriteo(scale=cfg.synthetic_scale, seed=cfg.seed).write(path, cfg.synthetic_rows)
     return path
@@ -103,13 +109,23 @@ def build_model(cfg: RunConfig, cardinalities: list[int]) -> DLRM:
         from embcache import CachedLowPrecisionEmbeddingBagCollection
 
         tables = [
-            EmbeddingBagConfig(name=f"t_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[key])
+            EmbeddingBagConfig(
+                name=f"t_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[key]
+            )
             for i, (n, key) in enumerate(zip(cardinalities, SPARSE_KEYS))
         ]
         collection = CachedLowPrecisionEmbeddingBagCollection(
-            tables, per_table=cfg.tables, precision=cfg.precision, rounding=cfg.rounding,
-            cache_ratio=cfg.cache_ratio, associativity=cfg.associativity, policy=cfg.policy,
-            optimizer=cfg.emb_optimizer, lr=cfg.emb_lr, qparams=cfg.qparams, seed=cfg.seed,
+            tables,
+            per_table=cfg.tables,
+            precision=cfg.precision,
+            rounding=cfg.rounding,
+            cache_ratio=cfg.cache_ratio,
+            associativity=cfg.associativity,
+            policy=cfg.policy,
+            optimizer=cfg.emb_optimizer,
+            lr=cfg.emb_lr,
+            qparams=cfg.qparams,
+            seed=cfg.seed,
             min_rows_for_low_precision=cfg.min_rows_for_low_precision,
         )
     else:
@@ -120,7 +136,10 @@ def build_model(cfg: RunConfig, cardinalities: list[int]) -> DLRM:
 def build_trainer(cfg: RunConfig, model: DLRM) -> MixedPrecisionTrainer:
     kwargs = {"scale": cfg.static_scale} if cfg.loss_scaler == "static" else {}
     return MixedPrecisionTrainer(
-        model, precision=cfg.dense_precision, optimizer=cfg.optimizer, lr=cfg.lr,
+        model,
+        precision=cfg.dense_precision,
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
         scaler=make_scaler(cfg.loss_scaler, **kwargs),
     )
 
@@ -128,7 +147,9 @@ def build_trainer(cfg: RunConfig, model: DLRM) -> MixedPrecisionTrainer:
 # --------------------------------------------------------------------------- evaluation
 
 
-def evaluate(model: DLRM, dataset, split: str, batch_size: int, max_batches: Optional[int] = None) -> dict:
+def evaluate(
+    model: DLRM, dataset, split: str, batch_size: int, max_batches: int | None = None
+) -> dict:
     """Metrics of ``model`` on ``split`` (all of it, or its first ``max_batches`` batches).
     Changes no state: the model is put in eval mode and gradients are off."""
     was_training = model.training
@@ -159,7 +180,9 @@ def _atomic_write(path: Path, write) -> None:
         raise RunError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def save_checkpoint(path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, progress: dict) -> None:
+def save_checkpoint(
+    path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, progress: dict
+) -> None:
     state = {"config": cfg.identity(), "trainer": trainer.state_dict(), "progress": progress}
     _atomic_write(path, lambda p: torch.save(state, p))
 
@@ -238,16 +261,26 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     train_rows = dataset.split("train")[1] - dataset.split("train")[0]
     per_epoch = data_batches.num_batches(train_rows, cfg.batch_size, drop_last=True)
     if per_epoch == 0:
-        raise RunError(f"the train split has {train_rows} rows, fewer than one batch of {cfg.batch_size}")
+        raise RunError(
+            f"the train split has {train_rows} rows, fewer than one batch of {cfg.batch_size}"
+        )
     total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
     this_run = 0
-    bar = tqdm(total=total, initial=progress["step"], desc="train", unit="step", disable=not cfg.progress)
+    bar = tqdm(
+        total=total, initial=progress["step"], desc="train", unit="step", disable=not cfg.progress
+    )
     start = time.perf_counter()
     losses = []
     while progress["step"] < total:
         batches = data_batches.iterate_batches(
-            dataset, "train", cfg.batch_size, shuffle=True, seed=cfg.seed,
-            epoch=progress["epoch"], drop_last=True, start_batch=progress["batch"],
+            dataset,
+            "train",
+            cfg.batch_size,
+            shuffle=True,
+            seed=cfg.seed,
+            epoch=progress["epoch"],
+            drop_last=True,
+            start_batch=progress["batch"],
         )
         for batch in batches:
             out = trainer.train_step(batch.dense, batch.sparse, batch.labels)
@@ -283,8 +316,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     scaling = trainer.report
     report = {
         "config": dataclasses.asdict(cfg),
-        "data": {"dir": str(data_dir), "rows": dataset.meta["rows"], "cardinalities": cards,
-                 "bayes_auc": dataset.meta.get("bayes_auc")},
+        "data": {
+            "dir": str(data_dir),
+            "rows": dataset.meta["rows"],
+            "cardinalities": cards,
+            "bayes_auc": dataset.meta.get("bayes_auc"),
+        },
         "steps": progress["step"],
         "evals": progress["evals"],
         "test": test,
@@ -300,7 +337,10 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
         "grad_abs": {"min": scaling.min_abs_grad, "max": scaling.max_abs_grad},
         "embeddings": _embedding_report(model),
     }
-    _atomic_write(out_dir / "report.json", lambda p: p.write_text(json.dumps(report, indent=2, default=_json_default)))
+    _atomic_write(
+        out_dir / "report.json",
+        lambda p: p.write_text(json.dumps(report, indent=2, default=_json_default)),
+    )
     return report
 
 

@@ -7,9 +7,10 @@ See SPEC §2-5 for the numerics. Public API:
   drop-in (``KeyedJaggedTensor`` in, ``KeyedTensor`` out).
 * :func:`compression_factor` — the paper's memory compression factor (Appendix A).
 """
+
+from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
 from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding, EmbeddingUpdateError
-from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
 from embcache.memory import compression_factor, memory_breakdown
 
 __all__ = [

@@ -1,7 +1,9 @@
 """A drop-in for TorchRec's ``EmbeddingBagCollection`` made of cached low-precision tables."""
+
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,7 +56,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         self,
         tables: Sequence[EmbeddingBagConfig],
         *,
-        per_table: Optional[Mapping[str, Mapping]] = None,
+        per_table: Mapping[str, Mapping] | None = None,
         **defaults,
     ) -> None:
         super().__init__()
@@ -120,9 +122,12 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         """The per-table settings of the table-batched forward (they never change)."""
         cfgs = [t.config for t in self.tables()]
         return (
-            [c.bits for c in cfgs], [c.embedding_dim for c in cfgs],
-            [int(c.qparams_fp16) for c in cfgs], [c.num_sets for c in cfgs],
-            [c.ways for c in cfgs], [int(c.mode == "mean") for c in cfgs],
+            [c.bits for c in cfgs],
+            [c.embedding_dim for c in cfgs],
+            [int(c.qparams_fp16) for c in cfgs],
+            [c.num_sets for c in cfgs],
+            [c.ways for c in cfgs],
+            [int(c.mode == "mean") for c in cfgs],
         )
 
     def _check(self, features: KeyedJaggedTensor, names: list[str], table_of: list[int]) -> None:
@@ -135,7 +140,9 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         if values.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {values.dtype}")
         per_key = torch.tensor(features.length_per_key(), device=values.device)
-        limits = torch.tensor([self._configs[t].num_embeddings for t in table_of], device=values.device)
+        limits = torch.tensor(
+            [self._configs[t].num_embeddings for t in table_of], device=values.device
+        )
         limit = torch.repeat_interleave(limits, per_key)
         bad = (values < 0) | (values >= limit)
         if bool(bad.any()):
@@ -170,9 +177,16 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         batch = features.stride()
         try:
             pooled, offsets, slots, bounds = _ops.multi_lookup_forward(
-                [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
-                values, features.lengths(), psw, table_of,
-                *self._static_lookup_args, batch, self._counters_list if self.training else [],
+                [s[0] for s in state],
+                [s[1] for s in state],
+                [s[2] for s in state],
+                values,
+                features.lengths(),
+                psw,
+                table_of,
+                *self._static_lookup_args,
+                batch,
+                self._counters_list if self.training else [],
             )
         except RuntimeError:
             self._check(features, names, table_of)  # raises the error that names the table
@@ -229,15 +243,22 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
         tables = self._table_list
         if (
-            self._stored and self._one_feature_per_table
+            self._stored
+            and self._one_feature_per_table
             and not any(t._pending for t in tables)
             and self._stored[0].versions == [t._cache_version for t in tables]
         ):  # the usual step: one backward, the cache as its forward saw it
             s = self._stored[0]
             bad = _ops.multi_update(
                 *_columns(t._state_tensors() for t in tables),
-                s.rows, s.grads, s.occurrences, s.slots, s.row_starts, s.bounds,
-                *self._all_update_settings, self._counters_list,
+                s.rows,
+                s.grads,
+                s.occurrences,
+                s.slots,
+                s.row_starts,
+                s.bounds,
+                *self._all_update_settings,
+                self._counters_list,
             )
             self._finish(tables, bad)
             return
@@ -253,16 +274,23 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         if not tables:
             return
         every_table = len(tables) == len(self._table_list)
-        settings = (self._all_update_settings if every_table
-                    else _columns(t._update_settings for t in tables))
+        settings = (
+            self._all_update_settings
+            if every_table
+            else _columns(t._update_settings for t in tables)
+        )
         row_starts = [0]
         for p in parts:
             row_starts.append(row_starts[-1] + p.rows.numel())
         bad = _ops.multi_update(
             *_columns(t._state_tensors() for t in tables),
-            torch.cat([p.rows for p in parts]), torch.cat([p.grads.flatten() for p in parts]),
-            torch.cat([p.occurrences for p in parts]), _NO_HINT, row_starts,
-            [-1.0] * len(tables), *settings,
+            torch.cat([p.rows for p in parts]),
+            torch.cat([p.grads.flatten() for p in parts]),
+            torch.cat([p.occurrences for p in parts]),
+            _NO_HINT,
+            row_starts,
+            [-1.0] * len(tables),
+            *settings,
             self._counters_list if every_table else [t._counters for t in tables],
         )
         self._finish(tables, bad)
@@ -337,11 +365,25 @@ class _FusedLookup(torch.autograd.Function):
             slots = ctx.slots if ctx.slots.numel() else None
             values, *psw = ctx.saved_tensors
             rows, grads, occurrences, row_slots, row_starts = _ops.multi_dedup_backward(
-                values, ctx.offsets, psw[0] if psw else None, grad.float().contiguous(),
-                dims, collection._feature_means, grad.shape[0], slots,
+                values,
+                ctx.offsets,
+                psw[0] if psw else None,
+                grad.float().contiguous(),
+                dims,
+                collection._feature_means,
+                grad.shape[0],
+                slots,
             )
             bounds = ctx.bounds.tolist() or [-1.0] * len(table_of)
-            collection._store(_StoredGradient(
-                rows, grads, occurrences, row_slots, row_starts.tolist(), ctx.versions, bounds,
-            ))
+            collection._store(
+                _StoredGradient(
+                    rows,
+                    grads,
+                    occurrences,
+                    row_slots,
+                    row_starts.tolist(),
+                    ctx.versions,
+                    bounds,
+                )
+            )
         return None, None

@@ -4,6 +4,7 @@ A :class:`TableConfig` is what a user asked for; :meth:`TableConfig.resolve` app
 that small tables stay plain FP32 without cache and gives the layout the kernels work on.
 Every invalid value raises ``ValueError`` naming the table, the field and the value.
 """
+
 from __future__ import annotations
 
 import dataclasses

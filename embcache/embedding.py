@@ -1,10 +1,12 @@
 """A low-precision embedding-bag table behind an FP32 set-associative cache (SPEC §2-4)."""
+
 from __future__ import annotations
 
 import functools
 import math
 import os
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -83,7 +85,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         *,
-        weight: Optional[torch.Tensor] = None,
+        weight: torch.Tensor | None = None,
         include_last_offset: bool = False,
         **options,
     ) -> None:
@@ -103,20 +105,29 @@ class CachedLowPrecisionEmbedding(nn.Module):
             )
         self.register_buffer("weights", self._quantize_initial(weight.detach().float()))
         self.register_buffer("cache_tags", _state_tensor((cfg.num_slots,), torch.int32).fill_(-1))
-        self.register_buffer("cache_rows", _state_tensor((cfg.num_slots, dim), torch.float32).zero_())
+        self.register_buffer(
+            "cache_rows", _state_tensor((cfg.num_slots, dim), torch.float32).zero_()
+        )
         self.register_buffer("cache_priority", _state_tensor((cfg.num_slots,), torch.int32).zero_())
-        self.register_buffer("cache_set_floor", torch.full((cfg.num_sets,), _NO_FLOOR, dtype=torch.int32),
-                             persistent=False)
+        self.register_buffer(
+            "cache_set_floor",
+            torch.full((cfg.num_sets,), _NO_FLOOR, dtype=torch.int32),
+            persistent=False,
+        )
         counts_rows = rows if cfg.policy == "lfu" and cfg.num_slots > 0 else 0
         self.register_buffer("counts", _state_tensor((counts_rows,), torch.int32).zero_())
         width = cfg.optimizer_state_width
-        self.register_buffer("optimizer_state", _state_tensor((rows * width,), torch.float32).zero_())
-        self._counters = torch.zeros(len(_STAT_NAMES), dtype=torch.int64)  # CPU, wherever the table is
+        self.register_buffer(
+            "optimizer_state", _state_tensor((rows * width,), torch.float32).zero_()
+        )
+        self._counters = torch.zeros(
+            len(_STAT_NAMES), dtype=torch.int64
+        )  # CPU, wherever the table is
         self._grad_anchor = torch.empty(0, requires_grad=True)
         self._pending: list[PendingGradient] = []
         # Set by a collection that owns this table: it may keep the latest backward's gradient
         # itself (one record for all its tables), and calling this hands every table its part.
-        self._hand_over: Optional[Callable[[], None]] = None
+        self._hand_over: Callable[[], None] | None = None
         self._cache_version = 0  # changes whenever the cache may have changed
 
     # ------------------------------------------------------------------ construction helpers
@@ -136,9 +147,18 @@ class CachedLowPrecisionEmbedding(nn.Module):
         and the step number)."""
         cfg = self.config
         return (
-            cfg.embedding_dim, cfg.bits, int(cfg.qparams_fp16), int(cfg.rounding == "stochastic"),
-            cfg.optimizer_code, cfg.lr, cfg.eps, int(self._lfu), cfg.seed, cfg.table_id,
-            cfg.num_sets, cfg.ways,
+            cfg.embedding_dim,
+            cfg.bits,
+            int(cfg.qparams_fp16),
+            int(cfg.rounding == "stochastic"),
+            cfg.optimizer_code,
+            cfg.lr,
+            cfg.eps,
+            int(self._lfu),
+            cfg.seed,
+            cfg.table_id,
+            cfg.num_sets,
+            cfg.ways,
         )
 
     def _format_args(self) -> tuple[int, bool]:
@@ -152,7 +172,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
             block = weight[start : start + (1 << 16)].contiguous()
             ids = torch.arange(start, start + block.shape[0], dtype=torch.int64)
             try:
-                out[start : start + block.shape[0]] = _ops.quantize_rows(block, ids, bits, qfp16, False, 0, 0, 0)
+                out[start : start + block.shape[0]] = _ops.quantize_rows(
+                    block, ids, bits, qfp16, False, 0, 0, 0
+                )
             except RuntimeError as e:
                 raise ValueError(f"table '{self.config.name}': initial weight: {e}") from None
         return out
@@ -162,9 +184,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
     def _bags(
         self,
         input: torch.Tensor,
-        offsets: Optional[torch.Tensor],
-        per_sample_weights: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        offsets: torch.Tensor | None,
+        per_sample_weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(indices int64 [L], offsets int64 [B+1], weights float32 [L] or None), checked."""
         name = self.config.name
 
@@ -172,17 +194,25 @@ class CachedLowPrecisionEmbedding(nn.Module):
             return ValueError(f"table '{name}': {msg}")
 
         if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
-            raise bad(f"input must be an int64 or int32 tensor, got {getattr(input, 'dtype', type(input))}")
+            raise bad(
+                f"input must be an int64 or int32 tensor, got {getattr(input, 'dtype', type(input))}"
+            )
         if input.dim() == 2:
             if offsets is not None:
                 raise bad("offsets must be None when input is 2-D (fixed-length bags)")
-            b, l = input.shape
-            offsets = torch.arange(0, b * l + 1, max(l, 1), dtype=torch.int64, device=input.device)[: b + 1]
+            bags, length = input.shape
+            offsets = torch.arange(
+                0, bags * length + 1, max(length, 1), dtype=torch.int64, device=input.device
+            )[: bags + 1]
             input = input.reshape(-1)
         elif input.dim() == 1:
             if offsets is None:
                 raise bad("offsets are required when input is 1-D")
-            if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) or offsets.dim() != 1:
+            if (
+                not isinstance(offsets, torch.Tensor)
+                or offsets.dtype not in (torch.int64, torch.int32)
+                or offsets.dim() != 1
+            ):
                 raise bad("offsets must be a 1-D int64 or int32 tensor")
             offsets = offsets.long()
             if not self.include_last_offset:
@@ -214,7 +244,10 @@ class CachedLowPrecisionEmbedding(nn.Module):
         if per_sample_weights is not None:
             if self.config.mode != "sum":
                 raise bad("per_sample_weights are only supported with mode='sum'")
-            if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
+            if (
+                not isinstance(per_sample_weights, torch.Tensor)
+                or not per_sample_weights.is_floating_point()
+            ):
                 raise bad("per_sample_weights must be a floating-point tensor")
             if per_sample_weights.shape != indices.shape:
                 raise bad(
@@ -229,16 +262,26 @@ class CachedLowPrecisionEmbedding(nn.Module):
         cfg = self.config
         bits, qfp16 = self._format_args()
         out, hits = _ops.lookup_forward(
-            self.weights, self.cache_tags, self.cache_rows, indices, offsets, psw,
-            bits, cfg.embedding_dim, qfp16, cfg.num_sets, cfg.ways, cfg.mode == "mean",
+            self.weights,
+            self.cache_tags,
+            self.cache_rows,
+            indices,
+            offsets,
+            psw,
+            bits,
+            cfg.embedding_dim,
+            qfp16,
+            cfg.num_sets,
+            cfg.ways,
+            cfg.mode == "mean",
         )
         return out, int(hits)
 
     def forward(
         self,
         input: torch.Tensor,
-        offsets: Optional[torch.Tensor] = None,
-        per_sample_weights: Optional[torch.Tensor] = None,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Pooled embeddings ``[bags, dim]`` (FP32), with ``nn.EmbeddingBag``'s conventions.
 
@@ -266,7 +309,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             self._hand_over()
         return self._pending
 
-    def _pending_gradient(self) -> Optional[PendingGradient]:
+    def _pending_gradient(self) -> PendingGradient | None:
         """The stored gradient summed per unique row (rows ascending)."""
         if not self._parts():
             return None
@@ -308,7 +351,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         if prepared is not None:
             self._commit_step(prepared)
 
-    def _prepare_step(self) -> Optional[tuple]:
+    def _prepare_step(self) -> tuple | None:
         """The optimizer's new values for the stored gradient, computed without changing any
         state; raises :class:`EmbeddingUpdateError` if they cannot be applied."""
         pending = self._pending_gradient()
@@ -318,9 +361,20 @@ class CachedLowPrecisionEmbedding(nn.Module):
         cfg = self.config
         bits, qfp16 = self._format_args()
         fresh, fresh_state, slots, bad_row = _ops.update_prepare(
-            self.weights, self.cache_tags, self.cache_rows, self.optimizer_state, rows, grads,
-            bits, qfp16, cfg.rounding == "stochastic", cfg.optimizer_code, cfg.lr, cfg.eps,
-            cfg.num_sets, cfg.ways,
+            self.weights,
+            self.cache_tags,
+            self.cache_rows,
+            self.optimizer_state,
+            rows,
+            grads,
+            bits,
+            qfp16,
+            cfg.rounding == "stochastic",
+            cfg.optimizer_code,
+            cfg.lr,
+            cfg.eps,
+            cfg.num_sets,
+            cfg.ways,
         )
         self._raise_if_bad(bad_row)
         return rows, fresh, fresh_state, slots, occ
@@ -343,16 +397,30 @@ class CachedLowPrecisionEmbedding(nn.Module):
         """Per-table arguments of the commit op after the state tensors and prepared values."""
         cfg = self.config
         return (
-            cfg.bits, cfg.qparams_fp16, cfg.rounding == "stochastic", self._lfu, cfg.seed,
-            self.step_count + 1, cfg.table_id, cfg.num_sets, cfg.ways,
+            cfg.bits,
+            cfg.qparams_fp16,
+            cfg.rounding == "stochastic",
+            self._lfu,
+            cfg.seed,
+            self.step_count + 1,
+            cfg.table_id,
+            cfg.num_sets,
+            cfg.ways,
         )
 
     def _state_tensors(self) -> tuple:
         """(weights, cache_tags, cache_rows, cache_priority, cache_set_floor, counts,
         optimizer_state): the mutable arguments of the update ops."""
         b = self._buffers  # read directly: nn.Module.__getattr__ is slow on a per-step path
-        return (b["weights"], b["cache_tags"], b["cache_rows"], b["cache_priority"],
-                b["cache_set_floor"], b["counts"], b["optimizer_state"])
+        return (
+            b["weights"],
+            b["cache_tags"],
+            b["cache_rows"],
+            b["cache_priority"],
+            b["cache_set_floor"],
+            b["counts"],
+            b["optimizer_state"],
+        )
 
     def _commit_step(self, prepared: tuple) -> None:
         counts = _ops.update_commit(*self._state_tensors(), *prepared, *self._commit_args())
@@ -380,9 +448,17 @@ class CachedLowPrecisionEmbedding(nn.Module):
         cfg = self.config
         bits, qfp16 = self._format_args()
         n = _ops.cache_flush(
-            self.weights, self.cache_tags, self.cache_rows, self.cache_priority,
-            self.cache_set_floor, bits, qfp16,
-            cfg.rounding == "stochastic", cfg.seed, self.step_count, cfg.table_id,
+            self.weights,
+            self.cache_tags,
+            self.cache_rows,
+            self.cache_priority,
+            self.cache_set_floor,
+            bits,
+            qfp16,
+            cfg.rounding == "stochastic",
+            cfg.seed,
+            self.step_count,
+            cfg.table_id,
         )
         self.cache_rows.zero_()
         self._bump_cache_version()

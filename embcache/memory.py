@@ -1,4 +1,5 @@
 """The paper's memory compression factor (Appendix A, SPEC §5), from the formula alone."""
+
 from __future__ import annotations
 
 from embcache.config import TableConfig

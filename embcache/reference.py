@@ -40,11 +40,11 @@ Conventions the SPEC leaves open, as chosen for the project (see the module docs
   LFU a copy of its row's count. The rule here reads LFU priorities from ``counts`` itself,
   so comparing ``cache_priority`` with the kernels checks that their copy stays true.
 """
+
 from __future__ import annotations
 
 import math
 import sys
-from typing import Optional
 
 import torch
 
@@ -115,6 +115,7 @@ def uniforms(seed: int, step: int, table_id: int, row: int, dim: int) -> torch.T
 
 # ------------------------------------------------------------------------------ row -> set
 
+
 def murmur_fmix64(h: int) -> int:
     """The 64-bit MurmurHash3 finalizer (SPEC §4)."""
     m = (1 << 64) - 1
@@ -132,6 +133,7 @@ def set_of_row(row: int, num_sets: int) -> int:
 
 
 # ------------------------------------------------------------------------------ row formats
+
 
 def payload_bytes(precision: str, dim: int) -> int:
     return math.ceil(dim * PRECISION_BITS[precision] / 8)
@@ -159,7 +161,9 @@ def first_max(x: torch.Tensor) -> torch.Tensor:
     return x.gather(1, first)[:, 0]
 
 
-def row_qparams(x: torch.Tensor, bits: int, qparams: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_qparams(
+    x: torch.Tensor, bits: int, qparams: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scale, bias, inv) of each row of x [n, dim], float32 [n] each, SPEC §2:
 
     fp32: ``bias = min``, ``scale = (max - min) / Q``, ``inv = Q / (max - min + 1e-8)``;
@@ -180,8 +184,9 @@ def row_qparams(x: torch.Tensor, bits: int, qparams: str) -> tuple[torch.Tensor,
     return scale, bias, inv
 
 
-def storable(x: torch.Tensor, precision: str, qparams: str = "fp32",
-             rounding: str = "nearest") -> torch.Tensor:
+def storable(
+    x: torch.Tensor, precision: str, qparams: str = "fp32", rounding: str = "nearest"
+) -> torch.Tensor:
     """Per row of x [n, dim]: whether every value the row could be stored as is finite.
 
     SPEC §2: a non-finite value is never written. fp16: the nearest binary16 (``x.half()``)
@@ -206,16 +211,19 @@ def storable(x: torch.Tensor, precision: str, qparams: str = "fp32",
     return ok
 
 
-def check_storable(x: torch.Tensor, precision: str, qparams: str = "fp32",
-                   rounding: str = "nearest") -> None:
+def check_storable(
+    x: torch.Tensor, precision: str, qparams: str = "fp32", rounding: str = "nearest"
+) -> None:
     """Raise :class:`NotStorableError` naming the first row of x [n, dim] that cannot be stored."""
     ok = storable(x, precision, qparams, rounding)
     if not bool(ok.all()):
         bad = int(torch.nonzero(~ok)[0])
-        raise NotStorableError(f"row {bad} cannot be stored as {precision}: non-finite or out of range")
+        raise NotStorableError(
+            f"row {bad} cannot be stored as {precision}: non-finite or out of range"
+        )
 
 
-def round_codes(y: torch.Tensor, q: int, rounding: str, u: Optional[torch.Tensor]) -> torch.Tensor:
+def round_codes(y: torch.Tensor, q: int, rounding: str, u: torch.Tensor | None) -> torch.Tensor:
     """Integer codes of y (float32), clamped to [0, q]: nearest = half to even (torch.round);
     stochastic = floor(y) + 1 with probability y - floor(y) (``u < y - floor(y)``)."""
     if rounding == "nearest":
@@ -268,9 +276,16 @@ def unpack_codes(payload: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return (byte >> ((j % per) * bits)) & (2**bits - 1)
 
 
-def quantize_rows(values: torch.Tensor, row_ids, precision: str, qparams: str = "fp32",
-                  rounding: str = "nearest", seed: int = 0, step: int = 0,
-                  table_id: int = 0) -> torch.Tensor:
+def quantize_rows(
+    values: torch.Tensor,
+    row_ids,
+    precision: str,
+    qparams: str = "fp32",
+    rounding: str = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    table_id: int = 0,
+) -> torch.Tensor:
     """The stored bytes (uint8 ``[n, row_bytes]``) of the float32 rows ``values`` [n, dim]
     (the reference of ``torch.ops.embcache.quantize_rows``), SPEC §2-3.
 
@@ -286,7 +301,11 @@ def quantize_rows(values: torch.Tensor, row_ids, precision: str, qparams: str = 
     if bits == 32:
         return x.clone().view(torch.uint8)
     if stochastic:
-        u = torch.stack([uniforms(seed, step, table_id, r, dim) for r in row_ids]) if n else x.clone()
+        u = (
+            torch.stack([uniforms(seed, step, table_id, r, dim) for r in row_ids])
+            if n
+            else x.clone()
+        )
     if bits == 16:
         h = stochastic_round_fp16(x, u) if stochastic else x.half()
         return h.contiguous().view(torch.uint8)
@@ -302,11 +321,20 @@ def quantize_rows(values: torch.Tensor, row_ids, precision: str, qparams: str = 
     return torch.cat([pack_codes(codes, bits), tail], dim=1)
 
 
-def quantize_row(x: torch.Tensor, precision: str, qparams: str = "fp32",
-                 rounding: str = "nearest", seed: int = 0, step: int = 0, table_id: int = 0,
-                 row: int = 0) -> torch.Tensor:
+def quantize_row(
+    x: torch.Tensor,
+    precision: str,
+    qparams: str = "fp32",
+    rounding: str = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    table_id: int = 0,
+    row: int = 0,
+) -> torch.Tensor:
     """The stored bytes (uint8 ``[row_bytes]``) of one float32 row x [dim]; ``row`` is its id."""
-    return quantize_rows(x.reshape(1, -1), [row], precision, qparams, rounding, seed, step, table_id)[0]
+    return quantize_rows(
+        x.reshape(1, -1), [row], precision, qparams, rounding, seed, step, table_id
+    )[0]
 
 
 def fresh_copy(t: torch.Tensor) -> torch.Tensor:
@@ -314,7 +342,9 @@ def fresh_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
-def dequantize_rows(weights: torch.Tensor, precision: str, dim: int, qparams: str = "fp32") -> torch.Tensor:
+def dequantize_rows(
+    weights: torch.Tensor, precision: str, dim: int, qparams: str = "fp32"
+) -> torch.Tensor:
     """float32 ``[n, dim]`` values of stored rows ``weights`` [n, row_bytes]:
     ``code * scale + bias`` (a multiply, then an add, each rounded) for integer formats."""
     w = fresh_copy(weights)  # own, aligned storage for the views below
@@ -333,12 +363,15 @@ def dequantize_rows(weights: torch.Tensor, precision: str, dim: int, qparams: st
     return product + bias
 
 
-def dequantize_row(stored: torch.Tensor, precision: str, dim: int, qparams: str = "fp32") -> torch.Tensor:
+def dequantize_row(
+    stored: torch.Tensor, precision: str, dim: int, qparams: str = "fp32"
+) -> torch.Tensor:
     """float32 ``[dim]`` values of one stored row."""
     return dequantize_rows(stored.reshape(1, -1), precision, dim, qparams)[0]
 
 
 # ------------------------------------------------------------------------------ the table
+
 
 class ReferenceTable:
     """One table as SPEC §4 describes it, holding the state tensors of
@@ -369,7 +402,9 @@ class ReferenceTable:
         self.state_width = width
         expected = (self.num_rows, row_bytes(self.precision, self.dim, self.qparams))
         if tuple(weights.shape) != expected or weights.dtype != torch.uint8:
-            raise ValueError(f"weights must be uint8 {expected}, got {weights.dtype} {tuple(weights.shape)}")
+            raise ValueError(
+                f"weights must be uint8 {expected}, got {weights.dtype} {tuple(weights.shape)}"
+            )
         self.weights = weights.clone()
         self.cache_tags = torch.full((self.num_slots,), -1, dtype=torch.int32)
         self.cache_rows = torch.zeros(self.num_slots, self.dim, dtype=F32)
@@ -379,14 +414,26 @@ class ReferenceTable:
         self.optimizer_state = torch.zeros(self.num_rows * width, dtype=F32)
         self.step_count = 0
         self._stats = dict.fromkeys(
-            ("lookups", "hits", "steps", "unique_rows", "unique_hits", "unique_misses",
-             "insertions", "evictions", "bypasses", "flushed"), 0)
+            (
+                "lookups",
+                "hits",
+                "steps",
+                "unique_rows",
+                "unique_hits",
+                "unique_misses",
+                "insertions",
+                "evictions",
+                "bypasses",
+                "flushed",
+            ),
+            0,
+        )
         self._saved = None
         self.pending = None  # (unique rows ascending, gradients, occurrences) after backward
 
     # ------------------------------------------------------------------ cache lookups
 
-    def slot_of(self, row: int, tags: Optional[list] = None) -> int:
+    def slot_of(self, row: int, tags: list | None = None) -> int:
         """The slot holding ``row`` (searched only in its own set), or -1."""
         if self.num_sets == 0:
             return -1
@@ -399,10 +446,14 @@ class ReferenceTable:
 
     def stored_rows(self, rows: list) -> torch.Tensor:
         """The dequantized table copies of ``rows`` [n, dim] (stale for resident rows)."""
-        return dequantize_rows(self.weights[torch.tensor(rows, dtype=torch.int64)],
-                               self.precision, self.dim, self.qparams)
+        return dequantize_rows(
+            self.weights[torch.tensor(rows, dtype=torch.int64)],
+            self.precision,
+            self.dim,
+            self.qparams,
+        )
 
-    def fetch_rows(self, rows: list, tags: Optional[list] = None) -> tuple[torch.Tensor, list]:
+    def fetch_rows(self, rows: list, tags: list | None = None) -> tuple[torch.Tensor, list]:
         """(FP32 values [n, dim], resident? per row): the cache copy of a resident row, else
         the dequantized table row (SPEC §4 step 1)."""
         tags = self.cache_tags.tolist() if tags is None else tags
@@ -425,13 +476,19 @@ class ReferenceTable:
 
     # ------------------------------------------------------------------ forward / backward
 
-    def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
-                per_sample_weights: Optional[torch.Tensor] = None,
-                training: bool = True) -> tuple[torch.Tensor, int]:
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        training: bool = True,
+    ) -> tuple[torch.Tensor, int]:
         """Pooled bags [B, dim] and the number of lookups that found their row cached."""
         idx = indices.reshape(-1).tolist()
         starts = offsets.reshape(-1).tolist() + [len(idx)]
-        psw = None if per_sample_weights is None else per_sample_weights.detach().to(F32).reshape(-1)
+        psw = (
+            None if per_sample_weights is None else per_sample_weights.detach().to(F32).reshape(-1)
+        )
         mean = self.config.mode == "mean"
         if psw is not None and mean:
             raise ValueError("per_sample_weights are only supported with mode='sum'")
@@ -443,10 +500,10 @@ class ReferenceTable:
         hits = 0
         for b in range(nbags):
             acc = torch.zeros(self.dim, dtype=F32)  # 0.0, then each lookup added in order
-            for l in range(starts[b], starts[b + 1]):
-                v, hit = value_of[idx[l]]
+            for j in range(starts[b], starts[b + 1]):
+                v, hit = value_of[idx[j]]
                 hits += hit
-                acc = acc + (psw[l] * v if psw is not None else v)
+                acc = acc + (psw[j] * v if psw is not None else v)
             n = starts[b + 1] - starts[b]
             if mean and n > 0:
                 acc = acc / f32(float(n))
@@ -472,10 +529,10 @@ class ReferenceTable:
         position = {r: u for u, r in enumerate(rows)}
         grads = [torch.zeros(self.dim, dtype=F32) for _ in rows]
         occ = [0] * len(rows)
-        for l, row in enumerate(idx):  # lookup order = increasing position
-            b = bag_of[l]
+        for j, row in enumerate(idx):  # lookup order = increasing position
+            b = bag_of[j]
             if psw is not None:
-                contrib = grad_out[b] * psw[l]
+                contrib = grad_out[b] * psw[j]
             elif mean:
                 contrib = grad_out[b] / f32(float(starts[b + 1] - starts[b]))
             else:
@@ -513,8 +570,15 @@ class ReferenceTable:
             return
         cfg = self.config
         self.weights[torch.tensor(rows, dtype=torch.int64)] = quantize_rows(
-            torch.stack(values), rows, self.precision, self.qparams, self.rounding,
-            cfg.seed, step, cfg.table_id)
+            torch.stack(values),
+            rows,
+            self.precision,
+            self.qparams,
+            self.rounding,
+            cfg.seed,
+            step,
+            cfg.table_id,
+        )
 
     def _slot_priority(self, slot: int, tags: list):
         if tags[slot] < 0:
@@ -610,8 +674,11 @@ class ReferenceTable:
     def flush(self) -> int:
         """Round every cached row into the table (stream step = step_count), empty the cache."""
         resident = [(slot, tag) for slot, tag in enumerate(self.cache_tags.tolist()) if tag >= 0]
-        self._store([tag for _, tag in resident],
-                    [self.cache_rows[slot].clone() for slot, _ in resident], self.step_count)
+        self._store(
+            [tag for _, tag in resident],
+            [self.cache_rows[slot].clone() for slot, _ in resident],
+            self.step_count,
+        )
         written = len(resident)
         self.cache_tags.fill_(-1)
         self.cache_rows.zero_()

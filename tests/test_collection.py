@@ -1,8 +1,9 @@
 """The TorchRec drop-in: KeyedJaggedTensor in, KeyedTensor out, inside torchrec's DLRM."""
+
 import pytest
 import torch
 from torchrec.models.dlrm import DLRM
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -13,7 +14,9 @@ CARDS = [5000, 3000, 40, 2000]
 
 def _tables(dim=8):
     return [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"])
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"]
+        )
         for i, n in enumerate(CARDS)
     ]
 
@@ -21,11 +24,13 @@ def _tables(dim=8):
 def _kjt(gen, batch, max_len=3):
     lengths, values = [], []
     for n in CARDS:
-        l = torch.randint(0, max_len + 1, (batch,), generator=gen)
-        lengths.append(l)
-        values.append((torch.rand(int(l.sum()), generator=gen) ** 2 * n).long())
+        length = torch.randint(0, max_len + 1, (batch,), generator=gen)
+        lengths.append(length)
+        values.append((torch.rand(int(length.sum()), generator=gen) ** 2 * n).long())
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f{i}" for i in range(len(CARDS))], values=torch.cat(values), lengths=torch.cat(lengths)
+        keys=[f"f{i}" for i in range(len(CARDS))],
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
     )
 
 
@@ -45,7 +50,9 @@ def test_a_table_read_by_two_features_trains_like_torchrec():
     """Two features of one table: their gradients are merged per row before the update (the
     step that cannot hand the update one gradient per table as the backward made it)."""
     tables = [
-        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=50, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(
+            name="t0", embedding_dim=8, num_embeddings=50, feature_names=["f0", "f1"]
+        ),
         EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=30, feature_names=["f2"]),
     ]
     ref = EmbeddingBagCollection(tables=tables)
@@ -57,9 +64,13 @@ def test_a_table_read_by_two_features_trains_like_torchrec():
     batch = 16
     for _ in range(3):
         lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
-        sizes = [int(lengths[f * batch:(f + 1) * batch].sum()) for f in range(3)]
-        values = torch.cat([torch.randint(0, n, (k,), generator=gen) for n, k in zip([50, 50, 30], sizes)])
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2"], values=values, lengths=lengths)
+        sizes = [int(lengths[f * batch : (f + 1) * batch].sum()) for f in range(3)]
+        values = torch.cat(
+            [torch.randint(0, n, (k,), generator=gen) for n, k in zip([50, 50, 30], sizes)]
+        )
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f0", "f1", "f2"], values=values, lengths=lengths
+        )
         grad = torch.randn(batch, 20, generator=gen)
         ref(kjt).values().backward(grad)
         opt.step()
@@ -67,7 +78,9 @@ def test_a_table_read_by_two_features_trains_like_torchrec():
         ours(kjt).values().backward(grad)
         ours.step()
     for name, t in ours.embedding_bags.items():
-        torch.testing.assert_close(t.weights.view(torch.float32), ref.embedding_bags[name].weight.detach())
+        torch.testing.assert_close(
+            t.weights.view(torch.float32), ref.embedding_bags[name].weight.detach()
+        )
 
 
 @pytest.mark.parametrize("precision,dim", [("int8", 16), ("fp16", 8), ("fp32", 5)])
@@ -75,13 +88,21 @@ def test_forward_value_bound_is_the_largest_value_read(precision, dim):
     """The forward's per-feature bound on |value| (which lets the update skip its storability
     check) is exactly the largest |value| among the rows the feature read, cached or not."""
     gen = torch.Generator().manual_seed(3)
-    ebc = CachedLowPrecisionEmbeddingBagCollection(_tables(dim), precision=precision, cache_ratio=0.1,
-                                                   min_rows_for_low_precision=0)
+    ebc = CachedLowPrecisionEmbeddingBagCollection(
+        _tables(dim), precision=precision, cache_ratio=0.1, min_rows_for_low_precision=0
+    )
     for t in ebc.tables():  # values of either sign, the largest anywhere in a row
         with torch.no_grad():
-            t.weights.copy_(type(t)(t.config.num_embeddings, dim, precision=precision, cache_ratio=0,
-                                    weight=torch.randn(t.config.num_embeddings, dim, generator=gen),
-                                    min_rows_for_low_precision=0).weights)
+            t.weights.copy_(
+                type(t)(
+                    t.config.num_embeddings,
+                    dim,
+                    precision=precision,
+                    cache_ratio=0,
+                    weight=torch.randn(t.config.num_embeddings, dim, generator=gen),
+                    min_rows_for_low_precision=0,
+                ).weights
+            )
     for _ in range(3):  # fills the caches, which then hold rows that differ from the table
         ebc(_kjt(gen, 32)).values().square().sum().backward()
         ebc.step()
@@ -90,8 +111,16 @@ def test_forward_value_bound_is_the_largest_value_read(precision, dim):
     names, table_of, _ = ebc._layout
     state = [t._state_tensors() for t in ebc.tables()]
     bounds = torch.ops.embcache.multi_lookup_forward(
-        [s[0] for s in state], [s[1] for s in state], [s[2] for s in state],
-        kjt.values(), kjt.lengths(), None, table_of, *ebc._static_lookup_args, kjt.stride(), [],
+        [s[0] for s in state],
+        [s[1] for s in state],
+        [s[2] for s in state],
+        kjt.values(),
+        kjt.lengths(),
+        None,
+        table_of,
+        *ebc._static_lookup_args,
+        kjt.stride(),
+        [],
     )[3]
     for f, name in enumerate(names):
         ids = kjt[name].values()
@@ -102,7 +131,10 @@ def test_forward_value_bound_is_the_largest_value_read(precision, dim):
 
 def test_per_table_overrides_and_small_tables():
     ours = CachedLowPrecisionEmbeddingBagCollection(
-        _tables(), precision="int8", cache_ratio=0.05, per_table={"t1": {"precision": "int4", "policy": "lru"}}
+        _tables(),
+        precision="int8",
+        cache_ratio=0.05,
+        per_table={"t1": {"precision": "int4", "policy": "lru"}},
     )
     cfg = {n: t.config for n, t in ours.embedding_bags.items()}
     assert cfg["t0"].stored_precision == "int8" and cfg["t1"].stored_precision == "int4"
@@ -114,7 +146,9 @@ def test_per_table_overrides_and_small_tables():
 
 
 @pytest.mark.parametrize("cache_ratio", [0.0, 0.1])  # with a cache, SGD judges from gradients
-@pytest.mark.parametrize("precision,bad", [("fp16", 1e6), ("int8", float("inf")), ("int8", float("nan"))])
+@pytest.mark.parametrize(
+    "precision,bad", [("fp16", 1e6), ("int8", float("inf")), ("int8", float("nan"))]
+)
 def test_step_is_all_or_nothing_across_tables(precision, bad, cache_ratio):
     ours = CachedLowPrecisionEmbeddingBagCollection(
         _tables(), precision=precision, lr=1.0, cache_ratio=cache_ratio
@@ -134,10 +168,21 @@ def test_step_is_all_or_nothing_across_tables(precision, bad, cache_ratio):
 def test_torchrec_dlrm_trains_with_cached_int8_tables():
     torch.manual_seed(0)
     ebc = CachedLowPrecisionEmbeddingBagCollection(
-        _tables(), precision="int8", rounding="stochastic", cache_ratio=0.05, associativity=32,
-        policy="lfu", optimizer="rowwise_adagrad", lr=0.1,
+        _tables(),
+        precision="int8",
+        rounding="stochastic",
+        cache_ratio=0.05,
+        associativity=32,
+        policy="lfu",
+        optimizer="rowwise_adagrad",
+        lr=0.1,
     )
-    model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=4,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+    )
     opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(0)
     kjt = _kjt(gen, 256)
@@ -145,7 +190,9 @@ def test_torchrec_dlrm_trains_with_cached_int8_tables():
     # A learnable target: depends on the sparse ids of the first feature and on the dense input.
     ids0 = kjt["f0"].values()
     first = torch.zeros(256)
-    first[kjt["f0"].lengths() > 0] = (ids0[kjt["f0"].offsets()[:-1][kjt["f0"].lengths() > 0]] % 2).float()
+    first[kjt["f0"].lengths() > 0] = (
+        ids0[kjt["f0"].offsets()[:-1][kjt["f0"].lengths() > 0]] % 2
+    ).float()
     labels = ((first + (dense[:, 0] > 0).float()) >= 1).float()
     losses = []
     for _ in range(60):
@@ -186,7 +233,6 @@ def test_bad_ids_name_table_and_feature_and_change_nothing(bad):
     assert ours.stats() == stats
 
 
-
 def test_ids_changed_before_backward_are_refused_and_nothing_is_stored():
     """The backward deduplicates the ids the forward read: if the caller's id tensor changed
     in place in between, autograd refuses the backward and no table holds a gradient."""
@@ -197,6 +243,7 @@ def test_ids_changed_before_backward_are_refused_and_nothing_is_stored():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
     assert ours.pending_grads() == []
+
 
 def test_tables_see_the_gradient_their_collection_stored():
     """The collection keeps a backward's gradient as one record; each table's own methods
@@ -229,7 +276,9 @@ def test_tables_see_the_gradient_their_collection_stored():
 
 
 def test_evaluation_forward_changes_nothing():
-    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="int8", cache_ratio=0.05, policy="lfu")
+    ours = CachedLowPrecisionEmbeddingBagCollection(
+        _tables(), precision="int8", cache_ratio=0.05, policy="lfu"
+    )
     gen = torch.Generator().manual_seed(5)
     for _ in range(2):
         ours(_kjt(gen, 16)).values().sum().backward()
@@ -250,7 +299,8 @@ def _state(module):
 
 
 @pytest.mark.parametrize(
-    "schedule", ["plain", "forward_ahead_of_step", "flush_before_step", "two_forwards", "near_fp16_max"]
+    "schedule",
+    ["plain", "forward_ahead_of_step", "flush_before_step", "two_forwards", "near_fp16_max"],
 )
 def test_table_batched_step_equals_one_table_at_a_time(schedule):
     """The collection's update (which reuses the forward's cache slots and value bound while
@@ -263,12 +313,19 @@ def test_table_batched_step_equals_one_table_at_a_time(schedule):
         options["precision"] = "fp16"
     ours = CachedLowPrecisionEmbeddingBagCollection(_tables(4), **options)
     alone = CachedLowPrecisionEmbeddingBagCollection(_tables(4), **options)
-    if schedule == "near_fp16_max":  # |v| up to 64000: storable, but above what the bound vouches for
+    if (
+        schedule == "near_fp16_max"
+    ):  # |v| up to 64000: storable, but above what the bound vouches for
         for module in (ours, alone):
             for t in module.tables():
-                values = torch.empty(t.weights.shape[0], 4).uniform_(-64000, 64000, generator=torch.Generator().manual_seed(3))
-                t.weights.copy_(values.half().view(torch.uint8).view(t.weights.shape) if t.config.bits == 16
-                                else values.view(torch.uint8).view(t.weights.shape))
+                values = torch.empty(t.weights.shape[0], 4).uniform_(
+                    -64000, 64000, generator=torch.Generator().manual_seed(3)
+                )
+                t.weights.copy_(
+                    values.half().view(torch.uint8).view(t.weights.shape)
+                    if t.config.bits == 16
+                    else values.view(torch.uint8).view(t.weights.shape)
+                )
     gen = torch.Generator().manual_seed(7)
     batches = [_kjt(gen, 64) for _ in range(16)]
     grads = [torch.randn(64, 4 * len(CARDS), generator=gen) for _ in batches]

@@ -17,6 +17,7 @@ candidates than ways or than 32 lanes, all-duplicate batches, empty bags) and re
 
 That the kernels compile with nvcc for sm_80 and sm_90 is checked by `make cuda-check` (CI).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,15 @@ CPU = torch.ops.embcache
 # CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet) and the
 # huge-page advice for host memory.
 NOT_ON_CUDA = {"cache_replay", "advise_huge_pages"}
-STATE = ("weights", "cache_tags", "cache_rows", "cache_priority", "cache_set_floor", "counts",
-         "optimizer_state")
+STATE = (
+    "weights",
+    "cache_tags",
+    "cache_rows",
+    "cache_priority",
+    "cache_set_floor",
+    "counts",
+    "optimizer_state",
+)
 # The set floors are lower bounds that only the CPU commit tightens (a speed hint): not compared.
 COMPARED = tuple(k for k in STATE if k != "cache_set_floor")
 
@@ -85,12 +93,15 @@ def assert_same(got, want, what: str) -> None:
         assert got == want, f"{what}: {got} != {want}"
         return
     assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (
-        f"{what}: {got.dtype} {tuple(got.shape)} vs CPU {want.dtype} {tuple(want.shape)}")
+        f"{what}: {got.dtype} {tuple(got.shape)} vs CPU {want.dtype} {tuple(want.shape)}"
+    )
     g, w = bits_of(got), bits_of(want)
     if not torch.equal(g, w):
         diff = g != w
-        raise AssertionError(f"{what}: {int(diff.sum())} elements differ, first at "
-                             f"{torch.nonzero(diff)[:5].tolist()}")
+        raise AssertionError(
+            f"{what}: {int(diff.sum())} elements differ, first at "
+            f"{torch.nonzero(diff)[:5].tolist()}"
+        )
 
 
 # ----------------------------------------------------------------------------- the twin driver
@@ -100,13 +111,13 @@ class Twin:
     """One table's state twice: on the CPU (driven by the CPU ops) and on the backend (driven by
     the kernels), stepped with the same batches; every output and state compared each step."""
 
-    def __init__(self, backend: Backend, rows: int, dim: int, seed: int, *, mean=False,
-                 **options):
+    def __init__(self, backend: Backend, rows: int, dim: int, seed: int, *, mean=False, **options):
         options.setdefault("min_rows_for_low_precision", 0)
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(rows, dim, generator=gen) * 0.5
-        m = CachedLowPrecisionEmbedding(rows, dim, weight=weight, seed=seed * 7919 + 2**33,
-                                        table_id=seed % 5 + 1, **options)
+        m = CachedLowPrecisionEmbedding(
+            rows, dim, weight=weight, seed=seed * 7919 + 2**33, table_id=seed % 5 + 1, **options
+        )
         self.cfg, self.b, self.dim, self.mean = m.config, backend, dim, mean
         self.cpu = {k: getattr(m, k).clone() for k in STATE}
         self.dev = {k: backend.to(v.clone()) for k, v in self.cpu.items()}
@@ -124,11 +135,24 @@ class Twin:
     def forward(self, indices, offsets, psw, when):
         c, b = self.cfg, self.b
         fmt = (c.bits, c.embedding_dim, c.qparams_fp16, c.num_sets, c.ways, self.mean)
-        want = CPU.lookup_forward(self.cpu["weights"], self.cpu["cache_tags"],
-                                  self.cpu["cache_rows"], indices, offsets, psw, *fmt)
-        got = b.ops.lookup_forward(self.dev["weights"], self.dev["cache_tags"],
-                                   self.dev["cache_rows"], b.to(indices), b.to(offsets),
-                                   b.to(psw), *fmt)
+        want = CPU.lookup_forward(
+            self.cpu["weights"],
+            self.cpu["cache_tags"],
+            self.cpu["cache_rows"],
+            indices,
+            offsets,
+            psw,
+            *fmt,
+        )
+        got = b.ops.lookup_forward(
+            self.dev["weights"],
+            self.dev["cache_tags"],
+            self.dev["cache_rows"],
+            b.to(indices),
+            b.to(offsets),
+            b.to(psw),
+            *fmt,
+        )
         assert_same(got, want, f"{when}: lookup_forward")
         self.lookup_hits += int(want[1])
         return want[0]
@@ -137,27 +161,57 @@ class Twin:
         c, b = self.cfg, self.b
         self.forward(indices, offsets, psw, when)
         want = CPU.dedup_backward(indices, offsets, psw, grad_out, self.mean)
-        got = b.ops.dedup_backward(b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out),
-                                   self.mean)
+        got = b.ops.dedup_backward(
+            b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out), self.mean
+        )
         assert_same(got, want, f"{when}: dedup_backward")
         rows, grads, occ = want
         stochastic = c.rounding == "stochastic"
-        pargs = (c.bits, c.qparams_fp16, stochastic, c.optimizer_code, c.lr, c.eps, c.num_sets,
-                 c.ways)
-        want = CPU.update_prepare(self.cpu["weights"], self.cpu["cache_tags"],
-                                  self.cpu["cache_rows"], self.cpu["optimizer_state"], rows,
-                                  grads, *pargs)
-        got = b.ops.update_prepare(self.dev["weights"], self.dev["cache_tags"],
-                                   self.dev["cache_rows"], self.dev["optimizer_state"],
-                                   b.to(rows), b.to(grads), *pargs)
+        pargs = (
+            c.bits,
+            c.qparams_fp16,
+            stochastic,
+            c.optimizer_code,
+            c.lr,
+            c.eps,
+            c.num_sets,
+            c.ways,
+        )
+        want = CPU.update_prepare(
+            self.cpu["weights"],
+            self.cpu["cache_tags"],
+            self.cpu["cache_rows"],
+            self.cpu["optimizer_state"],
+            rows,
+            grads,
+            *pargs,
+        )
+        got = b.ops.update_prepare(
+            self.dev["weights"],
+            self.dev["cache_tags"],
+            self.dev["cache_rows"],
+            self.dev["optimizer_state"],
+            b.to(rows),
+            b.to(grads),
+            *pargs,
+        )
         assert_same(got, want, f"{when}: update_prepare")
         fresh, fresh_state, slots, bad = want
         if bad >= 0:
             return
         lfu = c.policy == "lfu" and c.num_slots > 0
         self.step_count += 1
-        cargs = (c.bits, c.qparams_fp16, stochastic, lfu, c.seed, self.step_count, c.table_id,
-                 c.num_sets, c.ways)
+        cargs = (
+            c.bits,
+            c.qparams_fp16,
+            stochastic,
+            lfu,
+            c.seed,
+            self.step_count,
+            c.table_id,
+            c.num_sets,
+            c.ways,
+        )
         prepared = (rows, fresh, fresh_state, slots, occ)
         want = CPU.update_commit(*self._args(self.cpu), *prepared, *cargs)
         got = b.ops.update_commit(*self._args(self.dev), *[b.to(t) for t in prepared], *cargs)
@@ -167,8 +221,14 @@ class Twin:
 
     def flush(self, when):
         c = self.cfg
-        args = (c.bits, c.qparams_fp16, c.rounding == "stochastic", c.seed, self.step_count,
-                c.table_id)
+        args = (
+            c.bits,
+            c.qparams_fp16,
+            c.rounding == "stochastic",
+            c.seed,
+            self.step_count,
+            c.table_id,
+        )
         names = ("weights", "cache_tags", "cache_rows", "cache_priority", "cache_set_floor")
         want = CPU.cache_flush(*(self.cpu[k] for k in names), *args)
         got = self.b.ops.cache_flush(*(self.dev[k] for k in names), *args)
@@ -187,11 +247,25 @@ def make_batch(gen, rows, perm, bags, max_len, psw):
     return indices, offsets, w
 
 
-def run_training(backend, *, rows, dim, sets, ways, steps, seed, psw=False, mean=False,
-                 bags=24, max_len=6, **options):
+def run_training(
+    backend,
+    *,
+    rows,
+    dim,
+    sets,
+    ways,
+    steps,
+    seed,
+    psw=False,
+    mean=False,
+    bags=24,
+    max_len=6,
+    **options,
+):
     cache_ratio = (sets * ways + 0.5) / rows
-    twin = Twin(backend, rows, dim, seed, mean=mean, associativity=ways,
-                cache_ratio=cache_ratio, **options)
+    twin = Twin(
+        backend, rows, dim, seed, mean=mean, associativity=ways, cache_ratio=cache_ratio, **options
+    )
     twin.compare_state("initial")
     gen = torch.Generator().manual_seed(seed + 1)
     perm = torch.randperm(rows, generator=gen)
@@ -205,8 +279,9 @@ def run_training(backend, *, rows, dim, sets, ways, steps, seed, psw=False, mean
             twin.compare_state(f"step {s + 1}: after an evaluation forward")
     twin.flush("flush")
     indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, psw)
-    twin.train_step(indices, offsets, w, torch.randn(bags, dim, generator=gen) * 0.35,
-                    "step after flush")
+    twin.train_step(
+        indices, offsets, w, torch.randn(bags, dim, generator=gen) * 0.35, "step after flush"
+    )
     return twin
 
 
@@ -219,8 +294,11 @@ def test_emulator_schemas_match_cpu_ops():
     NOT_ON_CUDA."""
     if not _emulator_available():
         pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
-    names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
-             if n.startswith("embcache::")}
+    names = {
+        n.split("::")[1]
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("embcache::")
+    }
     assert "update_commit" in names
     for name in sorted(names - NOT_ON_CUDA):
         assert hasattr(torch.ops.embcache_emu, name), f"{name} has no kernel implementation"
@@ -230,8 +308,13 @@ def test_emulator_schemas_match_cpu_ops():
 
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
-MATRIX = [(p, r, pol, w) for p in PRECISIONS for r in ("nearest", "stochastic")
-          for pol in ("lru", "lfu") for w in (1, 2, 4, 8, 16, 32)]
+MATRIX = [
+    (p, r, pol, w)
+    for p in PRECISIONS
+    for r in ("nearest", "stochastic")
+    for pol in ("lru", "lfu")
+    for w in (1, 2, 4, 8, 16, 32)
+]
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 
 
@@ -240,10 +323,20 @@ def test_training_matches_cpu(backend, precision, rounding, policy, ways):
     i = MATRIX.index((precision, rounding, policy, ways))
     dims = (3, 5, 8, 7, 4, 6, 33)  # 33: more elements than lanes
     twin = run_training(
-        backend, rows=120 + 37 * (i % 5), dim=dims[i % len(dims)], sets=max(2, 12 // ways),
-        ways=ways, steps=4, seed=1000 + i, psw=(i % 3 == 0), mean=(i % 3 == 1),
-        precision=precision, rounding=rounding, policy=policy,
-        optimizer=OPTIMIZERS[i % 3], lr=0.05,
+        backend,
+        rows=120 + 37 * (i % 5),
+        dim=dims[i % len(dims)],
+        sets=max(2, 12 // ways),
+        ways=ways,
+        steps=4,
+        seed=1000 + i,
+        psw=(i % 3 == 0),
+        mean=(i % 3 == 1),
+        precision=precision,
+        rounding=rounding,
+        policy=policy,
+        optimizer=OPTIMIZERS[i % 3],
+        lr=0.05,
         qparams=("fp16" if (i % 4 == 1 and precision in ("int8", "int4", "int2")) else "fp32"),
     )
     hits, misses, ins, evict, bypass = twin.totals.tolist()
@@ -255,10 +348,22 @@ def test_training_matches_cpu(backend, precision, rounding, policy, ways):
 def test_more_candidates_than_ways_and_lanes(backend, policy, ways):
     """One or two sets and ~100 distinct rows a step: far more candidates than ways and than
     the 32 lanes of the warp handling the set (several rounds of ballots)."""
-    twin = run_training(backend, rows=400, dim=6, sets=1 if ways == 32 else 2, ways=ways,
-                        steps=3, seed=7 + ways, bags=40, max_len=8, precision="int4",
-                        rounding="stochastic", policy=policy, optimizer="rowwise_adagrad",
-                        lr=0.1)
+    twin = run_training(
+        backend,
+        rows=400,
+        dim=6,
+        sets=1 if ways == 32 else 2,
+        ways=ways,
+        steps=3,
+        seed=7 + ways,
+        bags=40,
+        max_len=8,
+        precision="int4",
+        rounding="stochastic",
+        policy=policy,
+        optimizer="rowwise_adagrad",
+        lr=0.1,
+    )
     hits, misses, ins, evict, bypass = twin.totals.tolist()
     assert hits > 0 and ins > 0 and bypass > 0 and twin.lookup_hits > 0
     assert evict > 0 or policy == "lfu"  # LFU residents rarely lose to a newcomer here
@@ -266,19 +371,41 @@ def test_more_candidates_than_ways_and_lanes(backend, policy, ways):
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_all_duplicate_batches_and_empty_bags(backend, policy):
-    twin = Twin(backend, 300, 5, 3, associativity=4, cache_ratio=0.1, policy=policy,
-                precision="int8", rounding="stochastic", optimizer="adagrad", lr=0.1)
+    twin = Twin(
+        backend,
+        300,
+        5,
+        3,
+        associativity=4,
+        cache_ratio=0.1,
+        policy=policy,
+        precision="int8",
+        rounding="stochastic",
+        optimizer="adagrad",
+        lr=0.1,
+    )
     gen = torch.Generator().manual_seed(3)
     for s in range(3):  # every lookup the same row
         indices = torch.full((30,), 17 + s, dtype=torch.int64)
         offsets = torch.tensor([0, 0, 10, 10, 30, 30])
-        twin.train_step(indices, offsets, None, torch.randn(5, 5, generator=gen),
-                        f"all-duplicate step {s + 1}")
+        twin.train_step(
+            indices, offsets, None, torch.randn(5, 5, generator=gen), f"all-duplicate step {s + 1}"
+        )
     # only empty bags, and no bags at all
-    twin.train_step(torch.empty(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), None,
-                    torch.randn(3, 5, generator=gen), "empty bags")
-    twin.train_step(torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None,
-                    torch.randn(0, 5, generator=gen), "no bags")
+    twin.train_step(
+        torch.empty(0, dtype=torch.int64),
+        torch.zeros(4, dtype=torch.int64),
+        None,
+        torch.randn(3, 5, generator=gen),
+        "empty bags",
+    )
+    twin.train_step(
+        torch.empty(0, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+        None,
+        torch.randn(0, 5, generator=gen),
+        "no bags",
+    )
     twin.flush("flush")
 
 
@@ -300,18 +427,32 @@ def test_refused_inputs_change_nothing(backend):
     b, c = backend, twin.cfg
     fmt = (c.bits, c.embedding_dim, c.qparams_fp16, c.num_sets, c.ways, False)
     bad_batches = [
-        (torch.tensor([1, 50]), torch.tensor([0, 1, 2])),    # index out of range
-        (torch.tensor([1, -1]), torch.tensor([0, 1, 2])),    # negative index
-        (torch.tensor([1, 2]), torch.tensor([0, 2, 1])),     # decreasing offsets
-        (torch.tensor([1, 2]), torch.tensor([0, 1, 3])),     # beyond len(indices)
+        (torch.tensor([1, 50]), torch.tensor([0, 1, 2])),  # index out of range
+        (torch.tensor([1, -1]), torch.tensor([0, 1, 2])),  # negative index
+        (torch.tensor([1, 2]), torch.tensor([0, 2, 1])),  # decreasing offsets
+        (torch.tensor([1, 2]), torch.tensor([0, 1, 3])),  # beyond len(indices)
     ]
     for idx, off in bad_batches:
         with pytest.raises(RuntimeError):
-            CPU.lookup_forward(twin.cpu["weights"], twin.cpu["cache_tags"],
-                               twin.cpu["cache_rows"], idx, off, None, *fmt)
+            CPU.lookup_forward(
+                twin.cpu["weights"],
+                twin.cpu["cache_tags"],
+                twin.cpu["cache_rows"],
+                idx,
+                off,
+                None,
+                *fmt,
+            )
         with pytest.raises(RuntimeError):
-            b.ops.lookup_forward(twin.dev["weights"], twin.dev["cache_tags"],
-                                 twin.dev["cache_rows"], b.to(idx), b.to(off), None, *fmt)
+            b.ops.lookup_forward(
+                twin.dev["weights"],
+                twin.dev["cache_tags"],
+                twin.dev["cache_rows"],
+                b.to(idx),
+                b.to(off),
+                None,
+                *fmt,
+            )
         if int(idx.min()) >= 0 and int(idx.max()) < 50:
             with pytest.raises(RuntimeError):
                 b.ops.dedup_backward(b.to(idx), b.to(off), None, b.to(torch.zeros(2, 4)), False)
@@ -319,16 +460,36 @@ def test_refused_inputs_change_nothing(backend):
     rows = torch.tensor([3, 8, 20])
     grads = torch.tensor([[0.0] * 4, [-1e9] * 4, [1e9] * 4])
     args = (c.bits, c.qparams_fp16, False, c.optimizer_code, 1.0, c.eps, c.num_sets, c.ways)
-    want = CPU.update_prepare(twin.cpu["weights"], twin.cpu["cache_tags"], twin.cpu["cache_rows"],
-                              twin.cpu["optimizer_state"], rows, grads, *args)
-    got = b.ops.update_prepare(twin.dev["weights"], twin.dev["cache_tags"], twin.dev["cache_rows"],
-                               twin.dev["optimizer_state"], b.to(rows), b.to(grads), *args)
+    want = CPU.update_prepare(
+        twin.cpu["weights"],
+        twin.cpu["cache_tags"],
+        twin.cpu["cache_rows"],
+        twin.cpu["optimizer_state"],
+        rows,
+        grads,
+        *args,
+    )
+    got = b.ops.update_prepare(
+        twin.dev["weights"],
+        twin.dev["cache_tags"],
+        twin.dev["cache_rows"],
+        twin.dev["optimizer_state"],
+        b.to(rows),
+        b.to(grads),
+        *args,
+    )
     assert want[3] == 8
     assert_same(got, want, "update_prepare with unstorable rows")
     with pytest.raises(RuntimeError):  # unique rows not ascending
-        b.ops.update_prepare(twin.dev["weights"], twin.dev["cache_tags"], twin.dev["cache_rows"],
-                             twin.dev["optimizer_state"], b.to(torch.tensor([8, 3])),
-                             b.to(grads[:2]), *args)
+        b.ops.update_prepare(
+            twin.dev["weights"],
+            twin.dev["cache_tags"],
+            twin.dev["cache_rows"],
+            twin.dev["optimizer_state"],
+            b.to(torch.tensor([8, 3])),
+            b.to(grads[:2]),
+            *args,
+        )
     twin.compare_state("after refused calls")
 
 
@@ -345,34 +506,64 @@ def test_quantize_dequantize_rows(backend, qparams):
             got = backend.ops.quantize_rows(backend.to(x), backend.to(ids), *args)
             assert_same(got, want, f"quantize_rows {bits} bits stochastic={stochastic}")
             dargs = (bits, 37, qparams == "fp16")
-            assert_same(backend.ops.dequantize_rows(got, *dargs),
-                        CPU.dequantize_rows(want, *dargs), f"dequantize_rows {bits} bits")
+            assert_same(
+                backend.ops.dequantize_rows(got, *dargs),
+                CPU.dequantize_rows(want, *dargs),
+                f"dequantize_rows {bits} bits",
+            )
     with pytest.raises(RuntimeError):
-        backend.ops.quantize_rows(backend.to(torch.full((2, 3), float("nan"))),
-                                  backend.to(torch.arange(2)), 8, False, False, 0, 0, 0)
+        backend.ops.quantize_rows(
+            backend.to(torch.full((2, 3), float("nan"))),
+            backend.to(torch.arange(2)),
+            8,
+            False,
+            False,
+            0,
+            0,
+            0,
+        )
 
 
 def test_table_batched_ops(backend):
     """multi_* ops (the collection's path) give the CPU's results."""
     b = backend
-    twins = [Twin(b, 90, 4, 20, associativity=4, cache_ratio=0.2, precision="int8"),
-             Twin(b, 60, 6, 21, associativity=1, cache_ratio=0.1, precision="fp16", policy="lfu")]
+    twins = [
+        Twin(b, 90, 4, 20, associativity=4, cache_ratio=0.2, precision="int8"),
+        Twin(b, 60, 6, 21, associativity=1, cache_ratio=0.1, precision="fp16", policy="lfu"),
+    ]
     gen = torch.Generator().manual_seed(20)
     batch, feature_table = 5, [0, 1, 0]
     lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    indices = torch.cat([torch.randint(0, (90, 60, 90)[i // batch], (int(lengths[i]),),
-                                       generator=gen) for i in range(3 * batch)])
+    indices = torch.cat(
+        [
+            torch.randint(0, (90, 60, 90)[i // batch], (int(lengths[i]),), generator=gen)
+            for i in range(3 * batch)
+        ]
+    )
     cfgs = [t.cfg for t in twins]
-    per_table = ([c.bits for c in cfgs], [c.embedding_dim for c in cfgs],
-                 [int(c.qparams_fp16) for c in cfgs], [c.num_sets for c in cfgs],
-                 [c.ways for c in cfgs], [0, 0])
+    per_table = (
+        [c.bits for c in cfgs],
+        [c.embedding_dim for c in cfgs],
+        [int(c.qparams_fp16) for c in cfgs],
+        [c.num_sets for c in cfgs],
+        [c.ways for c in cfgs],
+        [0, 0],
+    )
 
     def lookup(ops, states, dev, counters):
         return ops.multi_lookup_forward(
-            [s["weights"] for s in states], [s["cache_tags"] for s in states],
-            [s["cache_rows"] for s in states], dev(indices), dev(lengths), None, feature_table,
-            *per_table, batch, counters)
+            [s["weights"] for s in states],
+            [s["cache_tags"] for s in states],
+            [s["cache_rows"] for s in states],
+            dev(indices),
+            dev(lengths),
+            None,
+            feature_table,
+            *per_table,
+            batch,
+            counters,
+        )
 
     want_counters = [torch.zeros(10, dtype=torch.int64) for _ in twins]
     got_counters = [torch.zeros(10, dtype=torch.int64) for _ in twins]
@@ -386,6 +577,7 @@ def test_table_batched_ops(backend):
     dims = [cfgs[t].embedding_dim for t in feature_table]
     grad = torch.randn(batch, sum(dims), generator=gen)
     want = CPU.multi_dedup_backward(indices, offsets, None, grad, dims, [0, 1, 0], batch)
-    got = b.ops.multi_dedup_backward(b.to(indices), b.to(offsets), None, b.to(grad), dims,
-                                     [0, 1, 0], batch)
+    got = b.ops.multi_dedup_backward(
+        b.to(indices), b.to(offsets), None, b.to(grad), dims, [0, 1, 0], batch
+    )
     assert_same(got, want, "multi_dedup_backward")

@@ -1,6 +1,7 @@
 """The modules on a CUDA device give the same state as on the CPU, with no change of API
 (runs only where torch has CUDA and a GPU; the kernels themselves are tested on the warp
 emulator everywhere, in test_cuda_kernels.py)."""
+
 import copy
 
 import pytest
@@ -14,10 +15,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("precision,policy,ways", [("int8", "lfu", 32), ("fp16", "lru", 4), ("int4", "lfu", 1)])
+@pytest.mark.parametrize(
+    "precision,policy,ways", [("int8", "lfu", 32), ("fp16", "lru", 4), ("int4", "lfu", 1)]
+)
 def test_module_on_cuda_matches_cpu(precision, policy, ways):
-    cpu = CachedLowPrecisionEmbedding(5000, 12, precision=precision, policy=policy, associativity=ways,
-                                      cache_ratio=0.1, rounding="stochastic", lr=0.05, seed=3)
+    cpu = CachedLowPrecisionEmbedding(
+        5000,
+        12,
+        precision=precision,
+        policy=policy,
+        associativity=ways,
+        cache_ratio=0.1,
+        rounding="stochastic",
+        lr=0.05,
+        seed=3,
+    )
     gpu = copy.deepcopy(cpu).cuda()
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):

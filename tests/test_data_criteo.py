@@ -1,4 +1,5 @@
 """Criteo preprocessing (dlrm.data.criteo) and mini-batches (dlrm.data.batches) on real rows."""
+
 import json
 import math
 from pathlib import Path
@@ -144,8 +145,12 @@ def test_malformed_lines_skipped_and_reported(tmp_path, prepared, head_lines):
     report = meta["malformed"]
     assert report["count"] == 6 and report["policy"].startswith("skip")
     assert [f["line"] for f in report["first"]] == [3, 10, 500, 501, 777, 900]
-    assert report["by_reason"] == {"too many fields": 1, "bad label": 2, "bad dense value": 1,
-                                   "bad categorical value": 2}
+    assert report["by_reason"] == {
+        "too many fields": 1,
+        "bad label": 2,
+        "bad dense value": 1,
+        "bad categorical value": 2,
+    }
     assert json.loads((tmp_path / "out/meta.json").read_text())["malformed"] == report
     for ours, clean in zip(load(tmp_path / "out"), load(prepared[0])):
         np.testing.assert_array_equal(ours, clean)
@@ -176,6 +181,7 @@ def test_failure_leaves_no_partial_output(tmp_path, prepared, monkeypatch):
 
     def fail(*args):
         raise RuntimeError("injected failure")
+
     monkeypatch.setattr(criteo._Column, "ids", fail)
     with pytest.raises(RuntimeError, match="injected"):
         preprocess_criteo(HEAD, out, min_count=2, progress=False)
@@ -194,9 +200,11 @@ def test_torchrec_npys_converted(tmp_path, head_lines):
     padded = [line[:-1] + "\t" * (39 - line.count("\t")) + "\n" for line in head_lines[:240]]
     for day in range(2):
         tsv = tmp_path / f"day_{day}.tsv"
-        tsv.write_text("".join(padded[day * 120:(day + 1) * 120]))
-        BinaryCriteoUtils.tsv_to_npys(str(tsv), *(str(src / f"day_{day}_{part}.npy")
-                                                   for part in ("dense", "sparse", "labels")))
+        tsv.write_text("".join(padded[day * 120 : (day + 1) * 120]))
+        BinaryCriteoUtils.tsv_to_npys(
+            str(tsv),
+            *(str(src / f"day_{day}_{part}.npy") for part in ("dense", "sparse", "labels")),
+        )
     (tmp_path / "all.tsv").write_text("".join(padded))
 
     meta = criteo.convert_torchrec_npys(src, tmp_path / "converted", progress=False)
@@ -236,7 +244,9 @@ def test_batches(prepared):
     assert [rows(b) for b in epoch0] == [rows(b) for b in again]
     assert [rows(b) for b in epoch0] != [rows(b) for b in epoch1]
     assert sorted(r for b in epoch0 for r in rows(b)) == sorted(
-        tuple(r) for r in np.column_stack([dense[:858], labels[:858]]))
-    resumed = list(batches.iterate_batches(ds, "train", 100, shuffle=True, seed=1, epoch=0,
-                                           start_batch=6))
+        tuple(r) for r in np.column_stack([dense[:858], labels[:858]])
+    )
+    resumed = list(
+        batches.iterate_batches(ds, "train", 100, shuffle=True, seed=1, epoch=0, start_batch=6)
+    )
     assert [rows(b) for b in resumed] == [rows(b) for b in epoch0[6:]]

@@ -1,4 +1,5 @@
 """Synthetic Criteo-like data (dlrm.data.synthetic)."""
+
 import time
 
 import numpy as np

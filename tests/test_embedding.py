@@ -1,5 +1,6 @@
 """CachedLowPrecisionEmbedding against independent oracles: nn.EmbeddingBag + torch.optim.SGD,
 FBGEMM's CPU TBE, its own state_dict, and the bad-input contract (SPEC §4-5)."""
+
 import copy
 import io
 
@@ -40,8 +41,14 @@ def test_fp32_sgd_equals_embedding_bag(mode, weighted):
         ref.weight.copy_(torch.randn(rows, dim, generator=gen))
     opt = torch.optim.SGD(ref.parameters(), lr=0.3)
     ours = CachedLowPrecisionEmbedding(
-        rows, dim, precision="fp32", cache_ratio=0, mode=mode, lr=0.3,
-        weight=ref.weight.detach().clone(), min_rows_for_low_precision=0,
+        rows,
+        dim,
+        precision="fp32",
+        cache_ratio=0,
+        mode=mode,
+        lr=0.3,
+        weight=ref.weight.detach().clone(),
+        min_rows_for_low_precision=0,
     )
     for _ in range(6):
         indices, offsets = _skewed_batch(gen, rows, 32, 4)
@@ -64,7 +71,11 @@ def test_per_sample_weight_gradient_matches_embedding_bag():
     gen = torch.Generator().manual_seed(2)
     ref = nn.EmbeddingBag(100, 4, mode="sum")
     ours = CachedLowPrecisionEmbedding(
-        100, 4, precision="fp32", cache_ratio=0, weight=ref.weight.detach().clone(),
+        100,
+        4,
+        precision="fp32",
+        cache_ratio=0,
+        weight=ref.weight.detach().clone(),
         min_rows_for_low_precision=0,
     )
     indices, offsets = _skewed_batch(gen, 100, 16, 5)
@@ -91,12 +102,20 @@ def test_fp32_rowwise_adagrad_equals_fbgemm_tbe():
     rows, dim, bags = 2000, 8, 64
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, eps=1e-8,
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.1,
+        eps=1e-8,
         pooling_mode=PoolingMode.SUM,
     )
     ours = CachedLowPrecisionEmbedding(
-        rows, dim, precision="fp32", cache_ratio=0, optimizer="rowwise_adagrad", lr=0.1,
-        eps=1e-8, weight=tbe.split_embedding_weights()[0].detach().clone(),
+        rows,
+        dim,
+        precision="fp32",
+        cache_ratio=0,
+        optimizer="rowwise_adagrad",
+        lr=0.1,
+        eps=1e-8,
+        weight=tbe.split_embedding_weights()[0].detach().clone(),
     )
     for _ in range(5):
         indices, offsets = _skewed_batch(gen, rows, bags, 3)
@@ -121,8 +140,16 @@ def _train(module, gen, steps, rows):
 
 @pytest.mark.parametrize("precision,policy", [("int8", "lfu"), ("int4", "lru"), ("fp16", "lfu")])
 def test_state_dict_resumes_bit_identically(precision, policy):
-    kw = dict(precision=precision, policy=policy, rounding="stochastic", cache_ratio=0.1,
-              associativity=4, optimizer="rowwise_adagrad", lr=0.05, seed=7)
+    kw = dict(
+        precision=precision,
+        policy=policy,
+        rounding="stochastic",
+        cache_ratio=0.1,
+        associativity=4,
+        optimizer="rowwise_adagrad",
+        lr=0.05,
+        seed=7,
+    )
     a = CachedLowPrecisionEmbedding(2000, 6, **kw)
     _train(a, torch.Generator().manual_seed(0), 5, 2000)
     buf = io.BytesIO()

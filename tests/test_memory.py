@@ -1,16 +1,23 @@
 """Memory accounting (SPEC §5): the formula, the bytes really allocated, and the paper's points."""
+
 import pytest
-import torch
 
 from embcache import CachedLowPrecisionEmbedding, TableConfig, compression_factor, memory_breakdown
+
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
 def test_memory_bytes_are_the_tensors_bytes_and_the_formula(precision, policy, optimizer):
     m = CachedLowPrecisionEmbedding(
-        3000, 12, precision=precision, policy=policy, optimizer=optimizer, cache_ratio=0.1,
-        associativity=8, qparams="fp16" if precision == "int4" else "fp32",
+        3000,
+        12,
+        precision=precision,
+        policy=policy,
+        optimizer=optimizer,
+        cache_ratio=0.1,
+        associativity=8,
+        qparams="fp16" if precision == "int4" else "fp32",
     )
     mem = m.memory_bytes()
     allocated = sum(b.nbytes for b in m.buffers())

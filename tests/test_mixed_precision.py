@@ -148,7 +148,14 @@ def test_logmax_matches_hand_computation():
     b1, b2, k = 0.99, 0.999, 3.09
     scaler = make_scaler("logmax")
     assert isinstance(scaler, LogMaxScaler) and scaler.scale == 1.0
-    steps = [(False, 2.0**-3), (False, 0.5), (True, math.inf), (False, 2.0**-10), (False, 0.0), (False, 3.0)]
+    steps = [
+        (False, 2.0**-3),
+        (False, 0.5),
+        (True, math.inf),
+        (False, 2.0**-10),
+        (False, 0.0),
+        (False, 3.0),
+    ]
     xs = []
     for t, (found_inf, max_abs) in enumerate(steps, start=1):
         if found_inf:
@@ -193,14 +200,23 @@ class FakeCachedEmbedding(nn.Module):
     def forward(self, kjt):
         features = kjt.to_dict()
         pooled = [
-            F.embedding_bag(features[key].values(), table, features[key].offsets(), mode="sum",
-                            include_last_offset=True)
+            F.embedding_bag(
+                features[key].values(),
+                table,
+                features[key].offsets(),
+                mode="sum",
+                include_last_offset=True,
+            )
             for key, table in zip(KEYS, self.tables)
         ]
-        return KeyedTensor(keys=list(KEYS), length_per_key=[self.dim] * len(KEYS), values=torch.cat(pooled, 1))
+        return KeyedTensor(
+            keys=list(KEYS), length_per_key=[self.dim] * len(KEYS), values=torch.cat(pooled, 1)
+        )
 
     def has_nonfinite_grad(self):
-        return self.inject_nonfinite or any(not bool(torch.isfinite(t.grad).all()) for t in self.tables)
+        return self.inject_nonfinite or any(
+            not bool(torch.isfinite(t.grad).all()) for t in self.tables
+        )
 
     def unscale_grad_(self, inv_scale):
         for t in self.tables:
@@ -232,8 +248,12 @@ def _trainer(embedding, seed=0, precision="fp16", **kwargs):
     model = DLRM(emb, bottom_mlp=(13, 8, 4), top_mlp=(8, 1), num_sparse_features=len(ROWS))
     kwargs.setdefault("scaler", BackoffScaler(growth_interval=2))
     return MixedPrecisionTrainer(
-        model, precision=precision, optimizer="adam", lr=0.01,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9), **kwargs,
+        model,
+        precision=precision,
+        optimizer="adam",
+        lr=0.01,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9),
+        **kwargs,
     )
 
 
@@ -262,7 +282,9 @@ def _without_scaling(state):
 )
 def test_nonfinite_gradient_skips_the_whole_step(embedding, inject):
     trainer = _trainer(embedding)
-    assert isinstance(trainer.model.embedding_collection, MixedPrecisionEmbedding) == (embedding == "fake")
+    assert isinstance(trainer.model.embedding_collection, MixedPrecisionEmbedding) == (
+        embedding == "fake"
+    )
     for step in range(3):  # populate Adam and scheduler state
         assert not trainer.train_step(*_data(step))["skipped"]
     before = _without_scaling(trainer.state_dict())
@@ -367,8 +389,14 @@ def test_fp16_underflow_needs_loss_scaling(precision, scaler, learns):
     dense = torch.cat([half, -half])  # exactly balanced labels
     labels = (dense[:, 0] > 0).float()
     torch.manual_seed(0)
-    scaler = {"static 1": StaticScaler(1.0), "static 2^10": StaticScaler(2.0**10), "backoff": BackoffScaler()}[scaler]
-    trainer = MixedPrecisionTrainer(_UnderflowModel(), precision=precision, optimizer="adam", lr=0.05, scaler=scaler)
+    scaler = {
+        "static 1": StaticScaler(1.0),
+        "static 2^10": StaticScaler(2.0**10),
+        "backoff": BackoffScaler(),
+    }[scaler]
+    trainer = MixedPrecisionTrainer(
+        _UnderflowModel(), precision=precision, optimizer="adam", lr=0.05, scaler=scaler
+    )
     losses = [trainer.train_step(dense, None, labels)["loss"] for _ in range(60)]
     if learns:
         assert losses[-1] < 0.2

@@ -30,7 +30,9 @@ def _model(preset="kaggle", seed=0):
     return DLRM.from_preset(preset, make_torchrec_ebc(ROWS, PRESETS[preset].embedding_dim))
 
 
-@pytest.mark.parametrize("preset, dim, top_in", [("kaggle", 16, 16 + 351), ("paper", 128, 128 + 351)])
+@pytest.mark.parametrize(
+    "preset, dim, top_in", [("kaggle", 16, 16 + 351), ("paper", 128, 128 + 351)]
+)
 def test_presets_and_shapes(preset, dim, top_in):
     model = _model(preset)
     assert model.embedding_dim == dim and model.top_mlp[0].in_features == top_in
@@ -56,10 +58,15 @@ def test_torchrec_ebc_keys_and_output():
 def test_interaction_equals_naive_loop():
     gen = torch.Generator().manual_seed(2)
     batch, n, d = 3, 5, 4
-    x, emb = torch.randn(batch, d, generator=gen, dtype=torch.float64), torch.randn(batch, n, d, generator=gen, dtype=torch.float64)
+    x, emb = (
+        torch.randn(batch, d, generator=gen, dtype=torch.float64),
+        torch.randn(batch, n, d, generator=gen, dtype=torch.float64),
+    )
     out = DotInteraction(n)(x, emb)
     vectors = [x] + [emb[:, k] for k in range(n)]
-    naive = [x] + [(vectors[i] * vectors[j]).sum(1, keepdim=True) for i in range(n + 1) for j in range(i)]
+    naive = [x] + [
+        (vectors[i] * vectors[j]).sum(1, keepdim=True) for i in range(n + 1) for j in range(i)
+    ]
     assert out.shape == (batch, d + (n + 1) * n // 2)
     torch.testing.assert_close(out, torch.cat(naive, 1), rtol=1e-12, atol=1e-12)
 
@@ -139,9 +146,13 @@ def test_log_loss_and_normalized_entropy_hand_checked():
     expected = (math.log(2) + math.log(2) + math.log(4 / 3) + 0.0) / 4
     assert metrics.log_loss(labels, logits) == pytest.approx(expected, rel=1e-12)
     base_entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    assert metrics.normalized_entropy(labels, logits) == pytest.approx(expected / base_entropy, rel=1e-12)
+    assert metrics.normalized_entropy(labels, logits) == pytest.approx(
+        expected / base_entropy, rel=1e-12
+    )
     # predicting the base rate everywhere gives NE = 1
-    assert metrics.normalized_entropy(labels, [math.log(1 / 3)] * 4) == pytest.approx(1.0, rel=1e-12)
+    assert metrics.normalized_entropy(labels, [math.log(1 / 3)] * 4) == pytest.approx(
+        1.0, rel=1e-12
+    )
     with pytest.raises(ValueError):
         metrics.normalized_entropy([1, 1], [0.0, 0.0])
 

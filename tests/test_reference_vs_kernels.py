@@ -6,6 +6,7 @@ agree BIT FOR BIT after every step: pooled outputs, deduplicated gradients, tabl
 tags / rows / priorities, LFU counts, optimizer state, step count and statistics; and after a
 final flush. The cache invariants of SPEC §4 are checked on the module's state as well.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         f"{what}: {got.dtype} {tuple(got.shape)} vs reference {want.dtype} {tuple(want.shape)}"
     )
     if not torch.equal(bits_of(got), bits_of(want)):
-        diff = (bits_of(got) != bits_of(want))
+        diff = bits_of(got) != bits_of(want)
         where = torch.nonzero(diff)[:5].tolist()
         raise AssertionError(f"{what}: {int(diff.sum())} elements differ, first at {where}")
 
@@ -66,18 +67,30 @@ def check_cache_invariants(module, when: str) -> None:
             if tag < 0:
                 assert prio[slot] == 0, f"{when}: empty slot {slot} has a priority"
             elif cfg.policy == "lru":
-                assert 1 <= prio[slot] <= int(module.step_count), f"{when}: timestamp of slot {slot}"
+                assert 1 <= prio[slot] <= int(module.step_count), (
+                    f"{when}: timestamp of slot {slot}"
+                )
             else:
-                assert prio[slot] == counts[tag], f"{when}: slot {slot} priority is not row {tag}'s count"
+                assert prio[slot] == counts[tag], (
+                    f"{when}: slot {slot} priority is not row {tag}'s count"
+                )
         # Each set's floor is a lower bound of its slots' priorities (an empty way: INT32_MIN).
-        lowest = torch.where(module.cache_tags < 0, torch.iinfo(torch.int32).min, module.cache_priority)
+        lowest = torch.where(
+            module.cache_tags < 0, torch.iinfo(torch.int32).min, module.cache_priority
+        )
         lowest = lowest.view(cfg.num_sets, cfg.ways).amin(dim=1)
         above = torch.nonzero(module.cache_set_floor > lowest).flatten().tolist()
         assert not above, f"{when}: sets {above[:5]} have a floor above their lowest priority"
 
 
-def make_batch(gen: torch.Generator, rows: int, perm: torch.Tensor, bags: int = 32,
-               max_len: int = 8, with_psw: bool = False):
+def make_batch(
+    gen: torch.Generator,
+    rows: int,
+    perm: torch.Tensor,
+    bags: int = 32,
+    max_len: int = 8,
+    with_psw: bool = False,
+):
     """Skewed multi-hot bags (duplicates, empty bags), nn.EmbeddingBag offsets; max_len=None:
     one id per bag (Criteo's features, which the kernels pool in a loop of their own)."""
     if max_len is None:
@@ -97,9 +110,19 @@ def cache_ratio_for(rows: int, ways: int, sets: int) -> float:
     return (sets * ways + 0.5) / rows
 
 
-def run_training(steps: int = 8, rows: int = 300, dim: int = 5, sets: int = 3, lr: float = 0.05,
-                 psw: bool = False, seed: int = 0, flush_at_end: bool = True,
-                 bags: int = 32, max_len: int = 8, **options) -> tuple:
+def run_training(
+    steps: int = 8,
+    rows: int = 300,
+    dim: int = 5,
+    sets: int = 3,
+    lr: float = 0.05,
+    psw: bool = False,
+    seed: int = 0,
+    flush_at_end: bool = True,
+    bags: int = 32,
+    max_len: int = 8,
+    **options,
+) -> tuple:
     ways = options.setdefault("associativity", 4)
     if "cache_ratio" not in options:
         options["cache_ratio"] = cache_ratio_for(rows, ways, sets)
@@ -111,8 +134,11 @@ def run_training(steps: int = 8, rows: int = 300, dim: int = 5, sets: int = 3, l
     module = CachedLowPrecisionEmbedding(rows, dim, weight=weight, lr=lr, **options)
     table = ref.ReferenceTable(module.config, module.weights.clone())
     # the initial rows are rounded to nearest, as the reference would
-    assert_bits_equal(module.weights, ref.quantize_rows(weight, range(rows), table.precision,
-                                                        table.qparams), "initial weights")
+    assert_bits_equal(
+        module.weights,
+        ref.quantize_rows(weight, range(rows), table.precision, table.qparams),
+        "initial weights",
+    )
     assert_same_state(module, table, "initial")
     perm = torch.randperm(rows, generator=gen)
     grad_scale = 1.0 / math.sqrt(8)
@@ -126,7 +152,9 @@ def run_training(steps: int = 8, rows: int = 300, dim: int = 5, sets: int = 3, l
         out.backward(grad_out)
         table.backward(grad_out)
         if hasattr(module, "_pending") and len(module._pending) == 1:
-            for got, exp, name in zip(module._pending[0], table.pending, ("rows", "grads", "occurrences")):
+            for got, exp, name in zip(
+                module._pending[0], table.pending, ("rows", "grads", "occurrences")
+            ):
                 assert_bits_equal(got, exp, f"{when}: deduplicated {name}")
         module.step()
         table.step()
@@ -155,7 +183,9 @@ def run_training(steps: int = 8, rows: int = 300, dim: int = 5, sets: int = 3, l
         for s in range(2):
             indices, offsets, w = make_batch(gen, rows, perm, bags, max_len, with_psw=psw)
             out = module(indices, offsets, w)
-            assert_bits_equal(out.detach(), table.forward(indices, offsets, w)[0], "forward after flush")
+            assert_bits_equal(
+                out.detach(), table.forward(indices, offsets, w)[0], "forward after flush"
+            )
             grad_out = torch.randn(out.shape, generator=gen) * grad_scale
             out.backward(grad_out)
             table.backward(grad_out)
@@ -181,7 +211,7 @@ def check_flush_rounding(before, after, resident, table) -> None:
         tol = x.abs() * 2.0**-10 + 2.0**-24  # one binary16 ulp (subnormals included)
     else:
         bits = ref.PRECISION_BITS[table.precision]
-        rng = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True))
+        rng = x.amax(1, keepdim=True) - x.amin(1, keepdim=True)
         step = rng / (2**bits - 1)
         if table.qparams == "fp16":
             step = step * (1 + 2.0**-10) + x.abs().amax(1, keepdim=True) * 2.0**-10
@@ -206,42 +236,100 @@ def test_training_matches_reference(precision, rounding, policy, ways):
     i = MATRIX.index((precision, rounding, policy, ways))
     dims = (3, 5, 8, 7, 4, 6)
     run_training(
-        steps=10, rows=200 + 37 * (i % 9), dim=dims[i % len(dims)], seed=1000 + i,
-        sets=max(2, 24 // ways), psw=(i % 3 == 0),
-        precision=precision, rounding=rounding, policy=policy, associativity=ways,
+        steps=10,
+        rows=200 + 37 * (i % 9),
+        dim=dims[i % len(dims)],
+        seed=1000 + i,
+        sets=max(2, 24 // ways),
+        psw=(i % 3 == 0),
+        precision=precision,
+        rounding=rounding,
+        policy=policy,
+        associativity=ways,
     )
 
 
 EXTRA = [
     # optimizers, on formats with and without qparams
-    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, optimizer="rowwise_adagrad"),
-    dict(precision="int4", rounding="nearest", policy="lru", associativity=8, optimizer="rowwise_adagrad"),
-    dict(precision="fp16", rounding="stochastic", policy="lru", associativity=2, optimizer="rowwise_adagrad"),
-    dict(precision="fp32", rounding="nearest", policy="lfu", associativity=1, optimizer="rowwise_adagrad"),
+    dict(
+        precision="int8",
+        rounding="stochastic",
+        policy="lfu",
+        associativity=4,
+        optimizer="rowwise_adagrad",
+    ),
+    dict(
+        precision="int4",
+        rounding="nearest",
+        policy="lru",
+        associativity=8,
+        optimizer="rowwise_adagrad",
+    ),
+    dict(
+        precision="fp16",
+        rounding="stochastic",
+        policy="lru",
+        associativity=2,
+        optimizer="rowwise_adagrad",
+    ),
+    dict(
+        precision="fp32",
+        rounding="nearest",
+        policy="lfu",
+        associativity=1,
+        optimizer="rowwise_adagrad",
+    ),
     dict(precision="int8", rounding="nearest", policy="lru", associativity=16, optimizer="adagrad"),
-    dict(precision="int2", rounding="stochastic", policy="lfu", associativity=32, optimizer="adagrad"),
+    dict(
+        precision="int2", rounding="stochastic", policy="lfu", associativity=32, optimizer="adagrad"
+    ),
     dict(precision="fp16", rounding="nearest", policy="lfu", associativity=4, optimizer="adagrad"),
-    dict(precision="fp32", rounding="stochastic", policy="lru", associativity=8, optimizer="adagrad"),
+    dict(
+        precision="fp32", rounding="stochastic", policy="lru", associativity=8, optimizer="adagrad"
+    ),
     # qparams fp16
     dict(precision="int8", rounding="nearest", policy="lfu", associativity=2, qparams="fp16"),
     dict(precision="int8", rounding="stochastic", policy="lru", associativity=8, qparams="fp16"),
     dict(precision="int4", rounding="stochastic", policy="lfu", associativity=4, qparams="fp16"),
     dict(precision="int4", rounding="nearest", policy="lru", associativity=32, qparams="fp16"),
     dict(precision="int2", rounding="stochastic", policy="lru", associativity=1, qparams="fp16"),
-    dict(precision="int2", rounding="nearest", policy="lfu", associativity=16, qparams="fp16",
-         optimizer="rowwise_adagrad"),
+    dict(
+        precision="int2",
+        rounding="nearest",
+        policy="lfu",
+        associativity=16,
+        qparams="fp16",
+        optimizer="rowwise_adagrad",
+    ),
     # mode mean
     dict(precision="int8", rounding="stochastic", policy="lfu", associativity=8, mode="mean"),
     dict(precision="fp16", rounding="stochastic", policy="lru", associativity=4, mode="mean"),
-    dict(precision="int4", rounding="nearest", policy="lfu", associativity=1, mode="mean",
-         optimizer="adagrad"),
-    dict(precision="int2", rounding="stochastic", policy="lru", associativity=32, mode="mean",
-         qparams="fp16"),
+    dict(
+        precision="int4",
+        rounding="nearest",
+        policy="lfu",
+        associativity=1,
+        mode="mean",
+        optimizer="adagrad",
+    ),
+    dict(
+        precision="int2",
+        rounding="stochastic",
+        policy="lru",
+        associativity=32,
+        mode="mean",
+        qparams="fp16",
+    ),
     # no cache at all (every row bypasses), and a table small enough to stay FP32 uncached
     dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, cache_ratio=0.0),
     dict(precision="fp16", rounding="nearest", policy="lru", associativity=32, cache_ratio=0.0),
-    dict(precision="int4", rounding="stochastic", policy="lfu", associativity=8,
-         min_rows_for_low_precision=1000),
+    dict(
+        precision="int4",
+        rounding="stochastic",
+        policy="lfu",
+        associativity=8,
+        min_rows_for_low_precision=1000,
+    ),
 ]
 
 
@@ -251,8 +339,15 @@ def test_training_matches_reference_options(options):
     options = dict(options)
     mean = options.get("mode") == "mean"
     ways = options["associativity"]
-    run_training(steps=10, rows=211 + 29 * i, dim=(3, 8, 5, 6)[i % 4], seed=5000 + i,
-                 sets=max(2, 24 // ways), psw=not mean and i % 2 == 0, **options)
+    run_training(
+        steps=10,
+        rows=211 + 29 * i,
+        dim=(3, 8, 5, 6)[i % 4],
+        seed=5000 + i,
+        sets=max(2, 24 // ways),
+        psw=not mean and i % 2 == 0,
+        **options,
+    )
 
 
 DIM_16 = [
@@ -268,19 +363,46 @@ DIM_16 = [
 def test_dim_16_and_one_id_per_bag(options, max_len):
     """The row length and bag shape that the forward kernel has loops of its own for."""
     seed = 7000 + 10 * DIM_16.index(options) + (max_len or 0)
-    run_training(steps=6, rows=400, dim=16, seed=seed, sets=max(2, 24 // options["associativity"]),
-                 max_len=max_len, psw=options.get("mode") != "mean", **options)
+    run_training(
+        steps=6,
+        rows=400,
+        dim=16,
+        seed=seed,
+        sets=max(2, 24 // options["associativity"]),
+        max_len=max_len,
+        psw=options.get("mode") != "mean",
+        **options,
+    )
 
 
-@pytest.mark.parametrize("options", [
-    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, optimizer="rowwise_adagrad"),
-    dict(precision="fp16", rounding="stochastic", policy="lru", associativity=2, mode="mean"),
-], ids=("int8-lfu", "fp16-lru-mean"))
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(
+            precision="int8",
+            rounding="stochastic",
+            policy="lfu",
+            associativity=4,
+            optimizer="rowwise_adagrad",
+        ),
+        dict(precision="fp16", rounding="stochastic", policy="lru", associativity=2, mode="mean"),
+    ],
+    ids=("int8-lfu", "fp16-lru-mean"),
+)
 def test_large_batches_parallel_paths(options):
     """Batches big enough that the kernels split bags, unique rows and sets over threads
     (more than 4096 bags, 2048 unique rows, 1024 sets touched per step)."""
-    module, _ = run_training(steps=3, rows=30000, dim=4, sets=2500, bags=6000, max_len=4,
-                             seed=21, psw=options.get("mode") != "mean", **options)
+    module, _ = run_training(
+        steps=3,
+        rows=30000,
+        dim=4,
+        sets=2500,
+        bags=6000,
+        max_len=4,
+        seed=21,
+        psw=options.get("mode") != "mean",
+        **options,
+    )
     s = module.stats()
     assert s["unique_rows"] / s["steps"] > 2048 and s["evictions"] > 0 and s["bypasses"] > 0
 
@@ -290,9 +412,18 @@ def test_stats_and_state_actually_exercised():
     evictions and bypasses all happen, for LRU and LFU (else the comparison proves little)."""
     for policy in ("lru", "lfu"):
         for ways in (1, 8, 32):
-            module, table = run_training(steps=6, rows=256, dim=4, seed=7, sets=max(2, 24 // ways),
-                                         precision="int8", rounding="stochastic", policy=policy,
-                                         associativity=ways, flush_at_end=False)
+            module, table = run_training(
+                steps=6,
+                rows=256,
+                dim=4,
+                seed=7,
+                sets=max(2, 24 // ways),
+                precision="int8",
+                rounding="stochastic",
+                policy=policy,
+                associativity=ways,
+                flush_at_end=False,
+            )
             s = module.stats()
             for key in ("unique_hits", "insertions", "evictions", "bypasses"):
                 assert s[key] > 0, (policy, ways, key, s)
@@ -300,8 +431,15 @@ def test_stats_and_state_actually_exercised():
 
 
 def test_lfu_counts_saturate():
-    module = CachedLowPrecisionEmbedding(64, 4, precision="int8", cache_ratio=0.5, associativity=4,
-                                         policy="lfu", min_rows_for_low_precision=0)
+    module = CachedLowPrecisionEmbedding(
+        64,
+        4,
+        precision="int8",
+        cache_ratio=0.5,
+        associativity=4,
+        policy="lfu",
+        min_rows_for_low_precision=0,
+    )
     table = ref.ReferenceTable(module.config, module.weights.clone())
     module.counts[5] = 2**31 - 3
     table.counts[5] = 2**31 - 3
@@ -322,10 +460,18 @@ def test_lfu_counts_saturate():
 def test_refused_update_changes_nothing(precision, bad):
     """An update whose result cannot be stored (beyond fp16, or a non-finite gradient) is
     refused by both, with every piece of state unchanged."""
-    module, table = run_training(steps=3, rows=200, dim=4, seed=11, precision=precision,
-                                 rounding="stochastic", policy="lfu", associativity=4,
-                                 optimizer="rowwise_adagrad" if precision == "int8" else "sgd",
-                                 flush_at_end=False)
+    module, table = run_training(
+        steps=3,
+        rows=200,
+        dim=4,
+        seed=11,
+        precision=precision,
+        rounding="stochastic",
+        policy="lfu",
+        associativity=4,
+        optimizer="rowwise_adagrad" if precision == "int8" else "sgd",
+        flush_at_end=False,
+    )
     snapshot = {name: getattr(module, name).clone() for name in STATE}
     indices, offsets = torch.tensor([1, 2, 3, 2]), torch.tensor([0, 2])
     out = module(indices, offsets)
@@ -348,9 +494,17 @@ def test_refused_update_changes_nothing(precision, bad):
 
 def test_step_with_only_empty_bags():
     """A batch of empty bags: zero outputs, no updated row, but the update still counts."""
-    module, table = run_training(steps=2, rows=200, dim=3, seed=13, precision="int4",
-                                 rounding="stochastic", policy="lru", associativity=2,
-                                 flush_at_end=False)
+    module, table = run_training(
+        steps=2,
+        rows=200,
+        dim=3,
+        seed=13,
+        precision="int4",
+        rounding="stochastic",
+        policy="lru",
+        associativity=2,
+        flush_at_end=False,
+    )
     indices, offsets = torch.zeros(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     out = module(indices, offsets)
     want, _ = table.forward(indices, offsets)
@@ -366,8 +520,15 @@ def test_step_with_only_empty_bags():
 def test_hand_made_lru_set_overflow():
     """A direct small example of §4 step 3 with LRU, checked against numbers worked out by
     hand (not only against the reference): one set of 2 ways, 3 new rows in one step."""
-    module = CachedLowPrecisionEmbedding(64, 2, precision="fp32", cache_ratio=2 / 64, associativity=2,
-                                         policy="lru", min_rows_for_low_precision=0)
+    module = CachedLowPrecisionEmbedding(
+        64,
+        2,
+        precision="fp32",
+        cache_ratio=2 / 64,
+        associativity=2,
+        policy="lru",
+        min_rows_for_low_precision=0,
+    )
     assert module.config.num_sets == 1
     out = module(torch.tensor([10, 3, 7, 3]), torch.tensor([0]))
     out.backward(torch.ones_like(out))
@@ -388,10 +549,20 @@ def test_hand_made_lru_set_overflow():
 def test_reference_can_fail(monkeypatch):
     """The comparison is sharp: a reference with one float32 operation rounded differently
     (SGD as a fused multiply-add, computed in float64) is caught."""
+
     def fused_sgd(self, v, g, state):
         return (v.double() - self.config.lr * g.double()).float(), state
 
     monkeypatch.setattr(ref.ReferenceTable, "_optimize", fused_sgd)
     with pytest.raises(AssertionError):
-        run_training(steps=4, rows=200, dim=5, seed=3, precision="fp32", rounding="nearest",
-                     policy="lru", associativity=4, lr=0.0123)
+        run_training(
+            steps=4,
+            rows=200,
+            dim=5,
+            seed=3,
+            precision="fp32",
+            rounding="nearest",
+            policy="lru",
+            associativity=4,
+            lr=0.0123,
+        )

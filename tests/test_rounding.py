@@ -1,6 +1,7 @@
 """Row formats and rounding (SPEC §2-3) of the ops ``torch.ops.embcache.quantize_rows`` /
 ``dequantize_rows``, against FBGEMM (the external oracle), ``tensor.half()``, hand-worked
 examples, statistics, and the pure-PyTorch reference ``embcache.reference``."""
+
 from __future__ import annotations
 
 import math
@@ -19,13 +20,16 @@ BITS = ref.PRECISION_BITS
 INT_PRECISIONS = ("int8", "int4", "int2")
 
 
-def quantize(x, precision, qparams="fp32", rounding="nearest", seed=0, step=0, table=0, row_ids=None):
+def quantize(
+    x, precision, qparams="fp32", rounding="nearest", seed=0, step=0, table=0, row_ids=None
+):
     """The op, with the reference's argument names."""
     x = x.float().contiguous()
     if row_ids is None:
         row_ids = torch.arange(x.shape[0], dtype=torch.int64)
-    return ops.quantize_rows(x, row_ids, BITS[precision], qparams == "fp16",
-                             rounding == "stochastic", seed, step, table)
+    return ops.quantize_rows(
+        x, row_ids, BITS[precision], qparams == "fp16", rounding == "stochastic", seed, step, table
+    )
 
 
 def dequantize(w, precision, dim, qparams="fp32"):
@@ -37,8 +41,10 @@ def assert_bytes_equal(got, want, what=""):
     if not torch.equal(got, want):
         bad = torch.nonzero(got != want)
         r, c = bad[0].tolist()
-        raise AssertionError(f"{what}: {bad.shape[0]} bytes differ; first row {r} byte {c}: "
-                             f"{got[r].tolist()} vs {want[r].tolist()}")
+        raise AssertionError(
+            f"{what}: {bad.shape[0]} bytes differ; first row {r} byte {c}: "
+            f"{got[r].tolist()} vs {want[r].tolist()}"
+        )
 
 
 def assert_f32_bits_equal(got, want, what=""):
@@ -46,8 +52,10 @@ def assert_f32_bits_equal(got, want, what=""):
     g, w = got.contiguous().view(torch.int32), want.contiguous().view(torch.int32)
     if not torch.equal(g, w):
         bad = torch.nonzero(g != w)
-        raise AssertionError(f"{what}: {bad.shape[0]} values differ, first at {bad[0].tolist()}: "
-                             f"{got[tuple(bad[0])].item()!r} vs {want[tuple(bad[0])].item()!r}")
+        raise AssertionError(
+            f"{what}: {bad.shape[0]} values differ, first at {bad[0].tolist()}: "
+            f"{got[tuple(bad[0])].item()!r} vs {want[tuple(bad[0])].item()!r}"
+        )
 
 
 def random_rows(gen, n, dim, spread=(-6.0, 6.0), offset=1e3):
@@ -55,19 +63,25 @@ def random_rows(gen, n, dim, spread=(-6.0, 6.0), offset=1e3):
     ``offset`` times their spread (ranges small compared with the values)."""
     mag = 10.0 ** (torch.rand(n, 1, generator=gen) * (spread[1] - spread[0]) + spread[0])
     x = torch.randn(n, dim, generator=gen) * mag
-    shift = torch.randn(n, 1, generator=gen) * mag * (torch.rand(n, 1, generator=gen) < 0.3) * offset
+    shift = (
+        torch.randn(n, 1, generator=gen) * mag * (torch.rand(n, 1, generator=gen) < 0.3) * offset
+    )
     return (x + shift).float()
 
 
 # ----------------------------------------------------------------------------- Philox
+
 
 def test_philox_known_answers():
     """Random123's kat_vectors for philox4x32-10."""
     kat = [
         ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
         ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
     ]
     for counter, key, want in kat:
         assert ref.philox4x32_10(counter, key) == want
@@ -96,6 +110,7 @@ def test_murmur_fmix64():
 
 
 # ----------------------------------------------------------------------------- external oracles
+
 
 def check_dequantize_close_to_fbgemm(ours, fb, stored, bits, dim, qparams):
     nb = math.ceil(dim * bits / 8)
@@ -132,20 +147,34 @@ INT8_DIMS = (1, 2, 3, 5, 7, 8, 16, 17, 31, 64, 127, 200)
 def test_int8_nearest_equals_fbgemm(dim):
     gen = torch.Generator().manual_seed(dim)
     x = random_rows(gen, 300, dim, spread=(-12.0, 30.0))
-    special = torch.stack([
-        torch.full((dim,), 0.0), torch.full((dim,), -3.25), torch.full((dim,), 1e30),  # constant
-        torch.linspace(-1.0, 1.0, dim), torch.linspace(5.0, 5.0 + 1e-6, dim),  # tiny range
-        torch.linspace(-1e37, 1e37, dim), torch.linspace(1e-38, 3e-38, dim),  # huge / tiny values
-        torch.arange(dim, dtype=torch.float32) % 256,  # exact codes
-    ])
+    special = torch.stack(
+        [
+            torch.full((dim,), 0.0),
+            torch.full((dim,), -3.25),
+            torch.full((dim,), 1e30),  # constant
+            torch.linspace(-1.0, 1.0, dim),
+            torch.linspace(5.0, 5.0 + 1e-6, dim),  # tiny range
+            torch.linspace(-1e37, 1e37, dim),
+            torch.linspace(1e-38, 3e-38, dim),  # huge / tiny values
+            torch.arange(dim, dtype=torch.float32) % 256,  # exact codes
+        ]
+    )
     x = torch.cat([x, special, signed_zero_rows(dim)])
     want = torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(x)
     assert_bytes_equal(quantize(x, "int8"), want, f"int8 dim {dim}")
-    assert_bytes_equal(ref.quantize_rows(x, range(x.shape[0]), "int8"), want, f"reference int8 dim {dim}")
+    assert_bytes_equal(
+        ref.quantize_rows(x, range(x.shape[0]), "int8"), want, f"reference int8 dim {dim}"
+    )
     # FBGEMM's dequantization fuses code * scale + bias into an FMA; ours rounds the
     # product first (project convention), so the two agree up to one rounding of the product
-    check_dequantize_close_to_fbgemm(dequantize(want, "int8", dim),
-                                     torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(want), want, 8, dim, "fp32")
+    check_dequantize_close_to_fbgemm(
+        dequantize(want, "int8", dim),
+        torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(want),
+        want,
+        8,
+        dim,
+        "fp32",
+    )
 
 
 NBIT_DIMS = (8, 16, 24, 64, 128, 200)
@@ -157,22 +186,33 @@ def test_nbit_fp16_qparams_nearest_equals_fbgemm_sbhalf(bits, dim):
     gen = torch.Generator().manual_seed(100 * bits + dim)
     # values whose fp16 scale is a normal or subnormal binary16 (not 0: see the test below)
     x = random_rows(gen, 400, dim, spread=(-3.0, 2.5), offset=10.0)
-    x = torch.cat([x, torch.linspace(-1.0, 1.0, dim)[None], (torch.arange(dim) % (2**bits)).float()[None]])
+    x = torch.cat(
+        [x, torch.linspace(-1.0, 1.0, dim)[None], (torch.arange(dim) % (2**bits)).float()[None]]
+    )
     precision = f"int{bits}"
     want = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(x, bits)
     assert_bytes_equal(quantize(x, precision, "fp16"), want, f"{precision} dim {dim}")
-    assert_bytes_equal(ref.quantize_rows(x, range(x.shape[0]), precision, "fp16"), want,
-                       f"reference {precision} dim {dim}")
+    assert_bytes_equal(
+        ref.quantize_rows(x, range(x.shape[0]), precision, "fp16"),
+        want,
+        f"reference {precision} dim {dim}",
+    )
     fb = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(want, bits)
-    check_dequantize_close_to_fbgemm(dequantize(want, precision, dim, "fp16"), fb, want, bits, dim, "fp16")
+    check_dequantize_close_to_fbgemm(
+        dequantize(want, precision, dim, "fp16"), fb, want, bits, dim, "fp16"
+    )
 
 
 def degenerate_rows(dim):
-    return torch.stack([
-        torch.full((dim,), 0.0), torch.full((dim,), 1.0), torch.full((dim,), -7.5),
-        torch.full((dim,), 3000.9),  # fp16(min) != min: not degenerate, scale > 0
-        torch.linspace(1.0, 1.0 + 1e-7, dim),  # fp16 scale underflows to 0
-    ])
+    return torch.stack(
+        [
+            torch.full((dim,), 0.0),
+            torch.full((dim,), 1.0),
+            torch.full((dim,), -7.5),
+            torch.full((dim,), 3000.9),  # fp16(min) != min: not degenerate, scale > 0
+            torch.linspace(1.0, 1.0 + 1e-7, dim),  # fp16 scale underflows to 0
+        ]
+    )
 
 
 @pytest.mark.parametrize("bits", (4, 2))
@@ -182,21 +222,29 @@ def test_nbit_degenerate_rows_same_values_as_fbgemm(bits):
     dim = 16
     x = degenerate_rows(dim)
     precision = f"int{bits}"
-    got, want = quantize(x, precision, "fp16"), torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(x, bits)
+    got, want = (
+        quantize(x, precision, "fp16"),
+        torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(x, bits),
+    )
     nb = dim * bits // 8
     assert_bytes_equal(got[:, :nb], want[:, :nb], "codes")
-    assert_bytes_equal(got[:, nb + 2:], want[:, nb + 2:], "bias")
-    assert_f32_bits_equal(dequantize(got, precision, dim, "fp16"),
-                          torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(want, bits), "values")
+    assert_bytes_equal(got[:, nb + 2 :], want[:, nb + 2 :], "bias")
+    assert_f32_bits_equal(
+        dequantize(got, precision, dim, "fp16"),
+        torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(want, bits),
+        "values",
+    )
     # A constant row gives codes 0 and, with fp16 qparams, the stored scale 1.0 (FBGEMM's)
-    assert got[:3, :nb].eq(0).all() and got[:3, nb:nb + 2].view(torch.float16).eq(1.0).all()
+    assert got[:3, :nb].eq(0).all() and got[:3, nb : nb + 2].view(torch.float16).eq(1.0).all()
 
 
 @pytest.mark.parametrize("bits", (4, 2))
 def test_nbit_degenerate_rows_bit_identical_to_fbgemm(bits):
     x = degenerate_rows(16)
-    assert_bytes_equal(quantize(x, f"int{bits}", "fp16"),
-                       torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(x, bits))
+    assert_bytes_equal(
+        quantize(x, f"int{bits}", "fp16"),
+        torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(x, bits),
+    )
 
 
 def all_finite_halves() -> torch.Tensor:
@@ -213,7 +261,10 @@ def test_fp16_nearest_equals_half():
     h = all_finite_halves()  # subnormals included
     mids = ((h[:-1].double() + h[1:].double()) / 2).float()  # exact ties (12 bits)
     assert bool(((mids.double() * 2) == (h[:-1].double() + h[1:].double())).all())
-    up, down = torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(0.0))
+    up, down = (
+        torch.nextafter(mids, torch.tensor(math.inf)),
+        torch.nextafter(mids, torch.tensor(0.0)),
+    )
     gen = torch.Generator().manual_seed(0)
     rnd = torch.exp(torch.rand(20000, generator=gen) * 30 - 25)  # 2^-36 .. 2^7 and around
     tiny = torch.tensor([2.0**-25, 2.0**-25 * 1.0000001, 2.0**-26, 3 * 2.0**-26, 1e-30, 1.4e-45])
@@ -226,7 +277,9 @@ def test_fp16_nearest_equals_half():
     ties = as_rows(mids)
     assert torch.equal(quantize(ties, "fp16"), ties.half().view(torch.uint8))  # ties to even
     # the reference is tensor.half() by construction; its stored bytes are the op's
-    assert torch.equal(ref.quantize_rows(rows, range(rows.shape[0]), "fp16"), rows.half().view(torch.uint8))
+    assert torch.equal(
+        ref.quantize_rows(rows, range(rows.shape[0]), "fp16"), rows.half().view(torch.uint8)
+    )
 
 
 def test_fp16_nearest_just_above_max_rounds_to_max():
@@ -252,6 +305,7 @@ def test_fp16_overflow_raises(rounding):
 
 # ----------------------------------------------------------------------------- hand-worked examples
 
+
 def test_packing_low_bits_first():
     """Element j in byte j // (8/k) at bit offset (j % (8/k)) * k; unused bits 0."""
     # a row with min 0 and max Q has scale 1 and codes = values
@@ -261,8 +315,8 @@ def test_packing_low_bits_first():
     want2 = [0b00111001, 0b00000001]
     for x, prec, want in ((x4, "int4", want4), (x2, "int2", want2)):
         for got in (quantize(x, prec), ref.quantize_rows(x, [0], prec)):
-            assert got[0, :len(want)].tolist() == want, prec
-            scale, bias = got[0, len(want):].clone().view(torch.float32).tolist()
+            assert got[0, : len(want)].tolist() == want, prec
+            scale, bias = got[0, len(want) :].clone().view(torch.float32).tolist()
             assert (scale, bias) == (1.0, 0.0)
     # the float32 layout: little-endian IEEE bits
     x = torch.tensor([[1.0, -2.0]])
@@ -316,8 +370,12 @@ def test_dequantize_is_multiply_then_add():
     for prec in INT_PRECISIONS:
         for qp in ("fp32", "fp16"):
             nb = ref.payload_bytes(prec, dim)
-            payload = torch.randint(0, 256, (n, nb), generator=gen, dtype=torch.int64).to(torch.uint8)
-            sb = (torch.randn(n, 2, generator=gen) * 3).to(torch.float16 if qp == "fp16" else torch.float32)
+            payload = torch.randint(0, 256, (n, nb), generator=gen, dtype=torch.int64).to(
+                torch.uint8
+            )
+            sb = (torch.randn(n, 2, generator=gen) * 3).to(
+                torch.float16 if qp == "fp16" else torch.float32
+            )
             w = torch.cat([payload, sb.view(torch.uint8)], dim=1)
             got = dequantize(w, prec, dim, qp)
             assert_f32_bits_equal(got, ref.dequantize_rows(w, prec, dim, qp), f"{prec} {qp}")
@@ -335,13 +393,18 @@ def test_dequantize_is_multiply_then_add():
 
 # ----------------------------------------------------------------------------- stochastic rounding
 
+
 def draws(x, precision, qparams="fp32", copies=256, steps=8, seed=99, table=3):
     """Stochastic roundings of the row x: `copies` row ids at each of `steps` steps
     -> stored bytes [steps * copies, row_bytes]."""
     rows = x.reshape(1, -1).expand(copies, -1).contiguous()
     ids = torch.arange(1000, 1000 + copies, dtype=torch.int64)
-    return torch.cat([quantize(rows, precision, qparams, "stochastic", seed, step, table, ids)
-                      for step in range(1, steps + 1)])
+    return torch.cat(
+        [
+            quantize(rows, precision, qparams, "stochastic", seed, step, table, ids)
+            for step in range(1, steps + 1)
+        ]
+    )
 
 
 @pytest.mark.parametrize("qparams", ("fp32", "fp16"))
@@ -397,7 +460,7 @@ def test_stochastic_fp16_neighbours_and_unbiased():
     assert bool(((lo <= a.double()) & (a.double() <= hi)).all())
     assert bool(((hi.half().view(torch.int16) - lo.half().view(torch.int16)) == 1).all())
     assert bool((stored[:, 4] == 1.0).all())
-    p = ((a.double() - lo) / (hi - lo))
+    p = (a.double() - lo) / (hi - lo)
     se = (hi - lo) * torch.sqrt(p * (1 - p) / n)
     err = (stored.mean(0) - x.double()).abs()
     assert bool((err <= 5 * se + 1e-12).all()), (err, se)
@@ -419,12 +482,21 @@ def test_stochastic_deterministic_and_keyed(precision):
         "seed": quantize(x, seed=2**40 + 18, step=9, table=4, **args),
         "seed high word": quantize(x, seed=2**41 + 17, step=9, table=4, **args),
         "table": quantize(x, seed=2**40 + 17, step=9, table=5, **args),
-        "row": quantize(x, seed=2**40 + 17, step=9, table=4, precision=precision,
-                        rounding="stochastic", row_ids=ids + 1),
+        "row": quantize(
+            x,
+            seed=2**40 + 17,
+            step=9,
+            table=4,
+            precision=precision,
+            rounding="stochastic",
+            row_ids=ids + 1,
+        ),
     }
     for what, other in variants.items():
         for r in range(3):
-            assert not torch.equal(base[r], other[r]), f"{precision}: same draw after changing the {what}"
+            assert not torch.equal(base[r], other[r]), (
+                f"{precision}: same draw after changing the {what}"
+            )
     # nearest ignores the stream
     n1 = quantize(x, precision, seed=1, step=1, table=1, row_ids=ids)
     assert torch.equal(n1, quantize(x, precision, seed=2, step=3, table=4, row_ids=ids + 9))
@@ -445,7 +517,7 @@ def test_reference_quantize_equals_op(precision, qparams, rounding):
         x[0] = 0.0
         x[1, :] = -1.25
         zeros = signed_zero_rows(dim)
-        x[2:2 + zeros.shape[0]] = zeros
+        x[2 : 2 + zeros.shape[0]] = zeros
         ids = torch.randint(0, 2**62, (40,), generator=gen)
         seed = int(torch.randint(0, 2**62, (1,), generator=gen))
         step = int(torch.randint(0, 2**40, (1,), generator=gen))
@@ -453,11 +525,15 @@ def test_reference_quantize_equals_op(precision, qparams, rounding):
         got = quantize(x, precision, qparams, rounding, seed, step, table, ids)
         want = ref.quantize_rows(x, ids, precision, qparams, rounding, seed, step, table)
         assert_bytes_equal(got, want, f"{precision} {qparams} {rounding} dim {dim}")
-        assert_f32_bits_equal(dequantize(got, precision, dim, qparams),
-                              ref.dequantize_rows(got, precision, dim, qparams), "dequantized")
+        assert_f32_bits_equal(
+            dequantize(got, precision, dim, qparams),
+            ref.dequantize_rows(got, precision, dim, qparams),
+            "dequantized",
+        )
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 @pytest.mark.parametrize("rounding", ("nearest", "stochastic"))
 @pytest.mark.parametrize("precision,qparams", FORMATS)
@@ -534,8 +610,13 @@ def _trained_digest(simd):
     env = {k: v for k, v in os.environ.items() if k != "EMBCACHE_SIMD"}
     if simd:
         env["EMBCACHE_SIMD"] = simd
-    done = subprocess.run([sys.executable, "-c", _TRAIN_AND_DIGEST], env=env, capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _TRAIN_AND_DIGEST],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stdout.strip()
 
 

@@ -1,5 +1,6 @@
 """bench/sweep.py: a tiny grid writes its rows and renderings, re-running redoes nothing, and the
 relative accuracy drop is computed against the FP32 run of the same seed."""
+
 import json
 import sys
 from pathlib import Path
@@ -10,8 +11,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import sweep  # noqa: E402
 
-TINY = ["--synthetic-rows", "20000", "--batch-size", "256", "--steps", "5",
-        "--precision", "int8", "--rounding", "stochastic", "--cache", "0", "5"]
+TINY = [
+    "--synthetic-rows",
+    "20000",
+    "--batch-size",
+    "256",
+    "--steps",
+    "5",
+    "--precision",
+    "int8",
+    "--rounding",
+    "stochastic",
+    "--cache",
+    "0",
+    "5",
+]
 
 
 def _reports(runs: Path) -> dict:
@@ -23,10 +37,16 @@ def test_tiny_sweep_resumes_without_redoing_runs(tmp_path):
     tiny = [*TINY, "--out", str(out), "--runs", str(runs)]
     assert sweep.main([*tiny, "--seeds", "0", "--jobs", "2"]) == 0
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    assert sorted(r["name"] for r in rows) == ["fp32-s0", "int8-stochastic-c0-s0", "int8-stochastic-c5-lfu32-s0"]
+    assert sorted(r["name"] for r in rows) == [
+        "fp32-s0",
+        "int8-stochastic-c0-s0",
+        "int8-stochastic-c5-lfu32-s0",
+    ]
     assert all(r["steps"] == 5 and 0 < r["accuracy"] < 1 for r in rows)
     by_name = {r["name"]: r for r in rows}
-    assert by_name["fp32-s0"]["compression_factor"] == 1.0 and by_name["fp32-s0"]["hit_rate"] is None
+    assert (
+        by_name["fp32-s0"]["compression_factor"] == 1.0 and by_name["fp32-s0"]["hit_rate"] is None
+    )
     assert by_name["int8-stochastic-c5-lfu32-s0"]["hit_rate"] > 0
     for name in ("sweep.md", "figure7.png", "figure2.png", "runs.csv"):
         assert (out / name).stat().st_size > 0
@@ -46,22 +66,64 @@ def test_tiny_sweep_resumes_without_redoing_runs(tmp_path):
 
 
 def test_relative_drop_by_hand():
-    base = {"rounding": "stochastic", "cache": 0.0, "policy": None, "ways": None, "auc": 0.7,
-            "compression_factor": 0.5, "hit_rate": None}
-    rows = pd.DataFrame([
-        {**base, "precision": "fp32", "rounding": None, "seed": 0, "accuracy": 0.80, "compression_factor": 1.0},
-        {**base, "precision": "fp32", "rounding": None, "seed": 1, "accuracy": 0.50, "compression_factor": 1.0},
-        {**base, "precision": "int8", "seed": 0, "accuracy": 0.79},     # (0.80 - 0.79) / 0.80 = 1.25 %
-        {**base, "precision": "int8", "seed": 1, "accuracy": 0.5005},   # (0.50 - 0.5005) / 0.50 = -0.1 %
-        {**base, "precision": "int4", "seed": 0, "accuracy": 0.79992},  # 0.01 %: neutral
-    ]).astype({"ways": "Int64"})
+    base = {
+        "rounding": "stochastic",
+        "cache": 0.0,
+        "policy": None,
+        "ways": None,
+        "auc": 0.7,
+        "compression_factor": 0.5,
+        "hit_rate": None,
+    }
+    rows = pd.DataFrame(
+        [
+            {
+                **base,
+                "precision": "fp32",
+                "rounding": None,
+                "seed": 0,
+                "accuracy": 0.80,
+                "compression_factor": 1.0,
+            },
+            {
+                **base,
+                "precision": "fp32",
+                "rounding": None,
+                "seed": 1,
+                "accuracy": 0.50,
+                "compression_factor": 1.0,
+            },
+            {
+                **base,
+                "precision": "int8",
+                "seed": 0,
+                "accuracy": 0.79,
+            },  # (0.80 - 0.79) / 0.80 = 1.25 %
+            {
+                **base,
+                "precision": "int8",
+                "seed": 1,
+                "accuracy": 0.5005,
+            },  # (0.50 - 0.5005) / 0.50 = -0.1 %
+            {**base, "precision": "int4", "seed": 0, "accuracy": 0.79992},  # 0.01 %: neutral
+        ]
+    ).astype({"ways": "Int64"})
     assert sweep.relative_drop(rows).tolist() == pytest.approx([0, 0, 1.25, -0.1, 0.01])
     s = sweep.summarize(rows).set_index("precision")
     assert s.loc["int8", "drop"] == pytest.approx(0.575)
-    assert s.loc["int8", "drop_std"] == pytest.approx(1.35 / 2 ** 0.5)  # sample std of 1.25, -0.1
+    assert s.loc["int8", "drop_std"] == pytest.approx(1.35 / 2**0.5)  # sample std of 1.25, -0.1
     assert s.loc["int8", "seeds"] == 2 and pd.isna(s.loc["int4", "drop_std"])
-    assert sweep.cell(0.575, 1.35 / 2 ** 0.5) == "0.575 ± 0.955"
+    assert sweep.cell(0.575, 1.35 / 2**0.5) == "0.575 ± 0.955"
     assert sweep.cell(0.01, float("nan")) == "**0.010**"  # neutral: below 0.02 %
-    md = sweep.render(rows, {"data": "synthetic", "synthetic_rows": 1, "synthetic_scale": 1, "steps": 5,
-                             "batch_size": 2, "preset": "kaggle"})
+    md = sweep.render(
+        rows,
+        {
+            "data": "synthetic",
+            "synthetic_rows": 1,
+            "synthetic_scale": 1,
+            "steps": 5,
+            "batch_size": 2,
+            "preset": "kaggle",
+        },
+    )
     assert "| stochastic | 0.575 ± 0.955 | **0.010** |" in md

@@ -1,5 +1,6 @@
 """The `dlrm` command end to end: a short run, an interrupted-and-resumed run that ends exactly
 like an uninterrupted one, and user errors that print one line and exit 2."""
+
 import json
 
 import pytest
@@ -7,8 +8,19 @@ import torch
 
 from dlrm.cli import main
 
-SMALL = ["--synthetic-rows", "30000", "--batch-size", "256", "--eval-every", "5",
-         "--eval-batches", "2", "--no-progress", "--threads", "1"]
+SMALL = [
+    "--synthetic-rows",
+    "30000",
+    "--batch-size",
+    "256",
+    "--eval-every",
+    "5",
+    "--eval-batches",
+    "2",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +47,10 @@ def test_train_writes_report(workdir, capsys):
 
 def test_interrupted_run_resumes_to_the_same_result(workdir):
     assert _train(workdir / "full", "--steps", "14", "--checkpoint-every", "4") == 0
-    assert _train(workdir / "cut", "--steps", "14", "--checkpoint-every", "4", "--stop-after", "6") == 0
+    assert (
+        _train(workdir / "cut", "--steps", "14", "--checkpoint-every", "4", "--stop-after", "6")
+        == 0
+    )
     assert not (workdir / "cut" / "report.json").exists()
     assert _train(workdir / "cut", "--steps", "14", "--checkpoint-every", "4", "--resume") == 0
     full = json.loads((workdir / "full" / "report.json").read_text())
@@ -63,18 +78,36 @@ def _fails(capsys, argv, needle):
 
 
 def test_user_errors_are_one_line(workdir, tmp_path, capsys):
-    _fails(capsys, ["train", "--out", str(tmp_path / "x"), "--data", str(tmp_path / "nope"), *SMALL], "meta.json")
+    _fails(
+        capsys,
+        ["train", "--out", str(tmp_path / "x"), "--data", str(tmp_path / "nope"), *SMALL],
+        "meta.json",
+    )
     _fails(capsys, ["train", "--out", str(tmp_path / "y"), "--resume", *SMALL], "no checkpoint")
     assert _train(workdir / "cfg", "--steps", "2") == 0
-    _fails(capsys, ["train", "--out", str(workdir / "cfg"), "--resume", "--precision", "int4", *SMALL], "precision")
+    _fails(
+        capsys,
+        ["train", "--out", str(workdir / "cfg"), "--resume", "--precision", "int4", *SMALL],
+        "precision",
+    )
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    _fails(capsys, ["train", "--out", str(tmp_path / "bad"), "--resume", *SMALL], "not a readable checkpoint")
+    _fails(
+        capsys,
+        ["train", "--out", str(tmp_path / "bad"), "--resume", *SMALL],
+        "not a readable checkpoint",
+    )
     blocker = tmp_path / "file"
     blocker.write_text("")
     _fails(capsys, ["train", "--out", str(blocker / "sub"), *SMALL], "cannot create")
-    _fails(capsys, ["train", "--out", str(tmp_path / "z"), "--cache-ratio", "1.5", *SMALL], "cache_ratio")
-    _fails(capsys, ["preprocess", str(tmp_path / "missing.tsv"), str(tmp_path / "out")], "missing.tsv")
+    _fails(
+        capsys,
+        ["train", "--out", str(tmp_path / "z"), "--cache-ratio", "1.5", *SMALL],
+        "cache_ratio",
+    )
+    _fails(
+        capsys, ["preprocess", str(tmp_path / "missing.tsv"), str(tmp_path / "out")], "missing.tsv"
+    )
 
 
 def test_killed_process_resumes_to_the_same_result(workdir):

@@ -9,13 +9,15 @@ per key (lengths all 1), labels float32 [B]. Batch b of an epoch holds the rows
 or, with ``shuffle``, a permutation drawn from ``numpy.random.default_rng([seed, epoch])``
 (the rows inside a shuffled batch are then sorted, for locality in the memory map).
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,8 +58,10 @@ def read_meta(path: str | os.PathLike) -> dict:
     try:
         return json.loads(meta_file.read_text())
     except FileNotFoundError as e:
-        raise DataError(f"{meta_file}: no such file: {path} is not a complete preprocessed "
-                        "directory (run the preprocessing or the synthetic generator)") from e
+        raise DataError(
+            f"{meta_file}: no such file: {path} is not a complete preprocessed "
+            "directory (run the preprocessing or the synthetic generator)"
+        ) from e
     except (OSError, ValueError) as e:
         raise DataError(f"{meta_file}: cannot read: {e}") from e
 
@@ -92,8 +96,11 @@ def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Bat
         lengths=torch.ones(batch_size * NUM_SPARSE, dtype=torch.int32),
         stride=batch_size,
     )
-    return Batch(torch.from_numpy(np.array(dense, dtype=np.float32)), kjt,
-                 torch.from_numpy(np.array(labels, dtype=np.float32)))
+    return Batch(
+        torch.from_numpy(np.array(dense, dtype=np.float32)),
+        kjt,
+        torch.from_numpy(np.array(labels, dtype=np.float32)),
+    )
 
 
 def num_batches(num_rows: int, batch_size: int, drop_last: bool = False) -> int:
@@ -101,9 +108,17 @@ def num_batches(num_rows: int, batch_size: int, drop_last: bool = False) -> int:
     return num_rows // batch_size if drop_last else -(-num_rows // batch_size)
 
 
-def iterate_batches(data: str | os.PathLike | Dataset, split: str, batch_size: int, *,
-                    shuffle: bool = False, seed: int = 0, epoch: int = 0,
-                    drop_last: bool = False, start_batch: int = 0) -> Iterator[Batch]:
+def iterate_batches(
+    data: str | os.PathLike | Dataset,
+    split: str,
+    batch_size: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
+    start_batch: int = 0,
+) -> Iterator[Batch]:
     """The batches ``start_batch, start_batch + 1, ...`` of one epoch over ``split``.
 
     ``data``: a directory or a ``load``-ed ``Dataset``. ``drop_last`` drops a last batch of
@@ -112,8 +127,9 @@ def iterate_batches(data: str | os.PathLike | Dataset, split: str, batch_size: i
     """
     ds = data if isinstance(data, Dataset) else load(data)
     start, stop = ds.split(split)
-    order = (start + np.random.default_rng([seed, epoch]).permutation(stop - start)
-             if shuffle else None)
+    order = (
+        start + np.random.default_rng([seed, epoch]).permutation(stop - start) if shuffle else None
+    )
     for b in range(start_batch, num_batches(stop - start, batch_size, drop_last)):
         lo, hi = b * batch_size, min((b + 1) * batch_size, stop - start)
         rows = slice(start + lo, start + hi) if order is None else np.sort(order[lo:hi])

@@ -47,13 +47,14 @@ field). Two passes: count the categorical values, then map them and write the ``
 sequentially. Peak memory: a few times a block plus the per-column dictionaries of distinct
 values (16 bytes per distinct value), whatever the file length.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -65,8 +66,32 @@ NUM_DAYS = 7
 MAX_REPORTED = 10
 # Criteo-Kaggle train.txt, no threshold (SPEC section 7).
 KAGGLE_CARDINALITIES = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 )
 FILES = ("dense.npy", "sparse.npy", "labels.npy", "meta.json")
 FORMAT = "dlrm-criteo-npy/1"
@@ -104,23 +129,36 @@ def split_ranges(num_rows: int) -> dict[str, list[int]]:
     return {"train": [0, train_end], "test": [train_end, test_end], "val": [test_end, num_rows]}
 
 
-def preprocess_criteo(src: str | os.PathLike, out_dir: str | os.PathLike, *, min_count: int = 1,
-                      max_ind_range: int = 0, chunk_bytes: int = 4 << 20,
-                      progress: bool = True) -> dict:
+def preprocess_criteo(
+    src: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    min_count: int = 1,
+    max_ind_range: int = 0,
+    chunk_bytes: int = 4 << 20,
+    progress: bool = True,
+) -> dict:
     """Preprocess the Criteo TSV file ``src`` into ``out_dir``; returns the metadata written.
 
     ``min_count``: values seen fewer times share one id; ``max_ind_range``: hash the columns
     with more distinct values (see the module docstring); the file is read ``chunk_bytes`` at
     a time. Raises ``DataError`` for user errors.
     """
-    return _build(_TsvSource(Path(src), chunk_bytes, progress), Path(out_dir), min_count,
-                  max_ind_range)
+    return _build(
+        _TsvSource(Path(src), chunk_bytes, progress), Path(out_dir), min_count, max_ind_range
+    )
 
 
-def convert_torchrec_npys(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                          min_count: int = 1, max_ind_range: int = 0,
-                          dense_min: int | None = None, chunk_rows: int = 1_000_000,
-                          progress: bool = True) -> dict:
+def convert_torchrec_npys(
+    src_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    min_count: int = 1,
+    max_ind_range: int = 0,
+    dense_min: int | None = None,
+    chunk_rows: int = 1_000_000,
+    progress: bool = True,
+) -> dict:
     """Convert the output of TorchRec's ``BinaryCriteoUtils.tsv_to_npys`` into our layout.
 
     Reads ``day_{i}_{dense,sparse,labels}.npy`` for i = 0, 1, ... (concatenated in that order),
@@ -146,7 +184,7 @@ def _fields(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     starts at the appended zeros) and the number of fields per line.
     """
     buf = np.zeros(len(block) + 16, np.uint8)
-    buf[:len(block)] = np.frombuffer(block, np.uint8)
+    buf[: len(block)] = np.frombuffer(block, np.uint8)
     sep = np.flatnonzero((buf == ord("\t")) | (buf == ord("\n"))).astype(np.int32)
     newline = buf[sep] == ord("\n")
     buf[sep] = 0
@@ -160,8 +198,9 @@ def _fields(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return buf, start, np.bincount(line, minlength=len(first_sep))
 
 
-def _parse(buf: np.ndarray, start: np.ndarray, num_fields: np.ndarray
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _parse(
+    buf: np.ndarray, start: np.ndarray, num_fields: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Parse the lines split by ``_fields``.
 
     Returns labels float32 [n], dense float32 [n, 13] (transformed), raw categorical values
@@ -171,7 +210,7 @@ def _parse(buf: np.ndarray, start: np.ndarray, num_fields: np.ndarray
     bad_label = ~(ok & ~empty & (label <= 1))
 
     # Dense: an optional "-" then decimal digits, 15 characters at most; negatives become 0.
-    dense_start = start[:, 1:1 + NUM_DENSE]
+    dense_start = start[:, 1 : 1 + NUM_DENSE]
     chars, ended = _chars(buf, dense_start, 16)
     negative = chars[0] == ord("-")
     bare_sign = negative & (buf[dense_start + 1] == 0)
@@ -181,7 +220,7 @@ def _parse(buf: np.ndarray, start: np.ndarray, num_fields: np.ndarray
     dense = np.log1p(np.where(negative, 0, x)).astype(np.float32)
 
     # Categorical: up to 8 hex digits.
-    raw, missing, ok = _number(*_chars(buf, start[:, 1 + NUM_DENSE:], 9), _HEX, 16)
+    raw, missing, ok = _number(*_chars(buf, start[:, 1 + NUM_DENSE :], 9), _HEX, 16)
     raw[missing] = -1
     bad_cat = ~ok.all(axis=1)
 
@@ -201,8 +240,9 @@ def _chars(buf: np.ndarray, start: np.ndarray, width: int) -> tuple[np.ndarray, 
     return np.stack(chars), np.stack(ended)
 
 
-def _number(chars: np.ndarray, ended: np.ndarray, lut: np.ndarray, base: int
-            ) -> tuple[np.ndarray, ...]:
+def _number(
+    chars: np.ndarray, ended: np.ndarray, lut: np.ndarray, base: int
+) -> tuple[np.ndarray, ...]:
     """Value (int64), emptiness and validity of the numbers written as ``chars, ended``.
 
     Valid: digits of ``base`` (``lut`` gives their values) that end in time (see ``_chars``);
@@ -235,9 +275,12 @@ class _Report:
         return sum(self.counts.values())
 
     def as_dict(self) -> dict:
-        return {"policy": "skip the line and report it", "count": self.total,
-                "by_reason": self.counts,
-                "first": [{"line": line, "reason": r} for line, r in self.first]}
+        return {
+            "policy": "skip the line and report it",
+            "count": self.total,
+            "by_reason": self.counts,
+            "first": [{"line": line, "reason": r} for line, r in self.first],
+        }
 
 
 class _TsvSource:
@@ -253,16 +296,23 @@ class _TsvSource:
     def chunks(self, desc: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         self.report = _Report()
         lines_before = 0
-        with tqdm(total=self.path.stat().st_size, desc=desc, unit="B", unit_scale=True,
-                  disable=not self.progress) as bar:
+        with tqdm(
+            total=self.path.stat().st_size,
+            desc=desc,
+            unit="B",
+            unit_scale=True,
+            disable=not self.progress,
+        ) as bar:
             for block in self._blocks():
                 labels, dense, raw, reason = _parse(*_fields(block))
                 bad = np.flatnonzero(reason)
                 self.report.add(lines_before + 1 + bad, reason[bad])
                 if lines_before == 0 and 2 * len(bad) > len(reason):
                     line, why = self.report.first[0]
-                    raise DataError(f"{self.path}: line {line}: {why}; {len(bad)} of the first "
-                                    f"{len(reason)} lines are malformed: not a Criteo TSV file")
+                    raise DataError(
+                        f"{self.path}: line {line}: {why}; {len(bad)} of the first "
+                        f"{len(reason)} lines are malformed: not a Criteo TSV file"
+                    )
                 lines_before += len(reason)
                 bar.update(len(block))
                 ok = reason == 0
@@ -279,8 +329,10 @@ class _TsvSource:
                 cut = block.rfind(b"\n") + 1
                 block, tail = block[:cut], block[cut:]
                 if len(tail) > MAX_LINE_BYTES:
-                    raise DataError(f"{self.path}: a line longer than {MAX_LINE_BYTES} bytes "
-                                    f"after byte {f.tell() - len(tail)}: not a Criteo TSV file")
+                    raise DataError(
+                        f"{self.path}: a line longer than {MAX_LINE_BYTES} bytes "
+                        f"after byte {f.tell() - len(tail)}: not a Criteo TSV file"
+                    )
                 if block:
                     yield block
         if tail:
@@ -299,11 +351,16 @@ class _TorchrecSource:
         prefixes = prefixes or ["train"]
         self.files = [self._load(src_dir, p) for p in prefixes]
         self.chunk_rows, self.progress = chunk_rows, progress
-        self.dense_min = [dense_min if dense_min is not None else self._infer_min(d)
-                          for d, _, _ in self.files]
+        self.dense_min = [
+            dense_min if dense_min is not None else self._infer_min(d) for d, _, _ in self.files
+        ]
         self.report = _Report()
-        self.description = {"source": str(src_dir.resolve()), "source_format": "torchrec_npy",
-                            "source_files": prefixes, "torchrec_dense_min": self.dense_min}
+        self.description = {
+            "source": str(src_dir.resolve()),
+            "source_format": "torchrec_npy",
+            "source_files": prefixes,
+            "torchrec_dense_min": self.dense_min,
+        }
 
     @staticmethod
     def _load(src_dir: Path, prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -324,7 +381,7 @@ class _TorchrecSource:
         """TorchRec's ``min`` of a file such that its most frequent raw integer is 0."""
         counts = np.zeros(1024, np.int64)
         for start in range(0, len(dense), self.chunk_rows):
-            v = np.rint(np.exp(dense[start:start + self.chunk_rows].astype(np.float64)))
+            v = np.rint(np.exp(dense[start : start + self.chunk_rows].astype(np.float64)))
             counts += np.bincount(np.minimum(v, 1023).astype(np.int64).ravel(), minlength=1024)
         return 2 - int(np.argmax(counts))
 
@@ -341,7 +398,8 @@ class _TorchrecSource:
                     if len(bad):
                         raise DataError(
                             f"{labels.filename}: row {start + bad[0]}: label {y[bad[0]]}, expected "
-                            "0 or 1 (TorchRec writes -1 for the unlabeled Kaggle test set)")
+                            "0 or 1 (TorchRec writes -1 for the unlabeled Kaggle test set)"
+                        )
                     raw[raw == 0] = -1
                     bar.update(stop - start)
                     yield y.astype(np.float32), np.log1p(np.maximum(x, 0)).astype(np.float32), raw
@@ -406,8 +464,13 @@ def _build(source, out_dir: Path, min_count: int, max_ind_range: int) -> dict:
             counter.add(raw[:, c])
     report = source.report.as_dict()
     if report["count"]:
-        log.warning("%s: skipped %d malformed lines %s; first: %s", source.description["source"],
-                    report["count"], report["by_reason"], report["first"])
+        log.warning(
+            "%s: skipped %d malformed lines %s; first: %s",
+            source.description["source"],
+            report["count"],
+            report["by_reason"],
+            report["first"],
+        )
     if num_rows == 0:
         raise DataError(f"{source.description['source']}: no valid Criteo rows")
     columns = [_Column(*counter.result(), min_count, max_ind_range) for counter in counters]
@@ -415,8 +478,9 @@ def _build(source, out_dir: Path, min_count: int, max_ind_range: int) -> dict:
 
     with DatasetWriter(out_dir, num_rows) as out:
         for labels, dense, raw in source.chunks("pass 2/2: writing"):
-            out.append(dense, np.stack([col.ids(raw[:, c]) for c, col in enumerate(columns)], 1),
-                       labels)
+            out.append(
+                dense, np.stack([col.ids(raw[:, c]) for c, col in enumerate(columns)], 1), labels
+            )
         meta = {
             **source.description,
             "rows": num_rows,
@@ -427,7 +491,7 @@ def _build(source, out_dir: Path, min_count: int, max_ind_range: int) -> dict:
             "splits": split_ranges(num_rows),
             "options": {"min_count": min_count, "max_ind_range": max_ind_range},
             "sparse_ids": "sorted by hex value, missing -> 0 (if it occurs), rare -> last id; "
-                          "hashed columns: missing -> 0, else 1 + value % (max_ind_range - 1)",
+            "hashed columns: missing -> 0, else 1 + value % (max_ind_range - 1)",
             "malformed": report,
         }
         out.commit(meta)
@@ -444,8 +508,11 @@ class DatasetWriter:
     without a commit (an exception) removes the temporary files.
     """
 
-    SHAPES = {"dense.npy": (np.float32, (NUM_DENSE,)), "sparse.npy": (np.int32, (NUM_SPARSE,)),
-              "labels.npy": (np.float32, ())}
+    SHAPES = {
+        "dense.npy": (np.float32, (NUM_DENSE,)),
+        "sparse.npy": (np.int32, (NUM_SPARSE,)),
+        "labels.npy": (np.float32, ()),
+    }
 
     def __init__(self, out_dir: str | os.PathLike, num_rows: int) -> None:
         self.out_dir, self.num_rows, self.rows = Path(out_dir), num_rows, 0
@@ -458,9 +525,14 @@ class DatasetWriter:
         try:
             for name, (dtype, row_shape) in self.SHAPES.items():
                 self.files[name] = open(self.tmp[name], "wb")
-                np.lib.format.write_array_header_1_0(self.files[name], {
-                    "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                    "fortran_order": False, "shape": (num_rows, *row_shape)})
+                np.lib.format.write_array_header_1_0(
+                    self.files[name],
+                    {
+                        "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                        "fortran_order": False,
+                        "shape": (num_rows, *row_shape),
+                    },
+                )
         except OSError as e:
             self.__exit__()
             raise DataError(f"{self.out_dir}: cannot write the output: {e}") from e
@@ -469,8 +541,10 @@ class DatasetWriter:
         """Write the next rows: dense [n, 13], sparse ids [n, 26], labels [n]."""
         self.rows += len(labels)
         if self.rows > self.num_rows:
-            raise DataError(f"{self.out_dir}: more rows than the {self.num_rows} counted "
-                            "(did the input change while being read?)")
+            raise DataError(
+                f"{self.out_dir}: more rows than the {self.num_rows} counted "
+                "(did the input change while being read?)"
+            )
         try:
             for (name, (dtype, _)), rows in zip(self.SHAPES.items(), (dense, sparse, labels)):
                 np.ascontiguousarray(rows, dtype).tofile(self.files[name])
@@ -479,8 +553,10 @@ class DatasetWriter:
 
     def commit(self, meta: dict) -> None:
         if self.rows != self.num_rows:
-            raise DataError(f"{self.out_dir}: {self.rows} rows, {self.num_rows} counted "
-                            "(did the input change while being read?)")
+            raise DataError(
+                f"{self.out_dir}: {self.rows} rows, {self.num_rows} counted "
+                "(did the input change while being read?)"
+            )
         meta.update(LAYOUT)
         try:
             self._close()

@@ -28,10 +28,11 @@ Determinism: the model comes from ``numpy.random.default_rng([seed, 0, t])``, an
 gives identical arrays however the rows are requested (whole or in chunks). The model holds
 32 bytes per id (at ``scale=1`` the 33.8M Kaggle ids take about 1.1 GB).
 """
+
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
@@ -51,10 +52,21 @@ def scaled_cardinalities(scale: float) -> list[int]:
 class SyntheticCriteo:
     """The generator; ``rows(start, stop)`` gives any range of the infinite row sequence."""
 
-    def __init__(self, scale: float = 0.001, alpha: float = 1.05, teacher_dim: int = 4,
-                 positive_rate: float = 0.25, seed: int = 0) -> None:
-        self.params = {"scale": scale, "alpha": alpha, "teacher_dim": teacher_dim,
-                       "positive_rate": positive_rate, "seed": seed}
+    def __init__(
+        self,
+        scale: float = 0.001,
+        alpha: float = 1.05,
+        teacher_dim: int = 4,
+        positive_rate: float = 0.25,
+        seed: int = 0,
+    ) -> None:
+        self.params = {
+            "scale": scale,
+            "alpha": alpha,
+            "teacher_dim": teacher_dim,
+            "positive_rate": positive_rate,
+            "seed": seed,
+        }
         self.cardinalities = scaled_cardinalities(scale)
         self.seed = seed
         self.cdf, self.perm, self.b, self.v = [], [], [], []
@@ -84,7 +96,9 @@ class SyntheticCriteo:
         first, last = start // BLOCK_ROWS, -(-stop // BLOCK_ROWS)
         blocks = [self._block(i) for i in range(first, last)]
         offset = first * BLOCK_ROWS
-        return tuple(np.concatenate(parts)[start - offset:stop - offset] for parts in zip(*blocks))
+        return tuple(
+            np.concatenate(parts)[start - offset : stop - offset] for parts in zip(*blocks)
+        )
 
     def _block(self, i: int) -> tuple[np.ndarray, ...]:
         rng = np.random.default_rng([self.seed, 1, i])
@@ -115,8 +129,15 @@ class SyntheticCriteo:
         logit += 0.5 * ((v_sum * v_sum).sum(axis=1) - v_sq)  # sum over pairs t < s
         return dense, sparse, logit
 
-    def batches(self, num_rows: int, split: str, batch_size: int, *, drop_last: bool = False,
-                start_batch: int = 0) -> Iterator[Batch]:
+    def batches(
+        self,
+        num_rows: int,
+        split: str,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        start_batch: int = 0,
+    ) -> Iterator[Batch]:
         """Batches of ``split`` of a ``num_rows``-row data set generated on the fly, split as
         preprocessed Criteo (``criteo.split_ranges``); same batches as ``iterate_batches``
         over ``write(dir, num_rows)`` without shuffling (the rows are i.i.d. anyway)."""
@@ -154,8 +175,9 @@ class SyntheticCriteo:
                 "generator": self.params,
                 "positive_rate": float(labels.mean()),
                 "bayes_auc": _auc(labels, prob),
-                "bayes_auc_splits": {name: _auc(labels[a:b], prob[a:b])
-                                     for name, (a, b) in splits.items()},
+                "bayes_auc_splits": {
+                    name: _auc(labels[a:b], prob[a:b]) for name, (a, b) in splits.items()
+                },
             }
             out.commit(meta)
         return meta

@@ -15,8 +15,14 @@ cardinality (for a trace: the largest id + 1).
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import logging
 import os
+import platform
+import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +36,92 @@ from dlrm.data import batches  # noqa: E402
 from dlrm.train import RunConfig, resolve_data  # noqa: E402
 
 DEFAULTS = RunConfig()
+ROOT = Path(__file__).resolve().parent.parent
+# The paths whose uncommitted changes make a result "dirty" (results themselves excluded).
+CODE_PATHS = ("bench", "embcache", "dlrm", "csrc", "setup.py", "pyproject.toml")
+PACKAGES = {
+    "torch": ("torch",),
+    "fbgemm_gpu": ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu"),
+    "torchrec": ("torchrec", "torchrec-nightly"),
+}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _version(names: tuple[str, ...]) -> str:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "not installed"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(script: str, argv: list[str] | None = None, threads: int | None = None) -> dict:
+    """Where and with what a result was made, for its JSON (``"environment"``) and the top of its
+    Markdown (``environment_markdown``): the command line (``python bench/<script> argv``; argv
+    defaults to sys.argv[1:]), the git commit and whether the code differs from it (``dirty``,
+    ``dirty_paths``: uncommitted changes under CODE_PATHS, bench/results left out), the CPU model,
+    cores, ``threads`` if given, the torch / fbgemm_gpu / torchrec / Python versions and the UTC
+    date."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    path = Path(script).resolve()
+    try:
+        path = path.relative_to(ROOT)
+    except ValueError:
+        pass
+    status = _git("status", "--porcelain", "--", *CODE_PATHS, ":(exclude)bench/results")
+    dirty = sorted({line[3:] for line in status.splitlines() if line.strip()}) if status else []
+    env = {
+        "command": shlex.join(["python", path.as_posix(), *argv]),
+        "commit": (_git("rev-parse", "--short", "HEAD") or "").strip() or "unknown",
+        "dirty": bool(dirty) if status is not None else "unknown",
+        "dirty_paths": dirty,
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+    }
+    if threads is not None:
+        env["threads"] = threads
+    env.update({key: _version(names) for key, names in PACKAGES.items()})
+    env["python"] = platform.python_version()
+    env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return env
+
+
+def environment_markdown(env: dict) -> str:
+    """``environment``'s record as a few Markdown lines (for the top of a result)."""
+    commit = env["commit"] + (
+        f" + uncommitted changes in {', '.join(env['dirty_paths'])}"
+        if env.get("dirty") is True
+        else ""
+    )
+    threads = f", {env['threads']} threads" if "threads" in env else ""
+    return "\n".join(
+        [
+            f"Command: `{env['command']}`  ",
+            f"Commit {commit}, {env['date']}  ",
+            f"Machine: {env['cpu_model']}, {env['cores']} cores{threads}; Python {env['python']}, "
+            f"torch {env['torch']}, fbgemm_gpu {env['fbgemm_gpu']}, torchrec {env['torchrec']}",
+        ]
+    )
 
 
 @dataclass

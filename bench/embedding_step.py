@@ -8,7 +8,9 @@ table per sample, ids drawn from a per-table power law. In one run it times:
 * FBGEMM CPU TBE, FP32, EXACT_SGD (all tables in one fused op)
 * nn.EmbeddingBag(sparse=True) + torch.optim.SGD
 
-and prints ms/step, lookups/s, embedding memory and the ratios against FBGEMM.
+and prints ms/step, lookups/s, embedding memory and the ratios against FBGEMM, under the
+command, commit, machine and library versions (bench/_common.environment); --out DIR also
+writes them to DIR/embedding_step.md and DIR/embedding_step.json.
 
 Every engine first trains --warmup steps, so that the cache is in its steady state (a 5% cache
 of a 10M-row table takes a few hundred steps to fill). Then --rounds rounds each time every
@@ -30,6 +32,7 @@ Example:
 
     python bench/embedding_step.py                      # dim 16, full Kaggle cardinalities
     python bench/embedding_step.py --dim 128 --max-rows 2000000
+    python bench/embedding_step.py --rounds 7 --out bench/results/embedding_step
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import os
 import resource
 import statistics
 import time
+from pathlib import Path
 
 # Before torch is imported: torch reads this when it first allocates.
 HUGE_PAGES = os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0"
@@ -62,7 +66,7 @@ def keep_freed_memory() -> bool:
 KEEP_FREED_MEMORY = os.environ.get("EMBCACHE_KEEP_FREED_MEMORY", "1") != "0" and keep_freed_memory()
 
 import torch  # noqa: E402
-from _common import write_text  # noqa: E402
+from _common import environment, environment_markdown, write_text  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -220,7 +224,11 @@ def main():
     p.add_argument("--warmup", type=int, default=300, help="untimed steps first (cache fill)")
     p.add_argument("--alpha", type=float, default=4.0, help="power-law exponent of the trace")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument(
+        "--out", type=Path, help="write embedding_step.md and embedding_step.json in this directory"
+    )
     args = p.parse_args()
+    env = environment(__file__, threads=torch.get_num_threads())
     cards = [min(n, args.max_rows) if args.max_rows else n for n in KAGGLE]
     total_steps = args.warmup + args.rounds * args.steps
     batches = trace(cards, args.batch, total_steps, args.alpha, seed=0)
@@ -261,42 +269,50 @@ def main():
             "page_faults_per_step": statistics.mean(faults[name]),
         }
     ref = rows["FBGEMM TBE fp32 EXACT_SGD"]
-    print(
-        f"\n{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
+    lines = [
+        f"# Embedding training step, dim {args.dim}",
+        "",
+        environment_markdown(env),
+        "",
+        f"{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
         f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
         f"median of {args.rounds} rounds of {args.steps} steps, "
         f"huge pages {'on' if HUGE_PAGES else 'off'} and freed memory "
-        f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine"
-    )
-    print(
+        f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine.",
+        "",
         "| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | memory vs FBGEMM "
-        "| hit rate | page faults/step |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        "| hit rate | page faults/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in rows.items():
         r["speed_vs_fbgemm"] = ref["ms_per_step"] / r["ms_per_step"]
         r["memory_vs_fbgemm"] = r["memory_bytes"] / ref["memory_bytes"]
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
-        print(
+        lines.append(
             f"| {name} | {r['ms_per_step']:.1f} | {r['lookups_per_s'] / 1e6:.2f} | "
             f"{r['memory_bytes'] / 2**20:.0f} | {r['speed_vs_fbgemm']:.2f}x | "
             f"{r['memory_vs_fbgemm']:.3f}x | {hr} | {r['page_faults_per_step']:.0f} |"
         )
     ebag = rows["nn.EmbeddingBag + SGD"]["ms_per_step"]
-    print(f"ours fp32 vs nn.EmbeddingBag: {ebag / rows['ours fp32, no cache']['ms_per_step']:.2f}x")
+    fp32_vs_ebag = ebag / rows["ours fp32, no cache"]["ms_per_step"]
+    lines += ["", f"ours fp32 vs nn.EmbeddingBag: {fp32_vs_ebag:.2f}x", ""]
+    md = "\n".join(lines)
+    print("\n" + md)
+    result = {
+        "environment": env,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "huge_pages": HUGE_PAGES,
+        "keep_freed_memory": KEEP_FREED_MEMORY,
+        "ours_fp32_vs_embedding_bag": fp32_vs_ebag,
+        "results": rows,
+    }
     if args.json:
-        write_text(
-            args.json,
-            json.dumps(
-                {
-                    "args": vars(args),
-                    "huge_pages": HUGE_PAGES,
-                    "keep_freed_memory": KEEP_FREED_MEMORY,
-                    "results": rows,
-                },
-                indent=2,
-            ),
-        )
+        write_text(args.json, json.dumps(result, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_text(args.out / "embedding_step.md", md)
+        write_text(args.out / "embedding_step.json", json.dumps(result, indent=2))
+        print(f"wrote {args.out}/embedding_step.md, embedding_step.json")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import torch
 from _common import (
     add_source_args,
     cached_tables,
+    environment,
+    environment_markdown,
     load_source,
     markdown_table,
     parser,
@@ -283,6 +285,8 @@ def main(argv=None) -> dict:
         "--out", type=Path, default=Path("bench/results/hit_rate"), help="(default: %(default)s)"
     )
     args = p.parse_args(argv)
+    # Each job replays in its own process, one single-threaded op call at a time.
+    env = environment(__file__, argv, threads=args.jobs)
 
     source = load_source(args)
     if args.order == "shuffled" and not source.is_split:
@@ -322,7 +326,7 @@ def main(argv=None) -> dict:
     }
     steps = len(rows) // args.batch_size
     header = (
-        f"# Cache hit rate\n\nData: {source.description}; {steps:,} steps of {args.batch_size:,} "
+        f"# Cache hit rate\n\n{environment_markdown(env)}\n\nData: {source.description}; {steps:,} steps of {args.batch_size:,} "
         f"lookups per table, {'shuffled as dlrm train (seed ' + str(args.seed) + ')' if shuffle else 'in file order'}. "
         f"A hit is a lookup whose row is cached before its step's update; cache size is % of each "
         f"table's rows; overall = hits / lookups over the {len(big)} tables with a cache in training "
@@ -342,6 +346,7 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     write_text(args.out / "hit_rate.md", md + "\n" + rate_line + "\n")
     result = {
+        "environment": env,
         "data": source.description,
         "batch_size": args.batch_size,
         "steps": steps,

@@ -10,12 +10,17 @@ compared on a padded copy of the file; ours also runs on the ragged original. No
 ``tsv_to_npys`` only parses (raw hex values, no contiguous ids: that is TorchRec's separate
 ``sparse_to_contiguous`` step), while ours also counts values and maps them to ids.
 
-    python bench/preprocess.py --lines 2000000 [--workdir DIR] [--seed 0]
+Prints a table under the command, commit, machine and library versions
+(bench/_common.environment); --out DIR also writes it to DIR/preprocess.md and
+DIR/preprocess.json.
+
+    python bench/preprocess.py --lines 2000000 [--workdir DIR] [--seed 0] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -109,9 +114,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temp directory")
     parser.add_argument("--child", nargs=3, metavar=("TOOL", "SRC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--out", type=Path, help="write preprocess.md and preprocess.json in this directory"
+    )
     args = parser.parse_args()
     if args.child:
         return _child(*args.child)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import environment, environment_markdown, write_text
+
+    env = environment(__file__)
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
@@ -119,23 +131,62 @@ def main() -> None:
         start = time.perf_counter()
         write_random_tsv(ragged, args.lines, args.seed, ragged=True)
         write_random_tsv(padded, args.lines, args.seed, ragged=False)
+        size_mib = padded.stat().st_size / 2**20
         print(
             f"wrote 2 x {args.lines} lines in {time.perf_counter() - start:.1f} s "
-            f"({padded.stat().st_size / 2**20:.0f} MiB each)"
+            f"({size_mib:.0f} MiB each)"
         )
         runs = {
             (tool, src.stem): _measure(tool, src, tmp / f"out_{tool}_{src.stem}")
             for tool, src in (("ours", ragged), ("ours", padded), ("torchrec", padded))
         }
 
-    print(f"\n{'tool':<10}{'input':<8}{'seconds':>9}{'lines/s':>12}{'peak RSS MiB':>14}")
-    for (tool, src), (sec, rss) in runs.items():
-        print(f"{tool:<10}{src:<8}{sec:>9.2f}{args.lines / sec:>12,.0f}{rss:>14.0f}")
     (ours_s, ours_rss), (tr_s, tr_rss) = runs["ours", "padded"], runs["torchrec", "padded"]
-    print(
-        f"\ntorchrec / ours on the padded file: time x{tr_s / ours_s:.2f}, "
-        f"peak RSS x{tr_rss / ours_rss:.2f}"
+    md = "\n".join(
+        [
+            "# Criteo TSV preprocessing",
+            "",
+            environment_markdown(env),
+            "",
+            f"A random Criteo-format TSV of {args.lines:,} lines (seed {args.seed}; 5% ragged), "
+            f"{size_mib:.0f} MiB padded; each tool in a fresh subprocess; peak RSS of that process.",
+            "",
+            "| tool | input | seconds | lines/s | peak RSS MiB |",
+            "|---|---|---:|---:|---:|",
+            *(
+                f"| {tool} | {src} | {sec:.2f} | {args.lines / sec:,.0f} | {rss:.0f} |"
+                for (tool, src), (sec, rss) in runs.items()
+            ),
+            "",
+            f"torchrec / ours on the padded file: time x{tr_s / ours_s:.2f}, "
+            f"peak RSS x{tr_rss / ours_rss:.2f}",
+            "",
+        ]
     )
+    print("\n" + md)
+    if args.out:
+        result = {
+            "environment": env,
+            "lines": args.lines,
+            "seed": args.seed,
+            "padded_mib": size_mib,
+            "runs": [
+                {
+                    "tool": tool,
+                    "input": src,
+                    "seconds": sec,
+                    "lines_per_second": args.lines / sec,
+                    "peak_rss_mib": rss,
+                }
+                for (tool, src), (sec, rss) in runs.items()
+            ],
+            "torchrec_over_ours_time": tr_s / ours_s,
+            "torchrec_over_ours_peak_rss": tr_rss / ours_rss,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_text(args.out / "preprocess.md", md)
+        write_text(args.out / "preprocess.json", json.dumps(result, indent=2))
+        print(f"wrote {args.out}/preprocess.md, preprocess.json")
 
 
 if __name__ == "__main__":

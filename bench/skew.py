@@ -26,6 +26,8 @@ import pandas as pd
 from _common import (
     add_source_args,
     cached_tables,
+    environment,
+    environment_markdown,
     load_source,
     markdown_table,
     parser,
@@ -94,6 +96,7 @@ def main(argv=None) -> dict:
         "--out", type=Path, default=Path("bench/results/skew"), help="(default: %(default)s)"
     )
     args = p.parse_args(argv)
+    env = environment(__file__, argv)
 
     source = load_source(args)
     big, small = cached_tables(source, args.min_rows)
@@ -125,6 +128,8 @@ def main(argv=None) -> dict:
         [
             "# Access skew per table",
             "",
+            environment_markdown(env),
+            "",
             f"Data: {source.description}. Share of the table's accesses taken by its hottest rows "
             "(fraction of the table's rows, rows never accessed included); 'rows accessed': share of "
             "the table's rows accessed at least once.",
@@ -140,6 +145,7 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     write_text(args.out / "skew.md", md)
     result = {
+        "environment": env,
         "data": source.description,
         "min_rows": args.min_rows,
         "left_out": [source.names[t] for t in small],

@@ -28,7 +28,10 @@ command continues the sweep, and a wider grid adds only the new runs (e.g. the p
 
 Outputs in --out: sweep.md (Tables 2-5 and 11, all configurations), figure7.png (accuracy
 drop against compression factor, one point per configuration), figure2.png (drop against
-cache size), runs.jsonl, runs.csv.
+cache size), runs.jsonl, runs.csv, and sweep.json: the shared settings and the environment of
+the latest invocation (command, commit, machine, library versions: bench/_common.environment),
+printed at the top of sweep.md. Each row also records the commit (and "dirty") of the
+invocation that trained it, so a sweep continued at another commit says so.
 """
 
 from __future__ import annotations
@@ -44,7 +47,16 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from _common import markdown_table, parser, save_figure, write_atomic, write_text
+import torch
+from _common import (
+    environment,
+    environment_markdown,
+    markdown_table,
+    parser,
+    save_figure,
+    write_atomic,
+    write_text,
+)
 from tqdm import tqdm
 
 from dlrm.train import RunConfig, resolve_data, train
@@ -219,7 +231,8 @@ def formula_factor(precision: str, cache: float, policy, ways) -> float:
     )
 
 
-def render(rows: pd.DataFrame, base: dict) -> str:
+def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
+    """sweep.md; ``env`` (bench/_common.environment of the latest invocation) goes on top."""
     s = summarize(rows)
     s["cell"] = [cell(m, sd) for m, sd in zip(s["drop"], s.drop_std)]
     precisions = [p for p in PRECISIONS[1:] if p in set(s.precision)]
@@ -230,9 +243,19 @@ def render(rows: pd.DataFrame, base: dict) -> str:
         else (f"synthetic (scale {base['synthetic_scale']}, {base['synthetic_rows']:,} rows)")
     )
     steps = f"{base['steps']} steps" if base["steps"] else "one epoch"
-    out = [
-        "# Accuracy and memory sweep",
-        "",
+    out = ["# Accuracy and memory sweep", ""]
+    if env is not None:
+        out += [environment_markdown(env), ""]
+    if "commit" in rows:
+        commits = rows.commit.fillna("not recorded") + rows.dirty.map(
+            lambda d: " (dirty)" if d is True else ""
+        )
+        counts = commits.value_counts(sort=False)
+        out += [
+            "Runs trained at: " + ", ".join(f"{c} ({n} runs)" for c, n in counts.items()) + ".",
+            "",
+        ]
+    out += [
         f"Data: {data}; {steps} of batch {base['batch_size']}; preset "
         f"{base['preset']}; seeds {', '.join(map(str, seeds))}. Cells: relative test accuracy drop in % "
         f"vs the FP32 run of the same seed, `(acc_fp32 - acc) / acc_fp32 * 100`, mean ± std over "
@@ -428,11 +451,11 @@ def plot_figure2(rows: pd.DataFrame, path: Path) -> None:
     save_figure(fig, path)
 
 
-def write_outputs(out: Path, base: dict) -> pd.DataFrame:
+def write_outputs(out: Path, base: dict, env: dict | None = None) -> pd.DataFrame:
     rows = read_rows(out)
     write_atomic(out / "runs.csv", lambda tmp: rows.to_csv(tmp, index=False))
     if len(rows):
-        write_text(out / "sweep.md", render(rows, base))
+        write_text(out / "sweep.md", render(rows, base, env))
         plot_figure7(rows, out / "figure7.png")
         plot_figure2(rows, out / "figure2.png")
     return rows
@@ -483,6 +506,9 @@ def main(argv=None) -> int:
         help="run directories and synthetic data (default: %(default)s, git-ignored)",
     )
     args = p.parse_args(argv)
+    # Runs of --jobs > 1 train in their own processes with 1 thread each.
+    threads = 1 if args.jobs > 1 else torch.get_num_threads()
+    env = environment(__file__, argv, threads=threads)
 
     base = {
         k: getattr(args, k)
@@ -490,12 +516,15 @@ def main(argv=None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     settings = args.out / "sweep.json"
-    if settings.exists() and json.loads(settings.read_text()) != base:
-        p.error(
-            f"{args.out} is a sweep with other shared settings ({settings.read_text().strip()}); "
-            f"use another --out"
-        )
-    write_text(settings, json.dumps(base))
+    if settings.exists():
+        before = json.loads(settings.read_text())
+        before = before.get("settings", before)  # a sweep.json of old held only the settings
+        if before != base:
+            p.error(
+                f"{args.out} is a sweep with other shared settings ({json.dumps(before)}); "
+                f"use another --out"
+            )
+    write_text(settings, json.dumps({"settings": base, "environment": env}, indent=1))
 
     runs = grid(args.precision, args.rounding, args.cache, args.policy, args.ways, args.seeds)
     done = set(read_rows(args.out).name)
@@ -515,12 +544,13 @@ def main(argv=None) -> int:
                 failed.append(run.name)
                 tqdm.write(f"{run.name}: failed: {type(error).__name__}: {error}")
                 continue
+            row.update(commit=env["commit"], dirty=env["dirty"])
             log.write(json.dumps(row) + "\n")
             log.flush()
             tqdm.write(f"{run.name}: accuracy {row['accuracy']:.4f}, {row['seconds']:.0f} s")
-    rows = write_outputs(args.out, base)
+    rows = write_outputs(args.out, base, env)
     if len(rows):
-        print(render(rows, base))
+        print(render(rows, base, env))
     print(f"wrote {args.out}/sweep.md, figure7.png, figure2.png, runs.csv, runs.jsonl")
     if failed:
         print(

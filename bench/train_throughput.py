@@ -2,10 +2,13 @@
 EmbeddingBagCollection, on the same synthetic batches, in one run.
 
 Each engine trains the same model (same preset, dense precision, optimizer) for --steps
-steps after --warmup steps; the table prints samples/s and the ratio (target >= 1.0).
+steps after --warmup steps; the table prints samples/s and the ratio (target >= 1.0), under
+the command, commit, machine and library versions (bench/_common.environment); --out DIR also
+writes them to DIR/train_throughput.md and DIR/train_throughput.json.
 
     python bench/train_throughput.py                       # scale 0.01: tables up to ~100k rows
     python bench/train_throughput.py --dense-precision fp32 --scale 0.05
+    python bench/train_throughput.py --out bench/results/train_throughput
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
-from _common import write_text  # noqa: E402
+from _common import environment, environment_markdown, write_text  # noqa: E402
 
 from dlrm.data.synthetic import SyntheticCriteo  # noqa: E402
 from dlrm.train import RunConfig, build_model, build_trainer  # noqa: E402
@@ -45,7 +49,13 @@ def main():
     p.add_argument("--dense-precision", choices=["fp32", "fp16"], default="fp16")
     p.add_argument("--preset", choices=["kaggle", "paper"], default="kaggle")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="write train_throughput.md and train_throughput.json in this directory",
+    )
     args = p.parse_args()
+    env = environment(__file__, threads=torch.get_num_threads())
     gen = SyntheticCriteo(scale=args.scale, seed=0)
     n = args.batch_size * (args.steps + args.warmup)
     batches = list(
@@ -69,21 +79,39 @@ def main():
         for name, cfg in engines.items()
     }
     ratio = results["embcache int8 + 5% 32-way LFU"] / results["TorchRec EBC fp32"]
-    print(
-        f"\n{sum(gen.cardinalities):,} rows, batch {args.batch_size}, dense {args.dense_precision}, "
-        f"{torch.get_num_threads()} threads, {args.steps} timed steps"
+    md = "\n".join(
+        [
+            "# DLRM training throughput",
+            "",
+            environment_markdown(env),
+            "",
+            f"Synthetic data, scale {args.scale}: {sum(gen.cardinalities):,} rows; batch "
+            f"{args.batch_size}, preset {args.preset}, dense {args.dense_precision}, "
+            f"{torch.get_num_threads()} threads, {args.warmup} warm-up and {args.steps} timed steps.",
+            "",
+            "| engine | samples/s |",
+            "|---|---:|",
+            *(f"| {name} | {sps:,.0f} |" for name, sps in results.items()),
+            "",
+            f"ratio (ours / TorchRec): {ratio:.2f}x",
+            "",
+        ]
     )
-    print("| engine | samples/s |\n|---|---:|")
-    for name, sps in results.items():
-        print(f"| {name} | {sps:,.0f} |")
-    print(f"ratio (ours / TorchRec): {ratio:.2f}x")
+    print("\n" + md)
+    result = {
+        "environment": env,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": sum(gen.cardinalities),
+        "samples_per_second": results,
+        "ratio": ratio,
+    }
     if args.json:
-        write_text(
-            args.json,
-            json.dumps(
-                {"args": vars(args), "samples_per_second": results, "ratio": ratio}, indent=2
-            ),
-        )
+        write_text(args.json, json.dumps(result, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_text(args.out / "train_throughput.md", md)
+        write_text(args.out / "train_throughput.json", json.dumps(result, indent=2))
+        print(f"wrote {args.out}/train_throughput.md, train_throughput.json")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ def test_tiny_sweep_resumes_without_redoing_runs(tmp_path):
     md = (out / "sweep.md").read_text()
     assert "Table 2" in md and "Table 3" in md and "Table 11" in md
     assert len(pd.read_csv(out / "runs.csv")) == 3
+    settings = json.loads((out / "sweep.json").read_text())
+    assert settings["settings"]["steps"] == 5 and settings["environment"]["threads"] == 1
+    assert settings["environment"]["command"].startswith("python bench/sweep.py --synthetic-rows")
+    assert all(r["commit"] == settings["environment"]["commit"] for r in rows)
+    assert md.startswith("# Accuracy and memory sweep\n\nCommand: `python bench/sweep.py ")
 
     before = _reports(runs)
     assert sweep.main([*tiny, "--seeds", "0"]) == 0  # nothing to redo

@@ -1,0 +1,78 @@
+"""Every benchmark result records where and with what it was made (bench/_common.environment):
+the command line, the commit, the CPU, the library versions and the date, in its JSON and at the
+top of its Markdown."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import _common  # noqa: E402
+import skew  # noqa: E402
+
+KEYS = {
+    "command",
+    "commit",
+    "dirty",
+    "cpu_model",
+    "cores",
+    "torch",
+    "fbgemm_gpu",
+    "torchrec",
+    "python",
+    "date",
+}
+
+
+def _check(env: dict, command: str) -> None:
+    assert KEYS <= env.keys()
+    assert env["command"] == command
+    assert env["commit"] not in ("", "unknown") and isinstance(env["dirty"], bool)
+    assert env["cpu_model"] and env["cores"] >= 1
+    assert env["torch"] != "not installed" and env["torchrec"] != "not installed"
+    assert env["date"].endswith("+00:00")
+
+
+def test_skew_json_and_markdown_carry_the_environment(tmp_path):
+    trace = np.stack([np.arange(300) % 100, np.arange(300) % 7], axis=1)
+    np.save(tmp_path / "trace.npy", trace)
+    argv = ["--data", str(tmp_path / "trace.npy"), "--min-rows", "1", "--out", str(tmp_path / "s")]
+    result = skew.main(argv)
+    command = "python bench/skew.py " + " ".join(argv)
+    _check(result["environment"], command)
+    assert (
+        json.loads((tmp_path / "s" / "skew.json").read_text())["environment"]
+        == (result["environment"])
+    )
+    md = (tmp_path / "s" / "skew.md").read_text().splitlines()
+    assert md[0] == "# Access skew per table" and md[2] == f"Command: `{command}`  "
+    assert any(line.startswith("Machine: ") and "torch " in line for line in md[:6])
+
+
+def test_embedding_step_writes_its_environment(tmp_path):
+    argv = ["--max-rows", "500", "--batch", "32", "--warmup", "2", "--steps", "2", "--rounds", "1"]
+    argv += ["--out", str(tmp_path)]
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "embedding_step.py"), *argv],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    result = json.loads((tmp_path / "embedding_step.json").read_text())
+    _check(result["environment"], "python bench/embedding_step.py " + " ".join(argv))
+    assert result["environment"]["threads"] >= 1
+    assert result["results"]["FBGEMM TBE fp32 EXACT_SGD"]["speed_vs_fbgemm"] == 1.0
+    md = (tmp_path / "embedding_step.md").read_text()
+    assert md.startswith("# Embedding training step, dim 16\n\nCommand: `python bench/")
+
+
+def test_environment_versions_and_dirty_state(monkeypatch):
+    env = _common.environment("bench/x.py", ["--a", "b c"], threads=3)
+    assert env["command"] == "python bench/x.py --a 'b c'" and env["threads"] == 3
+    monkeypatch.setitem(_common.PACKAGES, "torchrec", ("no-such-distribution",))
+    assert _common.environment("bench/x.py", [])["torchrec"] == "not installed"
+    assert "threads" not in _common.environment("bench/x.py", [])

@@ -13,9 +13,9 @@ and seed for every configuration; intermediate evaluations off) and evaluates th
 split; the table configuration varies over --precision x --rounding x --cache (% of each
 table's rows; 0 = no cache) x --policy x --ways. For every seed the FP32 reference run
 (precision fp32, no cache) is added, and a configuration's accuracy drop is
-``(acc_fp32 - acc) / acc_fp32 * 100`` against the reference of the same seed (SPEC §7),
+``(acc_fp32 - acc) / acc_fp32 * 100`` against the reference of the same seed (docs/contract.md §7),
 shown as mean ± std over seeds; "neutral" (bold) is a mean below 0.02%. The compression factor
-is the run's embedding memory over FP32's (SPEC §5); the hit rate is averaged over the
+is the run's embedding memory over FP32's (docs/contract.md §5); the hit rate is averaged over the
 low-precision tables (every table has the same number of lookups; small tables stay FP32).
 
 Each run lives in --runs/NAME/ (checkpoint, report.json; the synthetic data in --runs/data/);
@@ -217,7 +217,7 @@ def cache_label(cache: float, policy: str, ways: int) -> str:
 
 
 def formula_factor(precision: str, cache: float, policy, ways) -> float:
-    """The compression factor of a 10M-row, dim-128 table without optimizer state (SPEC §5)."""
+    """The compression factor of a 10M-row, dim-128 table without optimizer state (docs/contract.md §5)."""
     return compression_factor(
         TableConfig(
             10_000_000,
@@ -321,7 +321,7 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
         markdown_table(comp.rename_axis("cache").rename_axis(None, axis=1)),
         "",
         "Formula at the paper's setting (one large table, dim 128, no optimizer state; "
-        "SPEC §5 reference points: fp16 0.5, int8 0.2656, int8 + 10% LFU 0.374):",
+        "docs/contract.md §5 reference points: fp16 0.5, int8 0.2656, int8 + 10% LFU 0.374):",
         "",
         markdown_table(paper.rename_axis("cache").rename_axis(None, axis=1)),
         "",

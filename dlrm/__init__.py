@@ -1,1 +1,1 @@
-"""DLRM training on Criteo-Kaggle with low-precision cached embedding tables (see SPEC.md section 7)."""
+"""DLRM training on Criteo-Kaggle with low-precision cached embedding tables (see docs/contract.md §7)."""

@@ -1,4 +1,4 @@
-"""Click-through-rate metrics (SPEC section 7).
+"""Click-through-rate metrics (docs/contract.md §7).
 
 Every function takes binary ``labels`` (0 or 1) and the model's ``logits`` (not probabilities:
 the model has no sigmoid), as tensors or array-likes of one value per sample, and computes in

@@ -1,4 +1,4 @@
-"""Dense mixed precision (SPEC section 6): FP16 products, loss scalers and the training step.
+"""Dense mixed precision (docs/contract.md §6): FP16 products, loss scalers and the training step.
 
 Three ideas, one public piece each:
 
@@ -354,7 +354,7 @@ _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torc
 
 @dataclasses.dataclass
 class ScalingReport:
-    """What loss scaling did over a run (SPEC section 6, "report per run").
+    """What loss scaling did over a run (docs/contract.md §6, "report per run").
 
     * ``steps``: training steps taken (applied + skipped); ``skipped``: steps skipped because a
       gradient was non-finite (the overflow count).

@@ -1,4 +1,4 @@
-"""DLRM (Naumov et al., 2019) for Criteo-Kaggle (SPEC section 7).
+"""DLRM (Naumov et al., 2019) for Criteo-Kaggle (docs/contract.md §7).
 
 ``logit = top_mlp([x, dot_products(x, e_0, ..., e_25)])`` with ``x = bottom_mlp(dense)`` and
 ``e_k`` the pooled embedding of categorical feature ``cat_k``. The embeddings come from any
@@ -51,7 +51,7 @@ class DLRMConfig:
 
 
 PRESETS = {
-    # The reference DLRM's Criteo-Kaggle configuration (SPEC section 7).
+    # The reference DLRM's Criteo-Kaggle configuration (docs/contract.md §7).
     "kaggle": DLRMConfig(bottom_mlp=(13, 512, 256, 64, 16), top_mlp=(512, 256, 1)),
     # The cache paper (seed 002) states only the embedding dimension, 128, for its Kaggle runs;
     # it gives no MLP widths. We take the reference DLRM's other standard configuration whose

@@ -1,5 +1,5 @@
 """Training and evaluation runs of DLRM: model construction, the training loop, evaluation,
-checkpoints that resume bit-identically, and the JSON report (SPEC §6-7).
+checkpoints that resume bit-identically, and the JSON report (docs/contract.md §6-7).
 
 A run lives in one directory: ``checkpoint.pt`` (written atomically every
 ``checkpoint_every`` steps and at the end) and ``report.json``. A run is described by a

@@ -1,6 +1,6 @@
 """embcache: low-precision (FP16/INT8/INT4/INT2) embedding tables behind an FP32 cache.
 
-See SPEC §2-5 for the numerics. Public API:
+See docs/contract.md §2-5 for the numerics. Public API:
 
 * :class:`CachedLowPrecisionEmbedding` — one table, ``nn.EmbeddingBag``-compatible.
 * :class:`CachedLowPrecisionEmbeddingBagCollection` — TorchRec ``EmbeddingBagCollection``

@@ -1,4 +1,4 @@
-"""The knobs of one low-precision cached table, validated once (SPEC §2-4).
+"""The knobs of one low-precision cached table, validated once (docs/contract.md §2-4).
 
 A :class:`TableConfig` is what a user asked for; :meth:`TableConfig.resolve` applies the rule
 that small tables stay plain FP32 without cache and gives the layout the kernels work on.
@@ -81,7 +81,7 @@ class TableConfig:
 
     @property
     def low_precision(self) -> bool:
-        """False for tables small enough to stay FP32 without cache (SPEC §4.4)."""
+        """False for tables small enough to stay FP32 without cache (docs/contract.md §4.4)."""
         return self.num_embeddings >= self.min_rows_for_low_precision
 
     @property

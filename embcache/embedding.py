@@ -1,4 +1,4 @@
-"""A low-precision embedding-bag table behind an FP32 set-associative cache (SPEC §2-4)."""
+"""A low-precision embedding-bag table behind an FP32 set-associative cache (docs/contract.md §2-4)."""
 
 from __future__ import annotations
 
@@ -325,7 +325,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         return self._pending[0]
 
     def has_nonfinite_grad(self) -> bool:
-        """Whether the stored gradient holds an inf or NaN (the overflow check of SPEC §6)."""
+        """Whether the stored gradient holds an inf or NaN (the overflow check of docs/contract.md §6)."""
         return any(not bool(torch.isfinite(p.grads).all()) for p in self._parts())
 
     def pending_grads(self) -> list[torch.Tensor]:
@@ -342,7 +342,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self._parts().clear()
 
     def step(self) -> None:
-        """Apply the stored gradient (SPEC §4 step 3) and clear it.
+        """Apply the stored gradient (docs/contract.md §4 step 3) and clear it.
 
         Raises :class:`EmbeddingUpdateError` and changes nothing if the gradient or the
         updated values are not finite (or not storable in the table's format).

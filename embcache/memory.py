@@ -1,4 +1,4 @@
-"""The paper's memory compression factor (Appendix A, SPEC §5), from the formula alone."""
+"""The paper's memory compression factor (Appendix A, docs/contract.md §5), from the formula alone."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from embcache.config import TableConfig
 
 
 def memory_breakdown(config: TableConfig) -> dict:
-    """Bytes by component that a table with this configuration allocates (SPEC §5):
+    """Bytes by component that a table with this configuration allocates (docs/contract.md §5):
     table payload and qparams, FP32 cache rows, int32 tags and priorities per slot, an int32
     priority floor per set, int32 LFU counts per table row, FP32 optimizer accumulators for
     every row."""

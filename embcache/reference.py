@@ -1,17 +1,17 @@
-"""A slow, plain PyTorch/Python reference of SPEC §2-4: the test oracle of the kernels.
+"""A slow, plain PyTorch/Python reference of docs/contract.md §2-4: the test oracle of the kernels.
 
 This module re-implements, independently of ``csrc/``, everything the C++ CPU kernels (and,
 later, the CUDA kernels) compute for one table:
 
-* the row formats and their rounding (SPEC §2-3): :func:`quantize_row` /
+* the row formats and their rounding (docs/contract.md §2-3): :func:`quantize_row` /
   :func:`dequantize_row`, nearest (round half to even) and stochastic rounding driven by
   :func:`philox4x32_10` (Random123's Philox4x32-10, checked against its known answers);
 * the FP32 set-associative cache with LRU or LFU priorities, write-back, deduplicated
-  gradients and the fused SGD / row-wise AdaGrad / AdaGrad update (SPEC §4):
+  gradients and the fused SGD / row-wise AdaGrad / AdaGrad update (docs/contract.md §4):
   :class:`ReferenceTable`, which holds the same state tensors, under the same names, as
   :class:`embcache.CachedLowPrecisionEmbedding`.
 
-It is written for clarity, not speed: the SPEC formulas as written, vectorized over rows only
+It is written for clarity, not speed: the docs/contract.md formulas as written, vectorized over rows only
 where the order does not matter; every float32 operation a separate, rounded torch operation
 (a multiply followed by an add is never fused); sums whose order matters (pooling, gradient
 deduplication, row-wise AdaGrad's sum of squares) as explicit sequential loops; the float32
@@ -20,13 +20,13 @@ code with the kernels. The tests require the kernels to agree with it bit for bi
 (``tests/test_reference_vs_kernels.py``, ``tests/test_rounding.py``); a CUDA backend is to be
 held to the same tests.
 
-Where the SPEC is explicit the reference follows it: fp16 nearest rounding is
+Where docs/contract.md is explicit the reference follows it: fp16 nearest rounding is
 ``tensor.half()`` for every finite result (65504 < |x| < 65520 rounds to 65504); only values
 whose stored form could be non-finite are refused. A row whose scale is 0 gets codes 0; with
 fp32 qparams the scale 0 is stored, with fp16 qparams 1.0 is stored (FBGEMM's SBHalf layout
-does so, and the SPEC asks for its bytes); the dequantized values are the same.
+does so, and docs/contract.md §2 asks for its bytes); the dequantized values are the same.
 
-Conventions the SPEC leaves open, as chosen for the project (see the module docstrings):
+Conventions docs/design.md records, as chosen for the project (see the module docstrings):
 
 * ``intK`` rows are ``ceil(dim*K/8)`` bytes of codes packed low bits first, then scale and bias
   (float32 little-endian, or binary16 with ``qparams="fp16"``); fp16 rows are ``dim`` binary16.
@@ -59,7 +59,7 @@ assert sys.byteorder == "little", "the reference writes little-endian rows via t
 
 class NotStorableError(ValueError):
     """A row that cannot be stored: a non-finite value, or one whose stored form would not be
-    finite (SPEC §2: it is never written)."""
+    finite (docs/contract.md §2: it is never written)."""
 
 
 def f32(value) -> torch.Tensor:
@@ -117,7 +117,7 @@ def uniforms(seed: int, step: int, table_id: int, row: int, dim: int) -> torch.T
 
 
 def murmur_fmix64(h: int) -> int:
-    """The 64-bit MurmurHash3 finalizer (SPEC §4)."""
+    """The 64-bit MurmurHash3 finalizer (docs/contract.md §4)."""
     m = (1 << 64) - 1
     h &= m
     h ^= h >> 33
@@ -164,7 +164,7 @@ def first_max(x: torch.Tensor) -> torch.Tensor:
 def row_qparams(
     x: torch.Tensor, bits: int, qparams: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(scale, bias, inv) of each row of x [n, dim], float32 [n] each, SPEC §2:
+    """(scale, bias, inv) of each row of x [n, dim], float32 [n] each, docs/contract.md §2:
 
     fp32: ``bias = min``, ``scale = (max - min) / Q``, ``inv = Q / (max - min + 1e-8)``;
     fp16: ``bias = fp16(min)``, ``scale = fp16((max - bias) / Q)``, ``inv = 1 / scale``
@@ -189,7 +189,7 @@ def storable(
 ) -> torch.Tensor:
     """Per row of x [n, dim]: whether every value the row could be stored as is finite.
 
-    SPEC §2: a non-finite value is never written. fp16: the nearest binary16 (``x.half()``)
+    docs/contract.md §2: a non-finite value is never written. fp16: the nearest binary16 (``x.half()``)
     must be finite, and for stochastic rounding both neighbours (so |x| <= 65504). Integer
     formats: the range and the scale and bias as stored must be finite.
     """
@@ -248,7 +248,7 @@ def fp16_neighbours(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stochastic_round_fp16(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """SPEC §3 for binary16: magnitude hi with probability (|x| - lo) / (hi - lo), else lo;
+    """docs/contract.md §3 for binary16: magnitude hi with probability (|x| - lo) / (hi - lo), else lo;
     the sign of x is kept."""
     a = x.abs()
     lo, hi = fp16_neighbours(a)
@@ -287,7 +287,7 @@ def quantize_rows(
     table_id: int = 0,
 ) -> torch.Tensor:
     """The stored bytes (uint8 ``[n, row_bytes]``) of the float32 rows ``values`` [n, dim]
-    (the reference of ``torch.ops.embcache.quantize_rows``), SPEC §2-3.
+    (the reference of ``torch.ops.embcache.quantize_rows``), docs/contract.md §2-3.
 
     ``seed, step, table_id`` and ``row_ids`` key the stochastic rounding (unused for nearest).
     Raises :class:`NotStorableError` if any row cannot be stored (nothing is returned).
@@ -374,7 +374,7 @@ def dequantize_row(
 
 
 class ReferenceTable:
-    """One table as SPEC §4 describes it, holding the state tensors of
+    """One table as docs/contract.md §4 describes it, holding the state tensors of
     :class:`embcache.CachedLowPrecisionEmbedding` under the same names: ``weights``,
     ``cache_tags``, ``cache_rows``, ``cache_priority``, ``counts``, ``optimizer_state``,
     ``step_count`` (a Python int here).
@@ -388,7 +388,7 @@ class ReferenceTable:
         self.config = cfg
         self.dim = cfg.embedding_dim
         self.num_rows = cfg.num_embeddings
-        low_precision = cfg.num_embeddings >= cfg.min_rows_for_low_precision  # SPEC §4.4
+        low_precision = cfg.num_embeddings >= cfg.min_rows_for_low_precision  # docs/contract.md §4.4
         self.precision = cfg.precision if low_precision else "fp32"
         self.qparams = cfg.qparams
         self.rounding = cfg.rounding
@@ -455,7 +455,7 @@ class ReferenceTable:
 
     def fetch_rows(self, rows: list, tags: list | None = None) -> tuple[torch.Tensor, list]:
         """(FP32 values [n, dim], resident? per row): the cache copy of a resident row, else
-        the dequantized table row (SPEC §4 step 1)."""
+        the dequantized table row (docs/contract.md §4 step 1)."""
         tags = self.cache_tags.tolist() if tags is None else tags
         values = self.stored_rows(rows) if rows else torch.zeros(0, self.dim)
         resident = []
@@ -515,7 +515,7 @@ class ReferenceTable:
         return out, hits
 
     def backward(self, grad_out: torch.Tensor) -> None:
-        """Deduplicated gradient of the last training forward (SPEC §4 step 2): unique rows
+        """Deduplicated gradient of the last training forward (docs/contract.md §4 step 2): unique rows
         ascending; each row's gradient summed from 0.0 in increasing lookup position."""
         if self.pending is not None:
             raise RuntimeError("the reference supports one backward per step")
@@ -586,7 +586,7 @@ class ReferenceTable:
         return int(self.counts[tags[slot]]) if self.lfu else int(self.cache_priority[slot])
 
     def step(self) -> None:
-        """Apply the pending gradient as update t = step_count + 1 (SPEC §4 step 3)."""
+        """Apply the pending gradient as update t = step_count + 1 (docs/contract.md §4 step 3)."""
         if self.pending is None:
             return
         rows_t, grads, occ_t = self.pending

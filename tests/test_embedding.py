@@ -1,5 +1,5 @@
 """CachedLowPrecisionEmbedding against independent oracles: nn.EmbeddingBag + torch.optim.SGD,
-FBGEMM's CPU TBE, its own state_dict, and the bad-input contract (SPEC §4-5)."""
+FBGEMM's CPU TBE, its own state_dict, and the bad-input contract (docs/contract.md §4-5)."""
 
 import copy
 import io

@@ -1,4 +1,4 @@
-"""Memory accounting (SPEC §5): the formula, the bytes really allocated, and the paper's points."""
+"""Memory accounting (docs/contract.md §5): the formula, the bytes really allocated, and the paper's points."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Dense mixed precision (SPEC section 6): FP16 products, scalers, skipped steps, underflow."""
+"""Dense mixed precision (docs/contract.md §6): FP16 products, scalers, skipped steps, underflow."""
 
 import copy
 import math

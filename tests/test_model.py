@@ -1,4 +1,4 @@
-"""DLRM (SPEC section 7) with TorchRec's EmbeddingBagCollection, and the CTR metrics."""
+"""DLRM (docs/contract.md §7) with TorchRec's EmbeddingBagCollection, and the CTR metrics."""
 
 import math
 

@@ -4,7 +4,7 @@ Over random training steps (skewed indices with duplicates, multi-hot and empty 
 optional per-sample weights) the module and :class:`embcache.reference.ReferenceTable` must
 agree BIT FOR BIT after every step: pooled outputs, deduplicated gradients, table bytes, cache
 tags / rows / priorities, LFU counts, optimizer state, step count and statistics; and after a
-final flush. The cache invariants of SPEC §4 are checked on the module's state as well.
+final flush. The cache invariants of docs/contract.md §4 are checked on the module's state as well.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Row formats and rounding (SPEC §2-3) of the ops ``torch.ops.embcache.quantize_rows`` /
+"""Row formats and rounding (docs/contract.md §2-3) of the ops ``torch.ops.embcache.quantize_rows`` /
 ``dequantize_rows``, against FBGEMM (the external oracle), ``tensor.half()``, hand-worked
 examples, statistics, and the pure-PyTorch reference ``embcache.reference``."""
 
@@ -98,7 +98,7 @@ def test_uniforms_layout():
 
 
 def test_murmur_fmix64():
-    # fmix64(0) = 0; a value computed by hand from the constants of SPEC §4
+    # fmix64(0) = 0; a value computed by hand from the constants of docs/contract.md §4
     assert ref.murmur_fmix64(0) == 0
     h = 1
     h ^= h >> 33
@@ -335,7 +335,7 @@ def test_int_nearest_ties_to_even():
 
 
 def test_int_qparams_formulas():
-    """SPEC §2 in float32: scale = (max - min) / Q, bias = min, y = (x - min) * (Q / (range + 1e-8));
+    """docs/contract.md §2 in float32: scale = (max - min) / Q, bias = min, y = (x - min) * (Q / (range + 1e-8));
     fp16 qparams: bias = fp16(min), scale = fp16((max - bias) / Q)."""
     x = torch.tensor([[0.3, -1.7, 2.9, 0.0, 1.1]])
     mn, mx = torch.tensor(-1.7), torch.tensor(2.9)

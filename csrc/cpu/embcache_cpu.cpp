@@ -1,4 +1,4 @@
-// CPU kernels of the embedding cache (SPEC §2-4) and their registration as torch ops.
+// CPU kernels of the embedding cache (docs/contract.md §2-4) and their registration as torch ops.
 //
 // The ops are stateless functions over the state tensors that the Python module owns;
 // ops that change state take them as mutable arguments and change nothing before every
@@ -438,7 +438,7 @@ int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const C
   return hits;
 }
 
-/// Pooled lookups (SPEC §4 step 1) into out[b * out_stride + j], the slot of every
+/// Pooled lookups (docs/contract.md §4 step 1) into out[b * out_stride + j], the slot of every
 /// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l, and the largest
 /// |value| the lookups read into *max_abs (0 if none); returns the number of lookups that
 /// found their row cached. Throws before writing if an index is out of range.
@@ -514,7 +514,7 @@ at::Tensor new_cpu_tensor(at::IntArrayRef size, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_cpu(size, dtype));
 }
 
-/// The lookups of some bags grouped by row (SPEC §4 step 2): (row << 32 | position) keys
+/// The lookups of some bags grouped by row (docs/contract.md §4 step 2): (row << 32 | position) keys
 /// sorted by row, positions ascending within a row; run r, one row's lookups, is
 /// keys[starts[r] .. starts[r + 1]).
 struct RowRuns {
@@ -607,7 +607,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dedup_backward(
 }
 
 /// The optimizer step of one row: new value and new state from the fetched value v and
-/// the gradient g (SPEC §4 "Optimizers"). Writes only to `out` and `state_out`.
+/// the gradient g (docs/contract.md §4 "Optimizers"). Writes only to `out` and `state_out`.
 void optimizer_row(int64_t opt, float lr, float eps, int64_t dim, const float* v,
                    const float* g, const float* state, float* out, float* state_out) {
   if (opt == kSGD) {
@@ -646,7 +646,7 @@ void stable_insertion_sort(std::vector<int64_t>& v, Less less) {
 // An empty way's priority, below every resident's (counts are >= 0, steps >= 1).
 constexpr int32_t kEmpty = std::numeric_limits<int32_t>::min();
 
-/// A row's priority once the step's counts are in (SPEC §4): its LFU count, or the step (LRU).
+/// A row's priority once the step's counts are in (docs/contract.md §4): its LFU count, or the step (LRU).
 /// cache_priority keeps this value for every resident (0 for an empty slot).
 struct RowPriority {
   bool lfu;
@@ -682,7 +682,7 @@ inline int64_t lowest_way(const int32_t* p, int64_t ways) {
   return best;
 }
 
-/// The insert/evict/bypass rule of SPEC §4 for one set, given its non-resident updated rows
+/// The insert/evict/bypass rule of docs/contract.md §4 for one set, given its non-resident updated rows
 /// `cand` (reordered here by priority descending, ties by smaller row, i.e. original order)
 /// and the priorities of its ways (empty = kEmpty). Candidate k meets the way of k-th
 /// lowest priority (ties: lower way) and enters iff its priority is strictly higher; once one
@@ -710,7 +710,7 @@ void apply_set_rule(std::vector<int64_t>& cand, CandPrio cand_prio, WayPrio way_
 }
 
 /// One table's update inputs, checked: the unique rows (ascending), their gradients and
-/// the state their new values are computed from (SPEC §4 step 3, "Optimizers").
+/// the state their new values are computed from (docs/contract.md §4 step 3, "Optimizers").
 struct RowUpdate {
   RowFormat f;
   Cache cache;
@@ -828,7 +828,7 @@ int64_t for_each_new_value(const RowUpdate& up, const int64_t* sl, bool stochast
   return bad == std::numeric_limits<int64_t>::max() ? -1 : bad;
 }
 
-/// First half of a training step's update (SPEC §4 step 3), changing nothing: for each
+/// First half of a training step's update (docs/contract.md §4 step 3), changing nothing: for each
 /// unique row, its slot (-1 if not cached) and the optimizer's new value and state from
 /// the fetched value. Also returns the smallest row whose new value cannot be stored in
 /// the table's format (non-finite, or beyond its range), or -1. `slot_hint`, if given,
@@ -928,7 +928,7 @@ struct Eviction {
 /// order of its counters kUniqueHits to kBypasses).
 using CommitCounts = std::array<int64_t, kFlushed - kUniqueHits>;
 
-/// Writes one table's update (SPEC §4 step 3): LFU counts (and, given fresh_state, the
+/// Writes one table's update (docs/contract.md §4 step 3): LFU counts (and, given fresh_state, the
 /// optimizer state) first; then per set, updated residents stay, candidates enter by
 /// strictly higher priority, the rest bypass into the table; then the new values.
 /// value_of(u, out, scratch) writes row u's new value into out (a scratch row, or its cache

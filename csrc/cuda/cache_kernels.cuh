@@ -1,4 +1,4 @@
-// The cache kernels of SPEC §2-4 for a GPU, written once for two builds:
+// The cache kernels of docs/contract.md §2-4 for a GPU, written once for two builds:
 //
 //  * nvcc (csrc/cuda/cache_cuda.cu): real __global__ kernels, CUB sorts and scans;
 //  * host C++ (csrc/emulated/emu_ops.cpp) on csrc/cuda/warp_emulator.h: every thread of a
@@ -373,7 +373,7 @@ __global__ void commit_keys_kernel(const int64_t* rows, int64_t nu, const int32_
 }
 
 /// The commit, step 3: one warp per touched set (the warp at the first sorted position of
-/// the set; the others return) applies SPEC §4: updated residents take their new value;
+/// the set; the others return) applies docs/contract.md §4: updated residents take their new value;
 /// the slots are ranked by priority (empty first, ties by way) with shuffles; candidate k
 /// (k-th non-resident in priority order) replaces the slot of rank k iff its priority is
 /// strictly higher, writing the evicted row back; other candidates bypass into the table.

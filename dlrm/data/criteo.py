@@ -1,4 +1,4 @@
-"""Criteo TSV (or TorchRec's npy files) -> preprocessed memory-mapped arrays (SPEC section 7).
+"""Criteo TSV (or TorchRec's npy files) -> preprocessed memory-mapped arrays (docs/contract.md §7).
 
 Public: ``preprocess_criteo`` (TSV), ``convert_torchrec_npys`` (TorchRec's npy files),
 ``split_ranges``, ``DatasetWriter`` (also used by ``dlrm.data.synthetic``), ``DataError``.
@@ -64,7 +64,7 @@ NUM_SPARSE = 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 NUM_DAYS = 7
 MAX_REPORTED = 10
-# Criteo-Kaggle train.txt, no threshold (SPEC section 7).
+# Criteo-Kaggle train.txt, no threshold (docs/contract.md §7).
 KAGGLE_CARDINALITIES = (
     1460,
     583,

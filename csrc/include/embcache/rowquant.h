@@ -1,4 +1,4 @@
-// Row formats, rounding and random numbers of SPEC §2-4, written once for C++ and CUDA.
+// Row formats, rounding and random numbers of docs/contract.md §2-4, written once for C++ and CUDA.
 //
 // Everything here is plain arithmetic on plain pointers: no torch, no STL, no <cmath>
 // functions whose results could differ between host and device. Stored rows are
@@ -110,7 +110,7 @@ EMBCACHE_HD uint16_t float_to_half_rn(float f) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Philox4x32-10 (Salmon et al., Random123) and the stream of SPEC §3
+// Philox4x32-10 (Salmon et al., Random123) and the stream of docs/contract.md §3
 // ---------------------------------------------------------------------------------------
 
 /// Where a row's random numbers come from: key (seed), counter (step, table, row).
@@ -394,7 +394,7 @@ EMBCACHE_HD int64_t set_of_row(int64_t row, int64_t num_sets) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Row formats (SPEC §2)
+// Row formats (docs/contract.md §2)
 // ---------------------------------------------------------------------------------------
 
 /// One table's row layout. `bits` is 32 (fp32), 16 (fp16), 8, 4 or 2 (integer codes).
@@ -548,7 +548,7 @@ EMBCACHE_HD void row_min_max(const float* x, int n, float* min_out, float* max_o
 }
 
 /// Round x >= 0 (as bits, < 65536) to one of its binary16 neighbours with probability
-/// proportional to closeness (SPEC §3): hi with probability (x - lo) / (hi - lo).
+/// proportional to closeness (docs/contract.md §3): hi with probability (x - lo) / (hi - lo).
 EMBCACHE_HD uint16_t half_stochastic_magnitude(uint32_t abs_bits, float u) {
   const uint16_t lo = half_bits_toward_zero(abs_bits);
   const float x = bits_float(abs_bits);
@@ -576,7 +576,7 @@ EMBCACHE_HD int round_code(float y, bool stochastic, float u, int q_max) {
 }
 
 /// Store the float32 row x into `row` in format f, rounding as asked. Requires
-/// row_is_storable(f, x, stochastic). `row_id` and `stream` key the stochastic rounding (SPEC §3);
+/// row_is_storable(f, x, stochastic). `row_id` and `stream` key the stochastic rounding (docs/contract.md §3);
 /// `drawn`, if given, holds the row's first 16 uniforms, already drawn from them.
 EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochastic,
                               const RoundingStream& stream, int64_t row_id, uint8_t* row,

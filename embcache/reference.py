@@ -388,7 +388,7 @@ class ReferenceTable:
         self.config = cfg
         self.dim = cfg.embedding_dim
         self.num_rows = cfg.num_embeddings
-        low_precision = cfg.num_embeddings >= cfg.min_rows_for_low_precision  # docs/contract.md §4.4
+        low_precision = cfg.num_embeddings >= cfg.min_rows_for_low_precision  # contract.md §4.4
         self.precision = cfg.precision if low_precision else "fp32"
         self.qparams = cfg.qparams
         self.rounding = cfg.rounding

@@ -1,5 +1,7 @@
 """The TorchRec drop-in: KeyedJaggedTensor in, KeyedTensor out, inside torchrec's DLRM."""
 
+import re
+
 import pytest
 import torch
 from torchrec.models.dlrm import DLRM
@@ -231,6 +233,96 @@ def test_bad_ids_name_table_and_feature_and_change_nothing(bad):
     after = ours.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert ours.stats() == stats
+
+
+def _bytes(module):
+    """Every tensor of the module's state as bytes (NaN-safe, exact)."""
+    return {
+        k: v.detach().clone().contiguous().view(-1).view(torch.uint8)
+        for k, v in module.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def _assert_same_bytes(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_two_tables_with_one_name_are_refused():
+    tables = _tables()
+    tables[2] = EmbeddingBagConfig(
+        name="t1", embedding_dim=8, num_embeddings=40, feature_names=["f2"]
+    )
+    with pytest.raises(ValueError, match="table 't1' is named by two tables"):
+        CachedLowPrecisionEmbeddingBagCollection(tables, precision="int8")
+
+
+def _inconsistent_kjt(kjt, case):
+    """``kjt`` (features f0..f3, batch 8) broken as ``case`` says (keys in the forward's order
+    or another one), and the message expected."""
+    order = [3, 1, 0, 2] if case.endswith("keys_permuted") else [0, 1, 2, 3]
+    keys = [f"f{i}" for i in order]
+    lengths = kjt.lengths().view(4, 8)
+    parts = kjt.values().split([int(n) for n in lengths.sum(1)])
+    values = torch.cat([parts[i] for i in order])
+    lengths = lengths[order].reshape(-1).clone()
+    per_key = [int(n) for n in lengths.view(4, 8).sum(1)]  # in the order of keys
+    total = sum(per_key)
+    extra = {}
+    if case.startswith("one_value_too_many"):
+        values = torch.cat([values, values[:1]])
+        expected = f"lengths sum to {total} but it has {total + 1} values: 1 values are left"
+        expected += f" after the last feature '{keys[-1]}'"
+    elif case.startswith("one_length_too_long"):
+        lengths[9] += 1  # the second key's second sample claims an id more than there are
+        ends = torch.tensor(per_key).cumsum(0) + torch.tensor([0, 1, 1, 1])
+        first_past = keys[int(torch.nonzero(ends > total)[0])]
+        expected = f"lengths sum to {total + 1} but it has {total} values: feature "
+        expected += f"'{first_past}' runs past the end of the values"
+    elif case.startswith("length_per_key"):
+        # lengths and values agree; the carried per-key sums give the second key an id more
+        extra["length_per_key"] = [per_key[0], per_key[1] + 1, per_key[2] - 1, per_key[3]]
+        expected = f"feature '{keys[1]}': its lengths sum to {per_key[1]}, but the "
+        expected += f"KeyedJaggedTensor's length_per_key/offset_per_key says {per_key[1] + 1}"
+    else:  # one length fewer than features x batch
+        lengths = torch.cat([lengths[:1] + lengths[-1], lengths[1:-1]])
+        extra["stride"] = 8
+        expected = "has 31 lengths, expected one per feature and sample: 4 features x batch 8"
+    broken = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, **extra)
+    return broken, expected
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "one_value_too_many",
+        "one_value_too_many_keys_permuted",
+        "one_length_too_long",
+        "one_length_too_long_keys_permuted",
+        "length_per_key_disagrees_keys_permuted",
+        "lengths_not_one_per_feature_and_sample",
+        "lengths_not_one_per_feature_and_sample_keys_permuted",
+    ],
+)
+def test_lengths_that_do_not_fit_the_values_name_the_feature_and_change_nothing(case):
+    """A KeyedJaggedTensor whose lengths do not add up to its values (or to the per-key sums
+    it carries) is refused with a ValueError naming the feature, before the forward reads a
+    row or counts a lookup, also when its keys come in another order (the forward permutes
+    them, which reads the lengths)."""
+    ours = CachedLowPrecisionEmbeddingBagCollection(_tables(), precision="int8", cache_ratio=0.05)
+    kjt = _kjt(torch.Generator().manual_seed(3), 8)
+    ours(kjt).values().sum().backward()
+    ours.step()  # some rows cached, counts and statistics non-zero
+    broken, expected = _inconsistent_kjt(kjt, case)
+    before, stats = _bytes(ours), ours.stats()
+    assert all(s["lookups"] > 0 for s in stats.values())
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        ours(broken)
+    _assert_same_bytes(before, _bytes(ours))
+    assert ours.stats() == stats
+    assert ours.pending_grads() == []
 
 
 def test_ids_changed_before_backward_are_refused_and_nothing_is_stored():

@@ -209,6 +209,11 @@ def _bad_calls():
         "decreasing offsets": ((ok_idx, torch.tensor([0, 2, 1])), "offsets decrease"),
         "offsets beyond input": ((ok_idx, torch.tensor([0, 4])), "offsets decrease"),
         "offsets not at zero": ((ok_idx, torch.tensor([1, 2])), "start at 0"),
+        "no offsets for ids": ((ok_idx, torch.tensor([], dtype=torch.int64)), "start at 0"),
+        "one offset not at zero": ((ok_idx, torch.tensor([3])), "start at 0"),
+        "last: offsets beyond input": ((ok_idx, torch.tensor([0, 4, 3])), "exceed len.input.=3"),
+        "last: last offset beyond input": ((ok_idx, torch.tensor([0, 4])), "must be len.input.=3"),
+        "last: one offset": ((ok_idx, torch.tensor([3])), "start at 0"),
         "float indices": ((torch.tensor([1.0, 2.0]), ok_off), "int64 or int32"),
         "missing offsets": ((ok_idx, None), "offsets are required"),
         "wrong weights": ((ok_idx, ok_off, torch.ones(2)), "per_sample_weights"),
@@ -220,11 +225,13 @@ def test_bad_input_is_refused_and_changes_nothing(case):
     args, message = _bad_calls()[case]
     m = CachedLowPrecisionEmbedding(2000, 4, precision="int8", cache_ratio=0.1, name="users")
     _train(m, torch.Generator().manual_seed(0), 2, 2000)
-    before = _state(m)
+    m.include_last_offset = case.startswith("last:")  # offsets then end with len(input)
+    before, stats = _state(m), m.stats()
     with pytest.raises(ValueError, match=message) as err:
         m(*args)
     assert "users" in str(err.value)
     _assert_same_state(before, _state(m))
+    assert m.stats() == stats  # not even the lookups were counted
 
 
 @pytest.mark.parametrize("poison", [float("inf"), float("nan")])

@@ -21,7 +21,7 @@ INCLUDE = [os.path.join(ROOT, "csrc", "include")]
 # flags are never read here).
 # -fno-finite-loops: C++ lets the compiler assume every loop ends and has an effect, and GCC
 # then deletes loops that only issue prefetches (__builtin_prefetch is not an effect to it),
-# which took every prefetch out of the lookup and most out of the update.
+# which would take every prefetch out of the lookup and most out of the update.
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-finite-loops"]
 # sm_80 and sm_90 binaries, and sm_90 PTX for newer GPUs (JIT-compiled by the driver).
 NVCC_FLAGS = [

@@ -145,9 +145,9 @@ Cache make_cache(const at::Tensor& tags, const at::Tensor& rows, int64_t num_set
 }
 
 /// The first i in [0, n) where bad(i), or n. Inputs are almost always good, so the first
-/// pass only asks whether any is bad, without a branch per element. It vectorizes (GCC 12
-/// vectorizes the OR of unsigned lanes, not of bools; comparing int64 lanes needs SSE4.2):
-/// scalar, these checks cost ~0.1 ms of a 2.6 ms benchmark step.
+/// pass only asks whether any is bad, without a branch per element, so that it vectorizes
+/// (GCC 12 vectorizes the OR of unsigned lanes, not of bools; comparing int64 lanes needs
+/// SSE4.2): the index and offset checks run on every step's every lookup.
 template <typename Bad>
 int64_t first_where(int64_t n, const Bad& bad) {
   unsigned any = 0;
@@ -396,7 +396,7 @@ inline void with_stored_values(const RowFormat& f, float* buf, const Fn& fn) {
 /// Instantiated for rows of kDim floats (0: `dim`, known at run time only; 16 is DLRM's
 /// Criteo dim) and for chunks whose every bag has one lookup (Criteo's features), so that the
 /// loop over lookups is short: with its rows prefetched, it is bound by its instruction count
-/// as much as by memory (a runtime dim or bag bookkeeping cost ~30% each on the benchmark).
+/// as much as by memory, so a runtime dim or per-bag bookkeeping shows in its time.
 template <int64_t kDim, bool kOneLookupPerBag, typename StoredValues>
 int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const Cache& cache,
                   const uint8_t* w, int64_t row_bytes, const int32_t* slot, bool mean, float* out,
@@ -897,7 +897,7 @@ int rows_per_draw(const RowFormat& f, bool stochastic) {
 }
 
 /// The uniforms of each of `rows` (16 per row, in order: quantize_row's `drawn`), per_draw
-/// = rows_per_draw(...) > 0 rows per Philox call (13.9 or 11.6 ns a row instead of 20.8 with SSE).
+/// = rows_per_draw(...) > 0 rows per Philox call: one wide call serves several short rows.
 std::unique_ptr<float[]> draw_row_uniforms(const RoundingStream& s,
                                            const std::vector<int64_t>& rows, int per_draw) {
   const size_t n = rows.size();
@@ -946,8 +946,8 @@ using CommitCounts = std::array<int64_t, kFlushed - kUniqueHits>;
 /// The work goes in four passes so that random memory is touched in a prefetchable order:
 /// by row, counts and every destination but those of candidates that beat their set's floor;
 /// by set, the rule for those (a few percent of the rows once the cache is warm); by evicted
-/// resident, its write-back (its slot and table row are cold lines: prefetched, they no
-/// longer stall the rule); by row, the new values.
+/// resident, its write-back (its slot and table row are cold lines, prefetched in a pass of
+/// their own so that they do not stall the rule); by row, the new values.
 template <typename ValueOf, typename PrefetchSources>
 CommitCounts commit_core(const RowUpdate& up, uint8_t* w, int32_t* prio, int32_t* floor,
                          int32_t* cnt, const float* fresh_state, const int64_t* slot_of,
@@ -1350,8 +1350,8 @@ std::vector<int64_t> column_offsets(at::IntArrayRef dims) {
 /// The bags of nf features of `batch` bags each, given by their lengths: where each feature's
 /// lookups start (first(f); first(nf) = total), checked (no length is negative, they sum to
 /// `total`), and the int64 offsets with the end appended. The offsets where features begin
-/// are written here; fill(f) writes the rest of feature f's (so that the thread about to
-/// read them writes them: a serial pass over every bag cost ~40 us a step, mostly stores).
+/// are written here; fill(f) writes the rest of feature f's, so that the thread about to
+/// read them writes them, in parallel, and no serial pass over every bag precedes the lookups.
 class FeatureOffsets {
  public:
   FeatureOffsets(const at::Tensor& lengths, int64_t nf, int64_t batch, int64_t total)
@@ -1474,8 +1474,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_ded
   std::vector<int64_t> cost(nf);
   for (int64_t f = 0; f < nf; ++f) cost[f] = all.off[(f + 1) * batch] - all.off[f * batch];
   // Group each feature's lookups by row; then, with every feature's number of unique rows
-  // known, one tensor of each kind for all of them (a tensor per feature and kind cost
-  // ~0.1 ms a step to make, hand to Python and back, and free); then sum into them.
+  // known, one tensor of each kind for all of them (each tensor is made, handed to Python
+  // and back, and freed every step); then sum into them.
   std::vector<RowRuns> runs(nf);
   for_each_by_cost(cost, [&](int64_t f) { runs[f] = group_by_row(bags(f)); });
   at::Tensor row_starts = new_cpu_tensor({nf + 1}, at::kLong);

@@ -4,9 +4,9 @@
 //
 // A launch runs the blocks of the grid one after the other; the threads of a block are
 // fibers (ucontext) on the calling thread, switched cooperatively at barriers, as HIP-CPU
-// does (one OS thread per CUDA thread made the tests 20x slower: every barrier phase woke
-// 31 threads through the kernel). Warp collectives run in lockstep: each lane writes its value
-// into the warp's exchange slots, waits at the warp barrier, reads, and waits again.
+// does (with an OS thread per CUDA thread, every barrier phase would wake 31 threads through
+// the kernel). Warp collectives run in lockstep: each lane writes its value into the warp's
+// exchange slots, waits at the warp barrier, reads, and waits again.
 // __syncthreads is a block barrier. A thread that returns from the kernel leaves its warp's
 // and block's barriers (as an exited CUDA thread does), and its ballot bit reads 0. Between
 // two barriers the lanes of a warp run one after the other, so code that relies on lanes

@@ -351,8 +351,8 @@ struct RowUniforms {
   float u[16];
 #endif
 
-  // A constructor leaves u uninitialized (brace-initializing the aggregate would zero it,
-  // which cost ~10 ns per row, half of quantizing a dim-16 row to int8)
+  // A constructor leaves u uninitialized: brace-initializing the aggregate would zero it
+  // for every row quantized, work comparable to quantizing a short row.
   EMBCACHE_HD RowUniforms(const RoundingStream& s, int64_t r, int d) : stream(s), row(r), dim(d) {}
 
   /// Takes chunk 0's uniforms as already drawn (u0[0..16)).

@@ -113,7 +113,8 @@ def environment_markdown(env: dict) -> str:
         if env.get("dirty") is True
         else ""
     )
-    threads = f", {env['threads']} threads" if "threads" in env else ""
+    n = env.get("threads")
+    threads = "" if n is None else f", {n} thread{'' if n == 1 else 's'}"
     return "\n".join(
         [
             f"Command: `{env['command']}`  ",

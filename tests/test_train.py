@@ -2,6 +2,7 @@
 like an uninterrupted one, and user errors that print one line and exit 2."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -41,8 +42,28 @@ def test_train_writes_report(workdir, capsys):
     emb = report["embeddings"]
     assert 0 < emb["compression_factor"] < 1 and 0 <= emb["hit_rate"] <= 1
     assert report["data"]["bayes_auc"] > 0.7
-    assert report["loss_scale"]["final"] > 0 and report["skipped_steps"] >= 0
+    assert report["test"]["auc"] > 0.55  # it learned something (an untrained model: ~0.5)
+    # The default backoff scaler starts at 2^16, halves on every overflowing (skipped) step
+    # and grows only after 2000 clean ones: in 12 steps the trace can only fall, once per
+    # skipped step, and every scale is a power of two in [1, 2^24].
+    scale, trace = report["loss_scale"], report["loss_scale"]["trace"]
+    assert trace[0] == [0, 2.0**16] and len(trace) < 50  # the whole trace
+    assert scale["changes"] == len(trace) - 1 and scale["final"] == trace[-1][1]
+    assert [s for _, s in trace] == [2.0**16 / 2**k for k in range(len(trace))]
+    assert report["skipped_steps"] == scale["changes"]
+    assert 1 <= scale["final"] <= 2**24 and math.frexp(scale["final"])[0] == 0.5
+    assert (scale["min"], scale["max"]) == (scale["final"], 2.0**16)
     assert "test: auc" in capsys.readouterr().out
+
+
+def test_overflowing_steps_are_skipped_and_counted(workdir):
+    """A static scale so large that every scaled gradient overflows: every step is skipped
+    and counted, and the scale never changes."""
+    args = ["--steps", "3", "--eval-every", "0", "--loss-scaler", "static"]
+    assert _train(workdir / "overflow", *args, "--static-scale", "1e38") == 0
+    report = json.loads((workdir / "overflow" / "report.json").read_text())
+    assert report["steps"] == 3 and report["skipped_steps"] == 3
+    assert report["loss_scale"]["final"] == 1e38 and report["loss_scale"]["changes"] == 0
 
 
 def test_interrupted_run_resumes_to_the_same_result(workdir):

@@ -7,6 +7,8 @@
 
 #include <vector>
 
+#include "embcache/rowquant.h"
+
 namespace embcache {
 
 /// A table's statistics, which the table-batched ops add to: an int64 CPU tensor of
@@ -70,6 +72,62 @@ inline std::vector<int64_t> gradient_blocks(const at::Tensor& unique_rows, const
   if (slot_hints.numel() > 0) check(slot_hints, at::kLong, row_starts[nt], "slot_hints");
   check(grads, at::kFloat, block[nt], "grads");
   return block;
+}
+
+/// What check_cache_flush found: the number of cache slots and the table's row format.
+struct FlushShape {
+  int64_t slots;  // cache_tags.numel()
+  RowFormat f;    // the table's row format (dim 0 when there are no slots: nothing to write)
+};
+
+/// cache_flush's arguments, checked before anything is written, by the CPU op and the
+/// CUDA/emulated op alike. Every tensor must be contiguous, on the device of weights and
+/// accepted by `on_device` (the op's kind of device, named `device` in messages):
+///   * cache_tags: int32, one tag per slot; the slots fix the cache's size;
+///   * cache_rows: float32, dim values per slot (dim > 0 when there are slots);
+///   * cache_priority: int32, one priority per slot;
+///   * cache_set_floor: int32, 1-D, one floor per set. The op is not told the number of
+///     ways, so the number of sets is checked as far as the slots allow: none without slots,
+///     else a positive divisor of the slots with at most 32 ways (slots / sets) per set;
+///   * weights: uint8 [rows, row bytes] in the format of bits, qparams_fp16 and dim (its
+///     dtype and device only when there are no slots, as then dim is unknown).
+template <typename OnDevice>
+FlushShape check_cache_flush(const at::Tensor& weights, const at::Tensor& cache_tags,
+                             const at::Tensor& cache_rows, const at::Tensor& cache_priority,
+                             const at::Tensor& cache_set_floor, int64_t bits,
+                             bool qparams_fp16, const OnDevice& on_device,
+                             const char* device) {
+  auto check = [&](const at::Tensor& x, at::ScalarType dtype, const char* what) {
+    TORCH_CHECK(x.scalar_type() == dtype, "embcache: ", what, " must be ", dtype, ", got ",
+                x.scalar_type());
+    TORCH_CHECK(x.is_contiguous() && on_device(x) && x.device() == weights.device(),
+                "embcache: ", what, " must be a contiguous ", device,
+                " tensor on the device of weights");
+  };
+  check(weights, at::kByte, "weights");
+  check(cache_tags, at::kInt, "cache_tags");
+  check(cache_rows, at::kFloat, "cache_rows");
+  check(cache_priority, at::kInt, "cache_priority");
+  check(cache_set_floor, at::kInt, "cache_set_floor");
+  const int64_t slots = cache_tags.numel();
+  const int64_t dim = slots == 0 ? 0 : cache_rows.numel() / slots;
+  TORCH_CHECK(cache_rows.numel() == slots * dim && (slots == 0 || dim > 0),
+              "embcache: cache_rows must hold dim values for each of the ", slots,
+              " slots, got ", cache_rows.numel(), " values");
+  TORCH_CHECK(cache_priority.numel() == slots, "embcache: cache_priority must hold one "
+              "priority for each of the ", slots, " slots, got ", cache_priority.numel());
+  const int64_t sets = cache_set_floor.numel();
+  TORCH_CHECK(cache_set_floor.dim() == 1 &&
+                  (slots == 0 ? sets == 0 : sets > 0 && slots % sets == 0 && slots / sets <= 32),
+              "embcache: cache_set_floor must be 1-D with one floor per set (the ", slots,
+              " slots in sets of at most 32 ways), got shape ", cache_set_floor.sizes());
+  TORCH_CHECK(bits == 32 || bits == 16 || bits == 8 || bits == 4 || bits == 2,
+              "embcache: unsupported number of bits ", bits);
+  const RowFormat f{(int)bits, (int)dim, qparams_fp16};
+  TORCH_CHECK(slots == 0 || (weights.dim() == 2 && weights.size(1) == f.row_bytes()),
+              "embcache: weights must be [rows, ", f.row_bytes(), "] bytes, got ",
+              weights.sizes());
+  return FlushShape{slots, f};
 }
 
 inline void define_cache_ops(torch::Library& m) {

@@ -493,6 +493,51 @@ def test_refused_inputs_change_nothing(backend):
     twin.compare_state("after refused calls")
 
 
+# Wrong set floors for 5 sets of 4 ways: the number of sets must divide the 20 slots into
+# at most 32 ways (the op is not told the number of ways), in one int32 dimension.
+BAD_FLOORS = {
+    "6 sets": ((6,), torch.int32),
+    "none": ((0,), torch.int32),
+    "2-D": ((5, 1), torch.int32),
+    "40 sets": ((40,), torch.int32),
+    "int64": ((5,), torch.int64),
+}
+
+
+@pytest.mark.parametrize("floor_shape,floor_dtype", BAD_FLOORS.values(), ids=BAD_FLOORS.keys())
+@pytest.mark.parametrize("ops_name", ["cpu", "emu", "cuda"])
+def test_flush_refuses_a_misshaped_set_floor(ops_name, floor_shape, floor_dtype):
+    """cache_flush checks cache_set_floor (int32, one floor per set) with its other arguments
+    before it writes anything: a floor of another shape or dtype is refused, the message names
+    it, and no tensor changes (a dirty cache: a flush would write rows back)."""
+    if ops_name == "cpu":
+        b = Backend("emu")
+        b.ops = CPU
+    elif ops_name == "emu":
+        if not _emulator_available():
+            pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
+        b = Backend("emu")
+    else:
+        if not _cuda_kernels_available():
+            pytest.skip("no GPU, or torch / embcache built without CUDA")
+        b = Backend("cuda")
+    twin = run_training(
+        b, rows=90, dim=5, sets=5, ways=4, steps=2, seed=41, precision="int8", policy="lfu"
+    )
+    c, state = twin.cfg, twin.dev
+    assert (c.num_sets, c.num_slots) == (5, 20) and bool((state["cache_tags"] >= 0).any())
+    floor = torch.full(floor_shape, -(2**31), dtype=floor_dtype, device=b.device)
+    names = ("weights", "cache_tags", "cache_rows", "cache_priority", "cache_set_floor")
+    tensors = [state[k] for k in names[:-1]] + [floor]
+    before = [bits_of(t).clone() for t in tensors]
+    args = (c.bits, c.qparams_fp16, c.rounding == "stochastic", c.seed, twin.step_count, c.table_id)
+    with pytest.raises(RuntimeError, match="cache_set_floor"):
+        b.ops.cache_flush(*tensors, *args)
+    for name, was, t in zip(names, before, tensors):
+        assert torch.equal(bits_of(t), was), f"{name} changed"
+    twin.compare_state("after a refused flush")
+
+
 @pytest.mark.parametrize("qparams", ["fp32", "fp16"])
 def test_quantize_dequantize_rows(backend, qparams):
     gen = torch.Generator().manual_seed(1)

@@ -1182,15 +1182,13 @@ int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags, const at::Tenso
                     at::Tensor& cache_priority, at::Tensor& cache_set_floor, int64_t bits,
                     bool qparams_fp16, bool stochastic, int64_t seed, int64_t step,
                     int64_t table) {
-  check_tensor(cache_tags, at::kInt, "cache_tags");
-  check_tensor(cache_rows, at::kFloat, "cache_rows");
-  check_tensor(cache_priority, at::kInt, "cache_priority");
-  check_tensor(cache_set_floor, at::kInt, "cache_set_floor");
-  const int64_t slots = cache_tags.numel();
+  const FlushShape shape = check_cache_flush(
+      weights, cache_tags, cache_rows, cache_priority, cache_set_floor, bits, qparams_fp16,
+      [](const at::Tensor& t) { return t.device().is_cpu(); }, "CPU");
+  const int64_t slots = shape.slots;
   if (slots == 0) return 0;
-  const int64_t dim = cache_rows.numel() / slots;
-  const RowFormat f = make_format(bits, dim, qparams_fp16);
-  check_table(weights, f);
+  const RowFormat f = shape.f;
+  const int64_t dim = f.dim;
   int32_t* tags = cache_tags.data_ptr<int32_t>();
   const float* cr = cache_rows.data_ptr<float>();
   uint8_t* w = weights.data_ptr<uint8_t>();

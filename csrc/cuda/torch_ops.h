@@ -242,14 +242,12 @@ inline int64_t cache_flush(at::Tensor& weights, at::Tensor& cache_tags,
                            at::Tensor& cache_set_floor, int64_t bits, bool qparams_fp16, bool stochastic, int64_t seed,
                            int64_t step, int64_t table) {
   EMBCACHE_DEVICE_GUARD(weights);
-  check_tensor(cache_tags, at::kInt, "cache_tags");
-  check_tensor(cache_rows, at::kFloat, "cache_rows");
-  check_tensor(cache_priority, at::kInt, "cache_priority");
-  const int64_t slots = cache_tags.numel();
+  const FlushShape shape =
+      check_cache_flush(weights, cache_tags, cache_rows, cache_priority, cache_set_floor, bits,
+                        qparams_fp16, &on_device, kDeviceName);
+  const int64_t slots = shape.slots;
   if (slots == 0) return 0;
-  const int64_t dim = cache_rows.numel() / slots;
-  const RowFormat f = make_format(bits, dim, qparams_fp16);
-  check_table(weights, f);
+  const RowFormat f = shape.f;
   const int64_t written = EMBCACHE_GPU_NS::cache_flush(
       weights.data_ptr<uint8_t>(), cache_tags.data_ptr<int32_t>(), cache_rows.data_ptr<float>(),
       slots, f, stochastic, rounding_stream(seed, step, table), current_stream());

@@ -341,11 +341,32 @@ def test_resume_is_bit_identical():
 
 
 def test_fp32_trainer_keeps_fp32_and_no_masters():
+    """precision="fp32" with a static scale of 1 is plain FP32 training: no master copies,
+    FP32 parameters, and the same losses and parameters, bit for bit, as an independent
+    loop of the same Adam + StepLR over a copy of the model (the trainer's unscaling by 1,
+    overflow check and split dense/embedding update change nothing)."""
     trainer = _trainer("torchrec", precision="fp32", scaler=StaticScaler(1.0))
+    reference = copy.deepcopy(trainer.model)
     assert trainer.masters == []
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
-    loss0 = trainer.train_step(*_data(0))["loss"]
-    assert math.isfinite(loss0)
+    opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    losses, expected = [], []
+    for step in range(6):
+        dense, sparse, labels = _data(step)
+        losses.append(trainer.train_step(dense, sparse, labels)["loss"])
+        loss = F.binary_cross_entropy_with_logits(reference(dense, sparse).reshape(-1), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        expected.append(loss.item())
+    assert losses == expected and trainer.report.skipped == 0
+    assert losses[-1] < losses[0]
+    ours, theirs = dict(trainer.model.named_parameters()), dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert p.dtype == torch.float32 and torch.equal(_bits(p), _bits(theirs[name])), name
 
 
 class _UnderflowModel(nn.Module):

@@ -16,6 +16,8 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# torchrec goes in with --no-deps: it names the CUDA fbgemm-gpu, which a CPU machine replaces
+# by fbgemm-gpu-cpu; its other needs are in $(REQS).
 $(DEPS_STAMP): $(REQS) | $(PY)
 	$(PY) -m pip install -q -r $(REQS)
 	$(PY) -m pip install -q --no-deps torchrec==1.8.0

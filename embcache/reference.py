@@ -1,7 +1,7 @@
 """A slow, plain PyTorch/Python reference of docs/contract.md §2-4: the test oracle of the kernels.
 
-This module re-implements, independently of ``csrc/``, everything the C++ CPU kernels (and,
-later, the CUDA kernels) compute for one table:
+This module re-implements, independently of ``csrc/``, everything the C++ CPU kernels and
+the CUDA kernels compute for one table:
 
 * the row formats and their rounding (docs/contract.md §2-3): :func:`quantize_row` /
   :func:`dequantize_row`, nearest (round half to even) and stochastic rounding driven by

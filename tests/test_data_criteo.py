@@ -145,11 +145,14 @@ def test_malformed_lines_skipped_and_reported(tmp_path, prepared, head_lines):
     report = meta["malformed"]
     assert report["count"] == 6 and report["policy"].startswith("skip")
     assert [f["line"] for f in report["first"]] == [3, 10, 500, 501, 777, 900]
+    assert [f.get("field") for f in report["first"]] == [1, 6, 15, 15, 41, 1]
     assert report["by_reason"] == {
         "too many fields": 1,
         "bad label": 2,
         "bad dense value": 1,
         "bad categorical value": 2,
+        "NUL byte": 0,
+        "line too long": 0,
     }
     assert json.loads((tmp_path / "out/meta.json").read_text())["malformed"] == report
     for ours, clean in zip(load(tmp_path / "out"), load(prepared[0])):
@@ -163,7 +166,9 @@ def test_user_errors(tmp_path):
     with pytest.raises(DataError, match="empty.tsv: empty file"):
         preprocess_criteo(tmp_path / "empty.tsv", tmp_path / "out", progress=False)
     (tmp_path / "notes.txt").write_text("hello, world\nthis is not criteo\n")
-    with pytest.raises(DataError, match=r"notes.txt: line 1: .*not a Criteo TSV file"):
+    with pytest.raises(
+        DataError, match=r"notes.txt: line 1, field 1 \(label\): bad label; .*not a Criteo TSV file"
+    ):
         preprocess_criteo(tmp_path / "notes.txt", tmp_path / "out", progress=False)
     blocker = tmp_path / "a_file"
     blocker.write_text("")

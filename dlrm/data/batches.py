@@ -1,6 +1,12 @@
 """Mini-batches from a preprocessed directory (the layout of ``dlrm.data.criteo``, also written
 by ``dlrm.data.synthetic``): ``dense.npy``, ``sparse.npy``, ``labels.npy`` (memory-mapped,
-read-only) and ``meta.json`` (cardinalities, split row ranges).
+read-only) and ``meta.json`` (cardinalities, split row ranges, the dataset's ``fingerprint``:
+``criteo.dataset_fingerprint``).
+
+A directory written before meta.json had a fingerprint gets it on ``load``, computed from its
+files, which are read once for that (the same value a fresh preprocessing of the same data
+would store; it is not written back, so a read-only directory works). Re-running the
+preprocessing (or the generator) stores it and makes later loads instant.
 
 A batch is ``Batch(dense, sparse, labels)``: dense float32 [B, 13], sparse a TorchRec
 ``KeyedJaggedTensor`` with keys ``cat_0`` .. ``cat_25`` and exactly one int64 id per sample
@@ -13,7 +19,9 @@ or, with ``shuffle``, a permutation drawn from ``numpy.random.default_rng([seed,
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +31,17 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm.data.criteo import FILES, NUM_DENSE, NUM_SPARSE, DataError
+from dlrm.data.criteo import (
+    FILES,
+    NUM_DENSE,
+    NUM_SPARSE,
+    DataError,
+    dataset_fingerprint,
+    file_digests,
+)
 
 SPLITS = ("train", "val", "test")
+log = logging.getLogger(__name__)
 KEYS = [f"cat_{i}" for i in range(NUM_SPARSE)]
 
 
@@ -72,7 +88,8 @@ def cardinalities(path: str | os.PathLike) -> list[int]:
 
 
 def load(path: str | os.PathLike) -> Dataset:
-    """Memory-map the preprocessed directory ``path`` (checked against its ``meta.json``)."""
+    """Memory-map the preprocessed directory ``path`` (checked against its ``meta.json``);
+    ``meta["fingerprint"]`` is always there (computed for an old directory: module docstring)."""
     meta = read_meta(path)
     rows = meta["rows"]
     arrays = []
@@ -84,6 +101,16 @@ def load(path: str | os.PathLike) -> Dataset:
         if a.shape != shape:
             raise DataError(f"{Path(path) / name}: shape {a.shape}, meta.json says {shape}")
         arrays.append(a)
+    if "fingerprint" not in meta:
+        start = time.perf_counter()
+        meta["data_files"] = file_digests(path)
+        meta["fingerprint"] = dataset_fingerprint(meta)
+        log.warning(
+            "%s: meta.json has no fingerprint (written by an older version): computed from "
+            "the files in %.1f s; re-run the preprocessing to store it",
+            path,
+            time.perf_counter() - start,
+        )
     return Dataset(*arrays, meta)
 
 

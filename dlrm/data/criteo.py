@@ -23,7 +23,8 @@ Output directory (what ``dlrm.data.batches`` reads):
 
 * ``labels.npy`` float32 [N]: 0.0 or 1.0.
 * ``meta.json``: rows, cardinalities, missing and rare ids per column, hashed columns, split
-  row ranges, options, the malformed-line report, the source.
+  row ranges, options, the malformed-line report, the source, the size and SHA-256 of each
+  data file (``data_files``) and the dataset's ``fingerprint`` (``dataset_fingerprint``).
 
 Rows keep the file order. Split: 7 equal consecutive "days" (the first ``N % 7`` days get one
 row more); days 0-5 are ``train``, day 6 is halved: first half (the larger one when odd)
@@ -31,15 +32,22 @@ row more); days 0-5 are ``train``, day 6 is halved: first half (the larger one w
 
 Malformed-line policy: skip and report. A line with a label other than 0/1, a dense value
 that is not an integer of at most 15 characters, a categorical value that is not 1-8 hex
-digits, or more than 40 fields is left out (of the outputs and of N); the count per reason
-and the first ``MAX_REPORTED`` line numbers (1-based) go to ``meta.json`` and to the log. If
-more than half of the first block's lines are malformed, the file is not taken for Criteo
-at all: ``DataError``.
+digits, more than 40 fields, a NUL byte anywhere (it is not cut there: the whole line is
+malformed), or more than ``MAX_LINE_BYTES`` (64 KiB; a Criteo line has at most about 450)
+is left out (of the outputs and of N); the count per reason and the first ``MAX_REPORTED``
+line numbers (1-based), with the field (1-based: 1 the label, 2-14 I1-I13, 15-40 C1-C26)
+where one is at fault, go to ``meta.json`` and to the log, in one line. An over-long line is
+skipped without being held in memory: it is read through ``chunk_bytes`` at a time. If more
+than half of the lines up to the end of the first block are malformed, the file is not taken
+for Criteo at all: ``DataError``.
 
-Atomic outputs: everything is written under temporary names in the output directory and
-moved in place with ``os.replace``; an old ``meta.json`` is removed before the arrays are
-replaced and the new one moved in last, so a directory with ``meta.json`` is complete and
-consistent, and a failed run leaves no partial file behind.
+Atomic outputs: everything is written under temporary names ``.<file>.<pid>.tmp`` in the
+output directory and moved in place with ``os.replace``; an old ``meta.json`` is removed
+before the arrays are replaced and the new one moved in last, so a directory with
+``meta.json`` is complete and consistent, and a failed run leaves no partial file behind. A
+writer holds an exclusive ``flock`` on the output directory while it writes (a second writer
+into the same directory waits), so the temporaries found by a writer that has the lock were
+left by a killed run: they are removed before anything is written (``DatasetWriter``).
 
 Speed and memory: the file is read in blocks of whole lines (``chunk_bytes``), split into
 fields and parsed with numpy operations on the raw bytes (no Python object per line or
@@ -50,9 +58,12 @@ values (16 bytes per distinct value), whatever the file length.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,8 +114,16 @@ LAYOUT = {  # in every meta.json
     "sparse": "int32 [N, 26] ids in [0, cardinality) per column",
     "labels": "float32 [N] 0/1",
 }
-REASONS = ("too many fields", "bad label", "bad dense value", "bad categorical value")
-MAX_LINE_BYTES = 1 << 20  # a longer line means the file is not Criteo
+REASONS = (
+    "too many fields",
+    "bad label",
+    "bad dense value",
+    "bad categorical value",
+    "NUL byte",
+    "line too long",
+)
+_NUL, _LONG = REASONS.index("NUL byte") + 1, REASONS.index("line too long") + 1
+MAX_LINE_BYTES = 64 << 10  # a longer line is malformed (skipped unread)
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +195,13 @@ def convert_torchrec_npys(
     return _build(source, Path(out_dir), min_count, max_ind_range)
 
 
+def _field_name(field: int) -> str:
+    """``field`` (1-based) as Criteo names it: label, I1-I13, C1-C26."""
+    if field == 1:
+        return "label"
+    return f"I{field - 1}" if field <= 1 + NUM_DENSE else f"C{field - 1 - NUM_DENSE}"
+
+
 def _fields(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split ``block`` (whole lines, each ending with a newline) into tab-separated fields.
 
@@ -198,13 +224,12 @@ def _fields(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return buf, start, np.bincount(line, minlength=len(first_sep))
 
 
-def _parse(
-    buf: np.ndarray, start: np.ndarray, num_fields: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Parse the lines split by ``_fields``.
+def _parse(buf: np.ndarray, start: np.ndarray, num_fields: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Parse the lines split by ``_fields`` (NUL bytes are not seen here: see ``_mark_nul``).
 
     Returns labels float32 [n], dense float32 [n, 13] (transformed), raw categorical values
-    int64 [n, 26] (-1 = missing) and the reason per line (0 = valid, else 1 + index in REASONS).
+    int64 [n, 26] (-1 = missing), the reason per line (0 = valid, else 1 + index in REASONS)
+    and the field at fault per line (1-based, 0 = none or valid).
     """
     label, empty, ok = _number(*_chars(buf, start[:, 0], 2), _DEC, 10)
     bad_label = ~(ok & ~empty & (label <= 1))
@@ -216,16 +241,45 @@ def _parse(
     bare_sign = negative & (buf[dense_start + 1] == 0)
     chars[0][negative] = ord("0")
     x, _, ok = _number(chars, ended, _DEC, 10)
-    bad_dense = ~(ok & ~bare_sign).all(axis=1)
+    dense_ok = ok & ~bare_sign
+    bad_dense = ~dense_ok.all(axis=1)
     dense = np.log1p(np.where(negative, 0, x)).astype(np.float32)
 
     # Categorical: up to 8 hex digits.
-    raw, missing, ok = _number(*_chars(buf, start[:, 1 + NUM_DENSE :], 9), _HEX, 16)
+    raw, missing, cat_ok = _number(*_chars(buf, start[:, 1 + NUM_DENSE :], 9), _HEX, 16)
     raw[missing] = -1
-    bad_cat = ~ok.all(axis=1)
+    bad_cat = ~cat_ok.all(axis=1)
 
-    reason = np.select([num_fields > NUM_FIELDS, bad_label, bad_dense, bad_cat], [1, 2, 3, 4], 0)
-    return label.astype(np.float32), dense, raw, reason
+    # Line length with its newline; the start of the padding ends the last line.
+    too_long = np.diff(start[:, 0], append=len(buf) - 16) > MAX_LINE_BYTES + 1
+    reason = np.select(
+        [too_long, num_fields > NUM_FIELDS, bad_label, bad_dense, bad_cat], [_LONG, 1, 2, 3, 4], 0
+    )
+    field = np.zeros(len(reason), np.int64)
+    bad = np.flatnonzero(reason)
+    if len(bad):
+        r = reason[bad]
+        field[bad] = np.select(
+            [r == _LONG, r == 1, r == 2, r == 3],
+            [0, NUM_FIELDS + 1, 1, 2 + np.argmin(dense_ok[bad], axis=1)],
+            2 + NUM_DENSE + np.argmin(cat_ok[bad], axis=1),
+        )
+    return label.astype(np.float32), dense, raw, reason, field
+
+
+def _mark_nul(block: bytes, reason: np.ndarray, field: np.ndarray) -> None:
+    """Mark the lines of ``block`` that hold a NUL byte malformed (reason and field of the
+    first NUL), unless too long. ``_fields`` ends a field at a NUL, so such a line would
+    otherwise be read cut short; called only when the block has one (a rare case)."""
+    arr = np.frombuffer(block, np.uint8)
+    nul = np.flatnonzero(arr == 0)
+    line_start = np.concatenate([[0], np.flatnonzero(arr == ord("\n"))[:-1] + 1])
+    lines, first = np.unique(np.searchsorted(line_start, nul, side="right") - 1, return_index=True)
+    tabs = np.flatnonzero(arr == ord("\t"))
+    fields = 1 + np.searchsorted(tabs, nul[first]) - np.searchsorted(tabs, line_start[lines])
+    keep = reason[lines] != _LONG
+    reason[lines[keep]] = _NUL
+    field[lines[keep]] = fields[keep]
 
 
 def _chars(buf: np.ndarray, start: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -257,29 +311,51 @@ def _number(
 
 
 class _Report:
-    """Malformed lines: count per reason and the first MAX_REPORTED (line, reason) in line order."""
+    """Malformed lines: count per reason and the first MAX_REPORTED (line, reason, field) in
+    line order (field 1-based, 0 = none)."""
 
     def __init__(self) -> None:
         self.counts = dict.fromkeys(REASONS, 0)
-        self.first: list[tuple[int, str]] = []
+        self.first: list[tuple[int, str, int]] = []
 
-    def add(self, lines: np.ndarray, reasons: np.ndarray) -> None:
-        """Malformed ``lines`` (ascending) and their reasons (1 + index in REASONS)."""
+    def add(self, lines: np.ndarray, reasons: np.ndarray, fields: np.ndarray) -> None:
+        """Malformed ``lines`` (ascending), their reasons (1 + index in REASONS), fields."""
         for r, n in zip(REASONS, np.bincount(reasons - 1, minlength=len(REASONS))):
             self.counts[r] += int(n)
-        new = [(int(line), REASONS[r - 1]) for line, r in zip(lines[:MAX_REPORTED], reasons)]
+        new = [
+            (int(line), REASONS[r - 1], int(f))
+            for line, r, f in zip(lines[:MAX_REPORTED], reasons, fields)
+        ]
         self.first = sorted(self.first + new)[:MAX_REPORTED]
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
+    @staticmethod
+    def describe(line: int, reason: str, field: int) -> str:
+        """``line 7, field 16 (C2): NUL byte``."""
+        where = f", field {field} ({_field_name(field)})" if 1 <= field <= NUM_FIELDS else ""
+        if reason == "line too long":
+            reason += f" (over {MAX_LINE_BYTES} bytes)"
+        return f"line {line}{where}: {reason}"
+
+    def summary(self, source: str) -> str:
+        """One line: the file, the counts per reason and the first lines reported."""
+        counts = ", ".join(f"{r}: {n}" for r, n in self.counts.items() if n)
+        first = "; ".join(self.describe(*entry) for entry in self.first)
+        more = "; ..." if self.total > len(self.first) else ""
+        return f"{source}: skipped {self.total} malformed lines ({counts}): {first}{more}"
+
     def as_dict(self) -> dict:
         return {
             "policy": "skip the line and report it",
             "count": self.total,
             "by_reason": self.counts,
-            "first": [{"line": line, "reason": r} for line, r in self.first],
+            "first": [
+                {"line": line, "reason": r, **({"field": f} if f else {})}
+                for line, r, f in self.first
+            ],
         }
 
 
@@ -295,7 +371,7 @@ class _TsvSource:
 
     def chunks(self, desc: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         self.report = _Report()
-        lines_before = 0
+        lines_before, checked = 0, False
         with tqdm(
             total=self.path.stat().st_size,
             desc=desc,
@@ -304,38 +380,54 @@ class _TsvSource:
             disable=not self.progress,
         ) as bar:
             for block in self._blocks():
-                labels, dense, raw, reason = _parse(*_fields(block))
+                if isinstance(block, int):  # an over-long line of that many bytes, skipped
+                    lines_before += 1
+                    self.report.add(np.array([lines_before]), np.array([_LONG]), np.array([0]))
+                    bar.update(block)
+                    continue
+                labels, dense, raw, reason, field = _parse(*_fields(block))
+                if b"\0" in block:
+                    _mark_nul(block, reason, field)
                 bad = np.flatnonzero(reason)
-                self.report.add(lines_before + 1 + bad, reason[bad])
-                if lines_before == 0 and 2 * len(bad) > len(reason):
-                    line, why = self.report.first[0]
-                    raise DataError(
-                        f"{self.path}: line {line}: {why}; {len(bad)} of the first "
-                        f"{len(reason)} lines are malformed: not a Criteo TSV file"
-                    )
+                self.report.add(lines_before + 1 + bad, reason[bad], field[bad])
                 lines_before += len(reason)
+                if not checked and 2 * self.report.total > lines_before:
+                    raise DataError(
+                        f"{self.path}: {self.report.describe(*self.report.first[0])}; "
+                        f"{self.report.total} of the first {lines_before} lines are "
+                        "malformed: not a Criteo TSV file"
+                    )
+                checked = True
                 bar.update(len(block))
                 ok = reason == 0
                 yield labels[ok], dense[ok], raw[ok]
         if lines_before == 0:
             raise DataError(f"{self.path}: empty file")
 
-    def _blocks(self) -> Iterator[bytes]:
-        """The file in blocks of whole lines, each ending with a newline."""
-        tail = b""
+    def _blocks(self) -> Iterator[bytes | int]:
+        """The file in blocks of whole lines, each ending with a newline, and in their place
+        the length (int) of each line longer than ``MAX_LINE_BYTES``: such a line is read
+        through and dropped a chunk at a time, so memory stays within a few chunks."""
+        tail, skipped = b"", -1  # skipped: bytes of the over-long line being read through
         with open(self.path, "rb") as f:
             while chunk := f.read(self.chunk_bytes):
+                if skipped >= 0:
+                    end = chunk.find(b"\n")
+                    if end < 0:
+                        skipped += len(chunk)
+                        continue
+                    yield skipped + end + 1
+                    chunk, skipped = chunk[end + 1 :], -1
                 block = tail + chunk
                 cut = block.rfind(b"\n") + 1
                 block, tail = block[:cut], block[cut:]
-                if len(tail) > MAX_LINE_BYTES:
-                    raise DataError(
-                        f"{self.path}: a line longer than {MAX_LINE_BYTES} bytes "
-                        f"after byte {f.tell() - len(tail)}: not a Criteo TSV file"
-                    )
                 if block:
                     yield block
-        if tail:
+                if len(tail) > MAX_LINE_BYTES:
+                    tail, skipped = b"", len(tail)
+        if skipped >= 0:
+            yield skipped
+        elif tail:
             yield tail + b"\n"
 
 
@@ -464,13 +556,7 @@ def _build(source, out_dir: Path, min_count: int, max_ind_range: int) -> dict:
             counter.add(raw[:, c])
     report = source.report.as_dict()
     if report["count"]:
-        log.warning(
-            "%s: skipped %d malformed lines %s; first: %s",
-            source.description["source"],
-            report["count"],
-            report["by_reason"],
-            report["first"],
-        )
+        log.warning("%s", source.report.summary(source.description["source"]))
     if num_rows == 0:
         raise DataError(f"{source.description['source']}: no valid Criteo rows")
     columns = [_Column(*counter.result(), min_count, max_ind_range) for counter in counters]
@@ -498,14 +584,63 @@ def _build(source, out_dir: Path, min_count: int, max_ind_range: int) -> dict:
     return meta
 
 
+DATA_FILES = FILES[:3]  # the arrays; meta.json describes them
+_TEMPORARY = re.compile(r"\.(" + "|".join(map(re.escape, FILES)) + r")\.(\d+)\.tmp")
+
+
+def dataset_fingerprint(meta: dict) -> str:
+    """The identity of a preprocessed directory: ``sha256:`` + SHA-256 of the canonical JSON
+    of its format, rows, cardinalities and ``data_files`` (each array file's size and the
+    SHA-256 of its whole content, ``.npy`` header included).
+
+    So it covers every byte a run reads (the arrays) and what shapes the model (cardinalities),
+    and two directories have the same fingerprint exactly when they hold the same data,
+    whatever their path, source path or other meta fields (the report, timing-free anyway).
+    It costs nothing extra to read: ``DatasetWriter`` hashes the bytes as it writes them
+    (SHA-256 runs at about 1.7 GB/s, a few seconds for Criteo Kaggle's 7 GB). It is not
+    checked against the files on load (that would read them all): it names the data, it
+    does not guard them against corruption (``data_files`` lets one check that by hand).
+    """
+    content = {
+        "format": meta.get("format", FORMAT),
+        "rows": meta["rows"],
+        "cardinalities": list(meta["cardinalities"]),
+        "data_files": meta["data_files"],
+    }
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_digests(directory: str | os.PathLike) -> dict:
+    """``data_files`` of a written directory, computed by reading its arrays (for directories
+    written before meta.json had it); the same values ``DatasetWriter`` records."""
+    digests = {}
+    for name in DATA_FILES:
+        path = Path(directory) / name
+        try:
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            digests[name] = {"bytes": path.stat().st_size, "sha256": digest}
+        except OSError as e:
+            raise DataError(f"{path}: cannot read: {e}") from e
+    return digests
+
+
 class DatasetWriter:
     """Writes a preprocessed directory of ``num_rows`` rows atomically and sequentially.
 
     ``append`` writes the next rows to ``.npy`` files under temporary names in ``out_dir``
-    (plain sequential writes, so memory stays bounded, mapped pages included); ``commit(meta)``
-    checks that all rows came, adds the common layout fields to ``meta`` and moves everything
-    in place (old ``meta.json`` removed first, new one moved last); leaving the ``with`` block
-    without a commit (an exception) removes the temporary files.
+    (plain sequential writes, so memory stays bounded, mapped pages included) and hashes
+    them on the way; ``commit(meta)`` checks that all rows came, adds the common layout
+    fields, ``data_files`` and ``fingerprint`` to ``meta`` and moves everything in place (old
+    ``meta.json`` removed first, new one moved last); leaving the ``with`` block without a
+    commit (an exception) removes the temporary files.
+
+    Killed runs: from creation to exit the writer holds an exclusive ``flock`` on
+    ``out_dir`` (waiting for another writer of the same directory, if any), so the
+    temporaries it then finds there (``.<file>.<pid>.tmp``) are those of a killed run and
+    are removed first. Where ``flock`` is not supported (some network file systems), only
+    those of processes no longer running on this machine are removed.
     """
 
     SHAPES = {
@@ -517,25 +652,53 @@ class DatasetWriter:
     def __init__(self, out_dir: str | os.PathLike, num_rows: int) -> None:
         self.out_dir, self.num_rows, self.rows = Path(out_dir), num_rows, 0
         self.tmp = {name: self.out_dir / f".{name}.{os.getpid()}.tmp" for name in FILES}
-        self.files = {}
+        self.files, self.hashes, self.lock_fd = {}, {}, None
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise DataError(f"{self.out_dir}: cannot create the output directory: {e}") from e
         try:
+            self._remove_stale(locked=self._lock())
             for name, (dtype, row_shape) in self.SHAPES.items():
-                self.files[name] = open(self.tmp[name], "wb")
+                header = io.BytesIO()
                 np.lib.format.write_array_header_1_0(
-                    self.files[name],
+                    header,
                     {
                         "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                         "fortran_order": False,
                         "shape": (num_rows, *row_shape),
                     },
                 )
+                self.hashes[name] = hashlib.sha256(header.getvalue())
+                self.files[name] = open(self.tmp[name], "wb")
+                self.files[name].write(header.getvalue())
         except OSError as e:
             self.__exit__()
             raise DataError(f"{self.out_dir}: cannot write the output: {e}") from e
+
+    def _lock(self) -> bool:
+        """Take the exclusive lock on ``out_dir`` (waiting for it); False where unsupported."""
+        try:
+            import fcntl
+        except ImportError:
+            return False
+        self.lock_fd = os.open(self.out_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s: another process is writing here; waiting for it", self.out_dir)
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
+        except OSError:
+            return False
+        return True
+
+    def _remove_stale(self, locked: bool) -> None:
+        """Remove the temporaries of killed runs (see the class docstring)."""
+        for path in self.out_dir.iterdir():
+            match = _TEMPORARY.fullmatch(path.name)
+            if match and (locked or not _running(int(match[2]))):
+                log.warning("%s: removing %s, left by a killed run", self.out_dir, path.name)
+                path.unlink(missing_ok=True)
 
     def append(self, dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> None:
         """Write the next rows: dense [n, 13], sparse ids [n, 26], labels [n]."""
@@ -547,7 +710,9 @@ class DatasetWriter:
             )
         try:
             for (name, (dtype, _)), rows in zip(self.SHAPES.items(), (dense, sparse, labels)):
-                np.ascontiguousarray(rows, dtype).tofile(self.files[name])
+                rows = np.ascontiguousarray(rows, dtype)
+                self.hashes[name].update(rows)
+                rows.tofile(self.files[name])
         except OSError as e:
             raise DataError(f"{self.out_dir}: cannot write the output: {e}") from e
 
@@ -560,6 +725,11 @@ class DatasetWriter:
         meta.update(LAYOUT)
         try:
             self._close()
+            meta["data_files"] = {
+                name: {"bytes": self.tmp[name].stat().st_size, "sha256": h.hexdigest()}
+                for name, h in self.hashes.items()
+            }
+            meta["fingerprint"] = dataset_fingerprint(meta)
             self.tmp["meta.json"].write_text(json.dumps(meta, indent=1))
             (self.out_dir / "meta.json").unlink(missing_ok=True)
             for name in FILES:
@@ -574,7 +744,21 @@ class DatasetWriter:
         self._close()
         for path in self.tmp.values():
             path.unlink(missing_ok=True)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the lock
+            self.lock_fd = None
 
     def _close(self) -> None:
         for f in self.files.values():
             f.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True

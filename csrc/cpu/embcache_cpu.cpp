@@ -1571,10 +1571,10 @@ std::vector<int64_t> multi_update(
 }
 
 /// Asks Linux to back the tensor's whole 2 MiB pages with transparent huge pages. Random
-/// rows of a table of hundreds of MB otherwise miss the TLB on nearly every access, which
-/// doubles the cost of a lookup. Only pages not yet touched are affected, so call it on a
-/// fresh torch.empty. Returns whether the kernel took the advice (false off Linux, with
-/// THP disabled, or for a tensor smaller than a huge page).
+/// rows of a table of hundreds of MB otherwise miss the TLB on nearly every access, and
+/// each miss adds a page walk to the lookup's memory access. Only pages not yet touched
+/// are affected, so call it on a fresh torch.empty. Returns whether the kernel took the
+/// advice (false off Linux, with THP disabled, or for a tensor smaller than a huge page).
 bool advise_huge_pages(const at::Tensor& t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(),

@@ -682,7 +682,10 @@ class DatasetWriter:
             import fcntl
         except ImportError:
             return False
-        self.lock_fd = os.open(self.out_dir, os.O_RDONLY)
+        try:
+            self.lock_fd = os.open(self.out_dir, os.O_RDONLY)
+        except OSError:  # a directory we may write but not read
+            return False
         try:
             fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -694,11 +697,14 @@ class DatasetWriter:
 
     def _remove_stale(self, locked: bool) -> None:
         """Remove the temporaries of killed runs (see the class docstring)."""
-        for path in self.out_dir.iterdir():
+        stale = []
+        for path in sorted(self.out_dir.iterdir()):
             match = _TEMPORARY.fullmatch(path.name)
             if match and (locked or not _running(int(match[2]))):
-                log.warning("%s: removing %s, left by a killed run", self.out_dir, path.name)
                 path.unlink(missing_ok=True)
+                stale.append(path.name)
+        if stale:
+            log.warning("%s: removed %s, left by a killed run", self.out_dir, ", ".join(stale))
 
     def append(self, dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> None:
         """Write the next rows: dense [n, 13], sparse ids [n, 26], labels [n]."""

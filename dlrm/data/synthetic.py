@@ -157,7 +157,8 @@ class SyntheticCriteo:
 
     def write(self, out_dir: str | os.PathLike, num_rows: int) -> dict:
         """Generate ``num_rows`` rows into ``out_dir`` in the layout of ``dlrm.data.criteo``
-        (atomically); returns the metadata written, including the Bayes AUC per split."""
+        (atomically, see ``DatasetWriter``); returns the metadata written, including the Bayes
+        AUC per split and the dataset's ``fingerprint``."""
         if num_rows < 1:
             raise ValueError("num_rows must be positive")
         labels, prob = np.empty(num_rows, np.float32), np.empty(num_rows)

@@ -72,7 +72,7 @@ def test_linear_module_matches_function_and_fp32_is_native():
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     layer.half()
     assert torch.equal(layer(x.half()), linear(x.half(), layer.weight, layer.bias))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="operands must share one dtype"):
         linear(x, layer.weight, layer.bias)
 
 
@@ -181,7 +181,7 @@ def test_make_scaler_and_static():
     assert isinstance(scaler, StaticScaler)
     assert _sequence(scaler, [True, False]) == [1024.0, 1024.0]
     assert isinstance(make_scaler("backoff"), BackoffScaler)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown loss scaler 'nope'"):
         make_scaler("nope")
 
 

@@ -153,7 +153,7 @@ def test_log_loss_and_normalized_entropy_hand_checked():
     assert metrics.normalized_entropy(labels, [math.log(1 / 3)] * 4) == pytest.approx(
         1.0, rel=1e-12
     )
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="undefined when only one class is present"):
         metrics.normalized_entropy([1, 1], [0.0, 0.0])
 
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from embcache import CachedLowPrecisionEmbedding
+from embcache import CachedLowPrecisionEmbedding, EmbeddingUpdateError
 from embcache import reference as ref
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
@@ -480,9 +480,10 @@ def test_refused_update_changes_nothing(precision, bad):
     grad[1, 0] = bad
     out.backward(grad)
     table.backward(grad)
-    with pytest.raises(ValueError):  # EmbeddingUpdateError
-        module.step()
-    with pytest.raises(ValueError):  # NotStorableError
+    what = "new value that fp16 cannot store" if precision == "fp16" else "non-finite gradient"
+    with pytest.raises(EmbeddingUpdateError, match=f"table 'table': {what} .*row 2; nothing"):
+        module.step()  # row 2: the smallest refused row (bag 1 reads rows 3 and 2)
+    with pytest.raises(ref.NotStorableError, match=f"cannot be stored as {precision}"):
         table.step()
     for name in STATE:
         assert_bits_equal(getattr(module, name), snapshot[name], f"refused step: {name}")

@@ -32,7 +32,7 @@ def _reports(runs: Path) -> dict:
     return {p.parent.name: p.stat().st_mtime_ns for p in runs.glob("*/report.json")}
 
 
-def test_tiny_sweep_resumes_without_redoing_runs(tmp_path):
+def test_tiny_sweep_resumes_without_redoing_runs(tmp_path, capsys):
     out, runs = tmp_path / "sweep", tmp_path / "runs"
     tiny = [*TINY, "--out", str(out), "--runs", str(runs)]
     assert sweep.main([*tiny, "--seeds", "0", "--jobs", "2"]) == 0
@@ -66,8 +66,11 @@ def test_tiny_sweep_resumes_without_redoing_runs(tmp_path):
     after = _reports(runs)
     assert {k: after[k] for k in before} == before and len(after) == 6
 
-    with pytest.raises(SystemExit):  # the shared settings of a sweep cannot change
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:  # the shared settings of a sweep cannot change
         sweep.main([*tiny, "--steps", "6"])
+    assert exit.value.code == 2  # argparse's usage error
+    assert "is a sweep with other shared settings" in capsys.readouterr().err
 
 
 def test_relative_drop_by_hand():

@@ -10,7 +10,11 @@ See docs/contract.md §2-5 for the numerics. Public API:
 
 from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
 from embcache.config import TableConfig
-from embcache.embedding import CachedLowPrecisionEmbedding, EmbeddingUpdateError
+from embcache.embedding import (
+    CachedLowPrecisionEmbedding,
+    EmbeddingUpdateError,
+    check_state_dict,
+)
 from embcache.memory import compression_factor, memory_breakdown
 
 __all__ = [
@@ -18,6 +22,7 @@ __all__ = [
     "CachedLowPrecisionEmbedding",
     "CachedLowPrecisionEmbeddingBagCollection",
     "EmbeddingUpdateError",
+    "check_state_dict",
     "compression_factor",
     "memory_breakdown",
 ]

@@ -10,7 +10,12 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from embcache.embedding import CachedLowPrecisionEmbedding, PendingGradient, _ops
+from embcache.embedding import (
+    CachedLowPrecisionEmbedding,
+    PendingGradient,
+    _ops,
+    check_state_dict,
+)
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 _NO_HINT = torch.empty(0, dtype=torch.int64)
@@ -66,6 +71,10 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         unknown = set(per_table) - {t.name for t in tables}
         if unknown:
             raise ValueError(f"per_table names unknown tables: {sorted(unknown)}")
+        names = [t.name for t in tables]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"table {twice[0]!r} is named by two tables (names must be unique)")
         self._configs = list(tables)
         self.embedding_bags = nn.ModuleDict()
         seen: set[str] = set()
@@ -130,16 +139,66 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             [int(c.mode == "mean") for c in cfgs],
         )
 
-    def _check(self, features: KeyedJaggedTensor, names: list[str], table_of: list[int]) -> None:
-        """Every id in range for its table, no negative length: else a ValueError naming them.
-        (Run only when the C++ forward, which checks the same, has refused the input.)"""
-        lengths = features.lengths()
+    @staticmethod
+    def _check_lengths(features: KeyedJaggedTensor) -> list[int]:
+        """Each feature's number of ids from the lengths, checked: one length per feature and
+        sample, none negative, as many ids as the lengths add up to, and a length_per_key or
+        offset_per_key the KeyedJaggedTensor carries agreeing with them; else a ValueError
+        naming the feature. Not on the per-step path: run before a permute reads the lengths,
+        and when the C++ forward (which checks lengths against values, but does not read a
+        length_per_key) has refused the input."""
+        if features.variable_stride_per_key():
+            raise ValueError("variable batch size per feature is not supported")
+        keys, batch, lengths = features.keys(), features.stride(), features.lengths()
+        if lengths.dim() != 1 or lengths.numel() != len(keys) * batch:
+            raise ValueError(
+                f"KeyedJaggedTensor has {lengths.numel()} lengths, expected one per feature and "
+                f"sample: {len(keys)} features x batch {batch}"
+            )
         if lengths.numel() and int(lengths.min()) < 0:
-            raise ValueError("KeyedJaggedTensor has a negative length")
+            at = int(torch.nonzero(lengths < 0)[0])
+            raise ValueError(
+                f"KeyedJaggedTensor has a negative length: feature '{keys[at // batch]}', "
+                f"sample {at % batch}: {int(lengths[at])}"
+            )
+        per_key = lengths.long().view(len(keys), batch).sum(1).tolist()
+        carried = features._length_per_key
+        if carried is None and features._offset_per_key is not None:
+            o = features._offset_per_key
+            carried = [b - a for a, b in zip(o, o[1:])]
+        if carried is not None and list(carried) != per_key:
+            carried = list(carried) + [None] * (len(per_key) - len(carried))
+            f = next((f for f, (a, b) in enumerate(zip(carried, per_key)) if a != b), -1)
+            raise ValueError(
+                f"feature '{keys[f]}': its lengths sum to {per_key[f]}, but the "
+                f"KeyedJaggedTensor's length_per_key/offset_per_key says {carried[f]}"
+            )
+        total, n = sum(per_key), features.values().numel()
+        if total != n:
+            if total < n:
+                where = f"{n - total} values are left after the last feature '{keys[-1]}'"
+            else:  # the first feature whose ids run past the end of the values
+                f = next(f for f in range(len(keys)) if sum(per_key[: f + 1]) > n)
+                where = f"feature '{keys[f]}' runs past the end of the values"
+            raise ValueError(
+                f"KeyedJaggedTensor lengths sum to {total} but it has {n} values: {where} "
+                f"(ids per feature by the lengths: {dict(zip(keys, per_key))})"
+            )
+        return per_key
+
+    def _check(self, features: KeyedJaggedTensor, names: list[str], table_of: list[int]) -> None:
+        """Consistent lengths, every id in range for its table: else a ValueError naming the
+        feature. (Run only when the C++ forward, which checks the same, has refused the input.)"""
+        per_key = self._check_lengths(features)
         values = features.values()
         if values.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {values.dtype}")
-        per_key = torch.tensor(features.length_per_key(), device=values.device)
+        weights = features.weights_or_none()
+        if weights is not None and weights.numel() != values.numel():
+            raise ValueError(
+                f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values"
+            )
+        per_key = torch.tensor(per_key, device=values.device)
         limits = torch.tensor(
             [self._configs[t].num_embeddings for t in table_of], device=values.device
         )
@@ -164,6 +223,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             missing = [n for n in names if n not in keys]
             if missing:
                 raise ValueError(f"features {missing} are missing from the input")
+            self._check_lengths(features)  # the permute trusts them
             features = features.permute([keys.index(n) for n in names])
         if features.variable_stride_per_key():
             raise ValueError("variable batch size per feature is not supported")
@@ -310,6 +370,12 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         self._stored.clear()
         for t in self.tables():
             t.zero_grad()
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, all or nothing: every table's state is checked first
+        (:func:`~embcache.embedding.check_state_dict`), so a refused load changes no table."""
+        check_state_dict(self, state_dict, strict)
+        return super().load_state_dict(state_dict, strict, assign)
 
     def flush(self) -> int:
         return sum(t.flush() for t in self.tables())

@@ -231,7 +231,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 raise bad(
                     f"index {lo if lo < 0 else hi} is out of range [0, {self.config.num_embeddings})"
                 )
-        if offsets.numel() > 1:
+        if offsets.numel():  # (a single offset too: C++ would refuse it after counting)
             if int(offsets[0]) != 0:
                 raise bad(f"offsets must start at 0, got {int(offsets[0])}")
             steps = offsets[1:] - offsets[:-1]
@@ -522,23 +522,79 @@ class CachedLowPrecisionEmbedding(nn.Module):
         stats = dict(zip(_STAT_NAMES, self._counters.tolist()))
         return {"config": self.config.to_dict(), "step_count": self.step_count, "stats": stats}
 
-    def set_extra_state(self, state: dict) -> None:
+    def _check_extra_state(self, state) -> None:
+        """Raise ValueError, naming the table, unless ``state`` is this table's extra state as
+        :meth:`get_extra_state` makes it, saved with the same configuration."""
+        name = self.config.name
+        if not isinstance(state, dict) or not {"config", "step_count", "stats"} <= set(state):
+            raise ValueError(f"table '{name}': the saved extra state is not a table's")
         saved, mine = state["config"], self.config.to_dict()
         if saved != mine:
             diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
             raise ValueError(
-                f"table '{self.config.name}': checkpoint was saved with another configuration "
+                f"table '{name}': checkpoint was saved with another configuration "
                 f"(field: (saved, current)) {diff}"
             )
+        if not set(_STAT_NAMES) - {"steps"} <= set(state["stats"]):
+            raise ValueError(f"table '{name}': the saved statistics are not a table's")
+
+    def set_extra_state(self, state: dict) -> None:
+        self._check_extra_state(state)
         stats = {**state["stats"], "steps": int(state["step_count"])}
         self._counters.copy_(torch.tensor([stats[name] for name in _STAT_NAMES]))
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, all or nothing: the whole state is checked first
+        (:func:`check_state_dict`), so a refused load changes no buffer and no count."""
+        check_state_dict(self, state_dict, strict)
+        return super().load_state_dict(state_dict, strict, assign)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # Loaded as part of a larger module: this table at least is checked before any of
+        # its buffers is written (check_state_dict on the whole module does more).
+        extra = state_dict.get(prefix + _EXTRA_STATE)
+        if extra is not None:
+            self._check_extra_state(extra)
         try:
-            super()._load_from_state_dict(*args, **kwargs)
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:  # the cache may have been replaced: forget forward slots and set floors
             self._bump_cache_version()
             self.cache_set_floor.fill_(_NO_FLOOR)
+
+
+_EXTRA_STATE = "_extra_state"  # the key suffix nn.Module gives get_extra_state()'s value
+
+
+def check_state_dict(module: nn.Module, state_dict, strict: bool = True) -> None:
+    """Raise ValueError naming the first entry for which ``module.load_state_dict(state_dict,
+    strict)`` would fail or load another configuration: with ``strict`` a missing or
+    unexpected key; a tensor of another shape or dtype; a table of ``module`` (itself or a
+    submodule) saved with another configuration. Reads only, so that calling it first makes
+    a load all or nothing."""
+    own = module.state_dict(keep_vars=True)
+    if strict:
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if missing or unexpected:
+            raise ValueError(
+                f"state_dict does not fit the module: missing keys {missing[:5]}, "
+                f"unexpected keys {unexpected[:5]}"
+            )
+    for name, sub in module.named_modules():
+        key = f"{name}.{_EXTRA_STATE}" if name else _EXTRA_STATE
+        if isinstance(sub, CachedLowPrecisionEmbedding) and key in state_dict:
+            sub._check_extra_state(state_dict[key])
+    for key, mine in own.items():
+        if not isinstance(mine, torch.Tensor) or key not in state_dict:
+            continue
+        saved = state_dict[key]
+        if not isinstance(saved, torch.Tensor):
+            raise ValueError(f"state_dict['{key}'] is a {type(saved).__name__}, not a tensor")
+        if saved.shape != mine.shape or saved.dtype != mine.dtype:
+            raise ValueError(
+                f"state_dict['{key}'] is {saved.dtype} {tuple(saved.shape)}, "
+                f"expected {mine.dtype} {tuple(mine.shape)}"
+            )
 
 
 _HUGE_PAGE = 2 << 20
@@ -548,7 +604,7 @@ _NO_FLOOR = torch.iinfo(torch.int32).min  # a set floor that every priority beat
 def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor for table or cache state, on transparent huge pages where
     Linux allows it (random rows of a big table otherwise miss the TLB on almost every access,
-    which doubles the cost of a step). ``EMBCACHE_HUGE_PAGES=0`` turns this off."""
+    each miss adding a page walk). ``EMBCACHE_HUGE_PAGES=0`` turns this off."""
     t = torch.empty(shape, dtype=dtype)
     if t.nbytes >= _HUGE_PAGE and os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0":
         _ops.advise_huge_pages(t)

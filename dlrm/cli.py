@@ -1,7 +1,9 @@
 """The ``dlrm`` command: ``train``, ``evaluate``, ``preprocess``, ``generate``.
 
 User errors (missing or corrupt data, a checkpoint from another configuration, an
-unwritable output, an invalid option) print one line on stderr and exit with status 2.
+unwritable output, an invalid option) print one line on stderr and exit with status 2, before
+any work. A training run that diverges prints one line naming the step and exits with
+status 1 (its report is written, its last checkpoint kept).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -19,6 +22,36 @@ logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 from dlrm.train import RunConfig, RunError  # noqa: E402
 
 _DEFAULTS = RunConfig()
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
+    return value
 
 
 def _table_override(text: str) -> tuple[str, dict]:
@@ -111,6 +144,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default=d.stop_after,
         help="stop after this many steps of this invocation, as if interrupted (resume with --resume)",
     )
+    g.add_argument(
+        "--max-skipped-in-a-row",
+        type=int,
+        default=d.max_skipped_in_a_row,
+        help="stop the run as diverged after this many skipped steps in a row",
+    )
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -124,9 +163,18 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 
 def _summary(report: dict) -> str:
     t = report["test"]
+    shown = [
+        f"{label} " + ("n/a" if t[key] is None else f"{t[key]:.4f}")
+        for label, key in (
+            ("auc", "auc"),
+            ("accuracy", "accuracy"),
+            ("log loss", "log_loss"),
+            ("normalized entropy", "normalized_entropy"),
+        )
+    ]
+    why = "; ".join(f"{k}: {v}" for k, v in t["undefined"].items())
     lines = [
-        f"test: auc {t['auc']:.4f}  accuracy {t['accuracy']:.4f}  log loss {t['log_loss']:.4f}  "
-        f"normalized entropy {t['normalized_entropy']:.4f}",
+        "test: " + "  ".join(shown) + (f"  (undefined: {why})" if why else ""),
         f"steps {report['steps']}  samples/s {report['samples_per_second']:.0f}  "
         f"skipped {report['skipped_steps']}  final loss scale {report['loss_scale']['final']:g}",
     ]
@@ -142,7 +190,7 @@ def _summary(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dlrm", description="DLRM on Criteo with low-precision cached embedding tables"
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,16 +227,19 @@ def main(argv=None) -> int:
     p.add_argument(
         "--torchrec", action="store_true", help="src is TorchRec's preprocessed npy layout"
     )
-    p.add_argument("--min-count", type=int, default=1)
+    p.add_argument("--min-count", type=_int_at_least(1), default=1)
     p.add_argument(
-        "--max-ind-range", type=int, default=0, help="hash ids modulo this (0: no hashing)"
+        "--max-ind-range",
+        type=_int_at_least(0),
+        default=0,
+        help="hash ids modulo this (0: no hashing)",
     )
 
     p = sub.add_parser("generate", help="write the synthetic Criteo-like data set to a directory")
     p.add_argument("out", type=Path)
-    p.add_argument("--rows", type=int, default=_DEFAULTS.synthetic_rows)
-    p.add_argument("--scale", type=float, default=_DEFAULTS.synthetic_scale)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=_int_at_least(1), default=_DEFAULTS.synthetic_rows)
+    p.add_argument("--scale", type=_positive_float, default=_DEFAULTS.synthetic_scale)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
 
     args = parser.parse_args(argv)
     try:
@@ -211,6 +262,16 @@ def _dispatch(args) -> int:
             report = train(_run_config(args), args.out, resume=args.resume)
             if "stopped_at_step" in report:
                 print(f"stopped at step {report['stopped_at_step']}; continue with --resume")
+            elif report["status"] == "diverged":
+                d = report["diverged"]
+                kept = d["last_checkpoint_step"]
+                print(
+                    f"dlrm train: diverged at step {d['step']}: {d['reason']}; report: "
+                    f"{args.out / 'report.json'}; last checkpoint: "
+                    + ("none" if kept is None else f"step {kept}"),
+                    file=sys.stderr,
+                )
+                return 1
             else:
                 print(_summary(report))
                 print(f"report: {args.out / 'report.json'}")

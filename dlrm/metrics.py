@@ -80,11 +80,32 @@ def relative_accuracy_drop(acc_fp32: float, acc: float) -> float:
     return (acc_fp32 - acc) / acc_fp32 * 100.0
 
 
-def evaluate(labels, logits) -> dict[str, float]:
-    """All per-run metrics at once: ``auc``, ``accuracy``, ``log_loss``, ``normalized_entropy``."""
-    return {
-        "auc": auc(labels, logits),
-        "accuracy": accuracy(labels, logits),
-        "log_loss": log_loss(labels, logits),
-        "normalized_entropy": normalized_entropy(labels, logits),
-    }
+METRICS = {
+    "auc": auc,
+    "accuracy": accuracy,
+    "log_loss": log_loss,
+    "normalized_entropy": normalized_entropy,
+}
+
+
+def evaluate(labels, logits) -> dict:
+    """All per-run metrics at once: ``auc``, ``accuracy``, ``log_loss``, ``normalized_entropy``.
+
+    A metric that is undefined on these samples is ``None``, and ``undefined`` maps its name
+    to the reason: AUC and normalized entropy when only one class is present (a small split
+    of click logs may hold no click at all), every metric when a logit is not finite. The
+    result holds no NaN or infinity, so it is valid strict JSON.
+    """
+    y, z = _arrays(labels, logits)
+    reasons = {}
+    if not np.isfinite(z).all():
+        bad = int(np.size(z) - np.isfinite(z).sum())
+        reasons = {name: f"{bad} of {z.size} logits are not finite" for name in METRICS}
+    else:
+        clicks = int(np.sum(y == 1))
+        if clicks in (0, y.size):
+            why = f"only one class: {clicks} clicks in {y.size} samples"
+            reasons = {"auc": why, "normalized_entropy": why}
+    out = {name: None if name in reasons else f(y, z) for name, f in METRICS.items()}
+    out["undefined"] = reasons
+    return out

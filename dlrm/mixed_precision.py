@@ -5,7 +5,7 @@ Three ideas, one public piece each:
 * **FP16 products.** :func:`linear`, :func:`bmm` and the :class:`Linear` module compute products
   of FP16 tensors the way tensor cores do: FP16 operands, FP32 accumulation, one rounding of the
   result to FP16. On CUDA that is the native FP16 kernel. On CPU it is emulated exactly by an
-  FP32 GEMM over the FP16-valued operands, rounded once (native CPU FP16 GEMM is ~20x slower).
+  FP32 GEMM over the FP16-valued operands, rounded once (native CPU FP16 GEMM is far slower).
   The backward pass is FP16 as well: the gradient of an FP16 tensor is FP16, so gradients
   underflow (below 2^-24) and overflow (above 65504) exactly where they would on a GPU.
 * **Loss scalers.** :class:`StaticScaler`, :class:`BackoffScaler` and :class:`LogMaxScaler`
@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from embcache.embedding import check_state_dict
+
 __all__ = [
     "linear",
     "bmm",
@@ -42,6 +44,7 @@ __all__ = [
     "make_scaler",
     "ScalingReport",
     "MixedPrecisionTrainer",
+    "StepRefusedError",
     "MIN_SCALE",
     "MAX_SCALE",
 ]
@@ -371,6 +374,69 @@ class ScalingReport:
     max_abs_grad: float = 0.0
 
 
+class StepRefusedError(ValueError):
+    """A training step whose gradients were finite but whose new values cannot be stored (see
+    :class:`MixedPrecisionTrainer`). ``step`` is the number the step would have had, counted
+    from 1; ``reason`` names the parameter or table."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"step {step} refused: {reason}; nothing was changed")
+        self.step = step
+        self.reason = reason
+
+
+class _Backup:
+    """Copies of some tensors and of their optimizer state, taken before a step so that a
+    refused step can be undone exactly. The copy buffers are allocated once and reused."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, targets: list[Tensor]) -> None:
+        self.optimizer = optimizer
+        self.targets = targets
+        self._copies = [torch.empty_like(t) for t in targets]
+        self._state: dict[int, dict] = {}  # target index -> its optimizer state as saved
+
+    def save(self) -> None:
+        if self.targets:
+            torch._foreach_copy_(self._copies, self.targets)
+        saved = {}
+        for i, t in enumerate(self.targets):
+            if t not in self.optimizer.state:
+                continue
+            old = self._state.get(i, {})
+            entry = {}
+            for key, value in self.optimizer.state[t].items():
+                if isinstance(value, Tensor):
+                    buf = old.get(key)
+                    if not (
+                        isinstance(buf, Tensor)
+                        and buf.shape == value.shape
+                        and buf.dtype == value.dtype
+                    ):
+                        buf = torch.empty_like(value)
+                    entry[key] = buf.copy_(value)
+                else:
+                    entry[key] = value
+            saved[i] = entry
+        self._state = saved
+
+    def restore(self) -> None:
+        if self.targets:
+            torch._foreach_copy_(self.targets, self._copies)
+        state = self.optimizer.state
+        for i, t in enumerate(self.targets):
+            if i not in self._state:
+                state.pop(t, None)  # created by the refused step (e.g. Adam's first step)
+                continue
+            current, saved = state[t], self._state[i]
+            for key in set(current) - set(saved):
+                del current[key]
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and isinstance(current.get(key), Tensor):
+                    current[key].copy_(value)
+                else:
+                    current[key] = value.clone() if isinstance(value, Tensor) else value
+
+
 def _abs_range(grads: list[Tensor]) -> tuple[float, float]:
     """(max |g|, min non-zero |g|) over all tensors; NaN propagates into both."""
     if not grads:
@@ -403,6 +469,18 @@ class MixedPrecisionTrainer:
     * One overflow decision per step: the step is applied entirely (dense update, embedding
       update, one LR-schedule step) or, if any gradient is non-finite, not at all -- the only
       state a skipped step changes is the scaler's and the report's.
+    * A step whose gradients are finite but whose new values cannot be stored is refused: a
+      new dense value that is not finite, or whose FP16 copy would overflow (|x| > 65504), or
+      an embedding update the tables refuse. :meth:`train_step` then raises
+      :class:`StepRefusedError`, and every tensor of the model, the masters, the optimizer
+      and the scheduler, the scaler and the report are as before the step; the step's
+      gradients are dropped. This is an error, not a skip: the gradients were finite, so a
+      smaller loss scale would not help, and a run whose updates leave the representable
+      range has diverged. The caller may stop (``dlrm train`` does) or lower the learning
+      rate and go on. To undo a refused step the trainer keeps one copy of the dense FP32
+      tensors and of their optimizer state (the dense model's size again; the embedding
+      collection's state is not copied: it checks its update before changing anything). The
+      FP32 parameters of a non-protocol collection are not checked.
 
     One :meth:`train_step`: ``loss = BCEWithLogits(fp32(logits), labels)`` (mean over the
     batch) in FP32; ``backward(loss * S)`` (FP16 gradients inside the FP16 dense part); every
@@ -444,9 +522,8 @@ class MixedPrecisionTrainer:
         if precision == "fp16":
             self.masters = [p.detach().float().clone() for p in self.dense_params]
             for p in self.dense_params:
-                p.data = (
-                    p.data.half()
-                )  # in place, as Module.half() does: the Parameter stays the same object
+                # in place, as Module.half() does: the Parameter stays the same object
+                p.data = p.data.half()
             pairs = list(zip(self.dense_params, self.masters))
         else:
             self.masters = []
@@ -457,10 +534,15 @@ class MixedPrecisionTrainer:
                     raise TypeError("a non-protocol embedding collection must hold FP32 parameters")
             pairs += [(p, p) for p in embedding_params]
         self._pairs = pairs  # (model parameter, FP32 tensor the optimizer updates)
+        dense = len(self.dense_params)
+        names = {id(p): name for name, p in model.named_parameters()}
+        self._dense_names = [names[id(p)] for p in self.dense_params]
+        self._dense_targets = [m for _, m in pairs[:dense]]
 
         self.optimizer = _OPTIMIZERS[optimizer](
             [m for _, m in pairs], lr=lr, **(optimizer_kwargs or {})
         )
+        self._backup = _Backup(self.optimizer, self._dense_targets)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.scaler = (
             scaler
@@ -473,7 +555,8 @@ class MixedPrecisionTrainer:
         """One training step. Returns ``loss`` (the unscaled FP32 loss), ``skipped``, ``scale``
         (the S this step used), ``max_abs_grad`` and ``min_abs_nonzero_grad`` (over the unscaled
         dense and FP32-embedding gradients; ``inf`` when none is non-zero, and on a skipped step
-        possibly inf or NaN)."""
+        possibly inf or NaN). Raises :class:`StepRefusedError`, having changed nothing, if the
+        step's new values cannot be stored."""
         scale = self.scaler.scale
         logits = self.model(dense, sparse)
         loss = F.binary_cross_entropy_with_logits(
@@ -481,18 +564,22 @@ class MixedPrecisionTrainer:
         )
         (loss * scale).backward()
 
-        grads = self._unscale_grads(1.0 / scale)
+        dense_grads, embedding_grads = self._unscale_grads(1.0 / scale)
         pending = getattr(self.protocol_embedding, "pending_grads", None)
-        max_abs, min_abs = _abs_range(grads + (pending() if pending else []))
+        max_abs, min_abs = _abs_range(
+            dense_grads + [g for _, g in embedding_grads] + (pending() if pending else [])
+        )
         found_inf = not math.isfinite(max_abs) or (
             self.protocol_embedding is not None and self.protocol_embedding.has_nonfinite_grad()
         )
-        if found_inf:
-            if self.protocol_embedding is not None:
-                self.protocol_embedding.zero_grad()
-        else:
-            self._apply_update()
-        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            if found_inf:
+                if self.protocol_embedding is not None:
+                    self.protocol_embedding.zero_grad()
+            else:
+                self._apply_update(embedding_grads)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(found_inf, max_abs)
         self._record(found_inf, max_abs, min_abs)
         return {
@@ -503,30 +590,69 @@ class MixedPrecisionTrainer:
             "min_abs_nonzero_grad": min_abs,
         }
 
-    def _unscale_grads(self, inv_scale: float) -> list[Tensor]:
-        """Move every model gradient to its FP32 tensor, multiplied by ``inv_scale`` in FP32."""
-        grads = []
-        for param, master in self._pairs:
+    def _unscale_grads(self, inv_scale: float) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
+        """Every model gradient in FP32, multiplied by ``inv_scale``, taken off the model. The
+        dense ones become their FP32 tensors' ``.grad``; those of a non-protocol collection are
+        returned with their parameter and given to it only once the dense update is accepted."""
+        dense, embedding = [], []
+        for i, (param, target) in enumerate(self._pairs):
             if param.grad is None:
                 continue
             grad = param.grad.to(torch.float32).mul_(inv_scale)  # a new tensor for FP16 params
             param.grad = None
-            master.grad = grad
-            grads.append(grad)
+            if i < len(self._dense_targets):
+                target.grad = grad
+                dense.append(grad)
+            else:
+                embedding.append((target, grad))
         if self.protocol_embedding is not None:
             self.protocol_embedding.unscale_grad_(inv_scale)
-        return grads
+        return dense, embedding
 
-    def _apply_update(self) -> None:
+    def _apply_update(self, embedding_grads: list[tuple[Tensor, Tensor]]) -> None:
+        """Dense update, checked; embedding update; then the FP16 copies and the LR schedule.
+        Undone, raising :class:`StepRefusedError`, if a new value cannot be stored."""
+        self._backup.save()
         with torch.no_grad():
-            self.optimizer.step()
-            for param, master in self._pairs:
-                if param is not master:
-                    param.copy_(master)
-        if self.protocol_embedding is not None:
-            self.protocol_embedding.step()
+            self.optimizer.step()  # only the dense targets hold a .grad so far
+            copies, reason = self._checked_dense_copies()
+            if reason is None and self.protocol_embedding is not None:
+                try:
+                    self.protocol_embedding.step()
+                except ValueError as e:  # the protocol: refused, nothing changed
+                    reason = str(e)
+            if reason is not None:
+                self._backup.restore()
+                if self.protocol_embedding is not None:
+                    self.protocol_embedding.zero_grad()
+                raise StepRefusedError(self.report.steps + 1, reason)
+            if embedding_grads:
+                for target in self._dense_targets:
+                    target.grad = None
+                for target, grad in embedding_grads:
+                    target.grad = grad
+                self.optimizer.step()
+            if copies:
+                torch._foreach_copy_(self.dense_params, copies)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _checked_dense_copies(self) -> tuple[list[Tensor], str | None]:
+        """The FP16 copies of the new masters (none in fp32), and None, or the reason why the
+        new dense values cannot be stored, naming the first parameter at fault."""
+        targets = self._dense_targets
+        if not targets:
+            return [], None
+        copies = [m.to(torch.float16) for m in targets] if self.precision == "fp16" else []
+        finite = torch.stack([torch.isfinite(t).all() for t in (copies or targets)])
+        if bool(finite.all()):
+            return copies, None
+        i = int(torch.nonzero(~finite)[0])
+        if not bool(torch.isfinite(targets[i]).all()):
+            what = "is not finite"
+        else:
+            what = "would overflow FP16 (|x| > 65504)"
+        return copies, f"dense parameter '{self._dense_names[i]}': a new value {what}"
 
     def _record(self, skipped: bool, max_abs: float, min_abs: float) -> None:
         report = self.report
@@ -552,16 +678,53 @@ class MixedPrecisionTrainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["masters"]) != len(self.masters):
-            raise ValueError(
-                "state has a different number of master tensors (precision or model differ)"
-            )
+        """Continue from what :meth:`state_dict` returned, all or nothing: the whole state is
+        checked against this trainer first (a ValueError names the first difference), and only
+        then loaded."""
+        report = self._check_state(state)
+        self.optimizer.load_state_dict(state["optimizer"])
         self.model.load_state_dict(state["model"])
         with torch.no_grad():
             for master, saved in zip(self.masters, state["masters"]):
                 master.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.report = ScalingReport(**state["report"])
+        self.report = report
+
+    def _check_state(self, state: dict) -> ScalingReport:
+        """Raise ValueError unless ``state`` fits this trainer; returns its report."""
+        missing = {"model", "masters", "optimizer", "scaler", "lr_scheduler", "report"} - set(state)
+        if missing:
+            raise ValueError(f"the trainer state lacks {sorted(missing)}")
+        if len(state["masters"]) != len(self.masters):
+            raise ValueError(
+                "state has a different number of master tensors (precision or model differ)"
+            )
+        for name, mine, saved in zip(self._dense_names, self.masters, state["masters"]):
+            if not (
+                isinstance(saved, Tensor)
+                and saved.shape == mine.shape
+                and saved.dtype == mine.dtype
+            ):
+                raise ValueError(f"the saved master of '{name}' does not fit it")
+        check_state_dict(self.model, state["model"])
+        groups, saved_groups = self.optimizer.param_groups, state["optimizer"]["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
+            raise ValueError("the saved optimizer has other parameter groups")
+        targets = [p for g in groups for p in g["params"]]
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        for param, i in zip(targets, saved_ids):
+            for key, value in state["optimizer"]["state"].get(i, {}).items():
+                if isinstance(value, Tensor) and value.numel() != 1 and value.shape != param.shape:
+                    raise ValueError(
+                        f"the saved optimizer state '{key}' does not fit its parameter"
+                    )
+        if not set(self.scaler._state) <= set(state["scaler"]):
+            raise ValueError(f"the saved loss scaler is not a {type(self.scaler).__name__}")
+        if (state["lr_scheduler"] is None) != (self.lr_scheduler is None):
+            raise ValueError("the saved trainer and this one differ in having an LR scheduler")
+        try:
+            return ScalingReport(**state["report"])
+        except TypeError as e:
+            raise ValueError(f"the saved report does not fit: {e}") from None

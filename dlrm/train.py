@@ -24,8 +24,9 @@ from dlrm import metrics
 from dlrm.data import batches as data_batches
 from dlrm.data.criteo import DataError
 from dlrm.data.synthetic import SyntheticCriteo
-from dlrm.mixed_precision import MixedPrecisionTrainer, make_scaler
+from dlrm.mixed_precision import MixedPrecisionTrainer, StepRefusedError, make_scaler
 from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
+from embcache.config import TableConfig
 
 
 class RunError(Exception):
@@ -66,16 +67,126 @@ class RunConfig:
     # bookkeeping: may differ between a run and its resumption
     threads: int | None = None
     checkpoint_every: int = 100
-    stop_after: int | None = (
-        None  # stop (as if interrupted) after this many steps of this invocation
-    )
+    # stop (as if interrupted) after this many steps of this invocation
+    stop_after: int | None = None
+    # a run that skips this many steps in a row has diverged (more than the backoff scaler
+    # needs to fall from its largest scale, 2^24, to 1)
+    max_skipped_in_a_row: int = 25
     progress: bool = True
 
-    BOOKKEEPING = ("steps", "threads", "checkpoint_every", "stop_after", "progress", "eval_every")
+    BOOKKEEPING = (
+        "steps",
+        "threads",
+        "checkpoint_every",
+        "stop_after",
+        "max_skipped_in_a_row",
+        "progress",
+        "eval_every",
+    )
 
     def identity(self) -> dict:
         """The fields a resumed run must share with the checkpoint."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.BOOKKEEPING}
+
+    def validate(self) -> None:
+        """Raise :class:`RunError` naming the first invalid field (as its command-line option)
+        and its value. Reads nothing from disk: a run checks this before any work."""
+        for name, (low, optional) in _INT_FIELDS.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise RunError(f"{_option(name)} must be an integer >= {low}, got {value!r}")
+        for name, positive in _FLOAT_FIELDS.items():
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and math.isfinite(value)
+            if not ok or value < 0 or (positive and value == 0):
+                want = "positive" if positive else "non-negative"
+                raise RunError(f"{_option(name)} must be a finite {want} number, got {value!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise RunError(f"{_option(name)} must be one of {', '.join(choices)}")
+        for option, (field, value) in _TABLE_DEFAULT_OPTIONS.items():
+            try:
+                TableConfig(1, 1, **{field: getattr(self, value)})
+            except (TypeError, ValueError) as e:
+                raise RunError(f"{option}: {str(e).split(': ', 1)[-1]}") from None
+        tables = [f"t_{i}" for i in range(len(SPARSE_KEYS))]
+        for table, options in self.tables.items():
+            if table not in tables:
+                raise RunError(f"--table {table}: no such table (tables are t_0 ... {tables[-1]})")
+            unknown = set(options) - _TABLE_OPTIONS
+            if unknown:
+                raise RunError(
+                    f"--table {table}: unknown option {sorted(unknown)[0]!r} "
+                    f"(options: {', '.join(sorted(_TABLE_OPTIONS))})"
+                )
+            try:
+                TableConfig(1, 1, **{**self._table_defaults(), **options, "name": table})
+            except (TypeError, ValueError) as e:
+                raise RunError(f"--table {table}: {str(e).split(': ', 1)[-1]}") from None
+
+    def _table_defaults(self) -> dict:
+        """The options every table of an embcache run gets unless ``tables`` overrides them."""
+        options = {field: getattr(self, own) for field, own in _TABLE_DEFAULT_OPTIONS.values()}
+        options["seed"] = self.seed
+        options["min_rows_for_low_precision"] = self.min_rows_for_low_precision
+        return options
+
+
+# (smallest value, None allowed) of each integer field, and whether each float must be > 0
+_INT_FIELDS = {
+    "synthetic_rows": (1, False),
+    "min_rows_for_low_precision": (0, False),
+    "batch_size": (1, False),
+    "epochs": (1, False),
+    "steps": (1, True),
+    "eval_every": (0, False),  # 0: no validation during training
+    "eval_batches": (1, False),
+    "seed": (0, False),
+    "threads": (1, True),
+    "checkpoint_every": (1, False),
+    "stop_after": (1, True),
+    "max_skipped_in_a_row": (1, False),
+}
+_FLOAT_FIELDS = {"synthetic_scale": True, "static_scale": True, "lr": False}
+_CHOICES = {
+    "preset": tuple(PRESETS),
+    "embeddings": ("embcache", "torchrec"),
+    "dense_precision": ("fp32", "fp16"),
+    "loss_scaler": ("static", "backoff", "logmax"),
+    "optimizer": ("sgd", "adam", "adagrad"),
+}
+# what --table may set for one table (the rest is fixed by the run or the collection)
+_TABLE_OPTIONS = {
+    "precision",
+    "rounding",
+    "cache_ratio",
+    "associativity",
+    "policy",
+    "optimizer",
+    "lr",
+    "eps",
+    "qparams",
+    "min_rows_for_low_precision",
+}
+
+
+# the command-line option of each table default: (TableConfig field, RunConfig field)
+_TABLE_DEFAULT_OPTIONS = {
+    "--precision": ("precision", "precision"),
+    "--rounding": ("rounding", "rounding"),
+    "--cache-ratio": ("cache_ratio", "cache_ratio"),
+    "--associativity": ("associativity", "associativity"),
+    "--policy": ("policy", "policy"),
+    "--emb-optimizer": ("optimizer", "emb_optimizer"),
+    "--emb-lr": ("lr", "emb_lr"),
+    "--qparams": ("qparams", "qparams"),
+}
+
+
+def _option(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 # --------------------------------------------------------------------------- construction
@@ -115,18 +226,7 @@ def build_model(cfg: RunConfig, cardinalities: list[int]) -> DLRM:
             for i, (n, key) in enumerate(zip(cardinalities, SPARSE_KEYS))
         ]
         collection = CachedLowPrecisionEmbeddingBagCollection(
-            tables,
-            per_table=cfg.tables,
-            precision=cfg.precision,
-            rounding=cfg.rounding,
-            cache_ratio=cfg.cache_ratio,
-            associativity=cfg.associativity,
-            policy=cfg.policy,
-            optimizer=cfg.emb_optimizer,
-            lr=cfg.emb_lr,
-            qparams=cfg.qparams,
-            seed=cfg.seed,
-            min_rows_for_low_precision=cfg.min_rows_for_low_precision,
+            tables, per_table=cfg.tables, **cfg._table_defaults()
         )
     else:
         raise RunError(f"--embeddings must be 'embcache' or 'torchrec', got {cfg.embeddings!r}")
@@ -181,13 +281,29 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def save_checkpoint(
-    path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, progress: dict
+    path: Path,
+    cfg: RunConfig,
+    trainer: MixedPrecisionTrainer,
+    progress: dict,
+    data: dict | None = None,
 ) -> None:
-    state = {"config": cfg.identity(), "trainer": trainer.state_dict(), "progress": progress}
+    """``data``: the run's dataset, ``{"dir", "fingerprint"}`` (checked by ``load_checkpoint``)."""
+    state = {
+        "config": cfg.identity(),
+        "trainer": trainer.state_dict(),
+        "progress": progress,
+        "data": data,
+    }
     _atomic_write(path, lambda p: torch.save(state, p))
 
 
-def load_checkpoint(path: Path, cfg: RunConfig) -> dict:
+def load_checkpoint(path: Path, cfg: RunConfig, data: dict | None = None) -> dict:
+    """The checkpoint ``path``, refused (``RunError``) unless written by the same configuration
+    and, given ``data`` (as ``save_checkpoint``), on a dataset of the same fingerprint (the
+    configuration names the data by path only, and the same path may hold another dataset by
+    now: regenerated with another seed or rows). The data are checked first, so a run pointed
+    at another directory is told both fingerprints. A checkpoint written before fingerprints
+    were stored is checked by configuration only."""
     try:
         state = torch.load(path, weights_only=False)
     except FileNotFoundError:
@@ -196,6 +312,13 @@ def load_checkpoint(path: Path, cfg: RunConfig) -> dict:
         raise RunError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or "config" not in state:
         raise RunError(f"{path}: not a dlrm checkpoint")
+    was = state.get("data") or {}
+    if data and was.get("fingerprint") and was["fingerprint"] != data["fingerprint"]:
+        raise RunError(
+            f"{path}: the run started on the dataset {was.get('dir')} (fingerprint "
+            f"{was['fingerprint'][:23]}), now {data['dir']} (fingerprint "
+            f"{data['fingerprint'][:23]}) holds other data: resume on the run's own dataset"
+        )
     saved, mine = state["config"], cfg.identity()
     diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
     if diff:
@@ -234,7 +357,14 @@ def _embedding_report(model: DLRM) -> dict:
 
 
 def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
-    """Train (or resume) a run in ``out_dir``; returns the report (also in report.json)."""
+    """Train (or resume) a run in ``out_dir``; returns the report (also in report.json).
+
+    A run that diverges -- a step refused because its new values cannot be stored, or
+    ``max_skipped_in_a_row`` steps in a row skipped for non-finite gradients -- stops there:
+    its report has ``status: "diverged"`` with the step and the reason, and its last
+    checkpoint is kept (a checkpoint due while steps are being skipped waits for the next
+    applied step, so that a checkpoint never holds a model that is failing)."""
+    cfg.validate()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -253,8 +383,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     trainer = build_trainer(cfg, model)
     ckpt_path = out_dir / "checkpoint.pt"
     progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}
+    run_data = {"dir": str(Path(data_dir).resolve()), "fingerprint": dataset.meta["fingerprint"]}
     if resume:
-        state = load_checkpoint(ckpt_path, cfg)
+        state = load_checkpoint(ckpt_path, cfg, run_data)
         trainer.load_state_dict(state["trainer"])
         progress = state["progress"]
 
@@ -266,11 +397,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
         )
     total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
     this_run = 0
+    diverged = None
+    checkpoint_due = False
     bar = tqdm(
         total=total, initial=progress["step"], desc="train", unit="step", disable=not cfg.progress
     )
     start = time.perf_counter()
-    losses = []
     while progress["step"] < total:
         batches = data_batches.iterate_batches(
             dataset,
@@ -283,43 +415,83 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
             start_batch=progress["batch"],
         )
         for batch in batches:
-            out = trainer.train_step(batch.dense, batch.sparse, batch.labels)
-            losses.append(out["loss"])
+            try:
+                out = trainer.train_step(batch.dense, batch.sparse, batch.labels)
+            except StepRefusedError as e:
+                diverged = {"step": e.step, "reason": str(e)}
+                break
             progress["step"] += 1
             progress["batch"] += 1
             progress["samples"] += len(batch.labels)
+            in_a_row = progress.get("skipped_in_a_row", 0) + 1 if out["skipped"] else 0
+            progress["skipped_in_a_row"] = in_a_row
             this_run += 1
             bar.update(1)
             bar.set_postfix(loss=f"{out['loss']:.4f}", scale=f"{out['scale']:g}")
             step = progress["step"]
+            if in_a_row >= cfg.max_skipped_in_a_row:
+                diverged = {
+                    "step": step,
+                    "reason": f"steps {step - in_a_row + 1} to {step} were all skipped "
+                    f"(non-finite loss or gradients; loss scale now {trainer.scaler.scale:g})",
+                }
+                break
             if cfg.eval_every and step % cfg.eval_every == 0:
                 m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches)
                 progress["evals"].append({"step": step, **m})
-                bar.write(f"step {step}: val auc {m['auc']:.4f} logloss {m['log_loss']:.4f}")
+                bar.write(f"step {step}: val {_metrics_line(m)}")
             done = step >= total or (cfg.stop_after is not None and this_run >= cfg.stop_after)
-            if done or step % cfg.checkpoint_every == 0:
+            checkpoint_due = checkpoint_due or step % cfg.checkpoint_every == 0
+            if done or (checkpoint_due and not in_a_row):
                 progress["train_seconds"] += time.perf_counter() - start
                 start = time.perf_counter()
-                save_checkpoint(ckpt_path, cfg, trainer, progress)
+                progress["checkpoint_step"] = step
+                save_checkpoint(ckpt_path, cfg, trainer, progress, run_data)
+                checkpoint_due = False
             if done:
                 break
-        else:
+        else:  # the epoch's batches are used up: on to the next epoch
             progress["epoch"] += 1
             progress["batch"] = 0
             continue
-        break
+        break  # done, or diverged
     bar.close()
-    if progress["step"] < total:
+    if diverged:
+        progress["train_seconds"] += time.perf_counter() - start
+        diverged["last_checkpoint_step"] = progress.get("checkpoint_step")
+        report = _report(cfg, dataset, data_dir, trainer, progress, test=None)
+        report["status"] = "diverged"
+        report["diverged"] = diverged
+        report["undefined"] = {"test": "the run diverged"}
+    elif progress["step"] < total:
         return {"stopped_at_step": progress["step"]}
+    else:
+        test = evaluate(model, dataset, "test", cfg.batch_size)
+        report = _report(cfg, dataset, data_dir, trainer, progress, test)
+    text = json.dumps(_strict_json(report), indent=2, allow_nan=False, default=_json_default)
+    _atomic_write(out_dir / "report.json", lambda p: p.write_text(text))
+    return report
 
-    test = evaluate(model, dataset, "test", cfg.batch_size)
+
+def _metrics_line(m: dict) -> str:
+    """``auc 0.7123 logloss 0.4567``, with ``n/a`` for an undefined metric."""
+    return " ".join(
+        f"{name} " + ("n/a" if m[key] is None else f"{m[key]:.4f}")
+        for name, key in (("auc", "auc"), ("logloss", "log_loss"))
+    )
+
+
+def _report(cfg, dataset, data_dir, trainer, progress, test) -> dict:
+    """The run's report (as report.json holds it, before :func:`_strict_json`)."""
     scaling = trainer.report
-    report = {
+    min_grad = scaling.min_abs_grad
+    return {
+        "status": "completed",
         "config": dataclasses.asdict(cfg),
         "data": {
             "dir": str(data_dir),
             "rows": dataset.meta["rows"],
-            "cardinalities": cards,
+            "cardinalities": list(dataset.meta["cardinalities"]),
             "bayes_auc": dataset.meta.get("bayes_auc"),
         },
         "steps": progress["step"],
@@ -334,21 +506,41 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
             "max": max(s for _, s in scaling.scale_trace),
         },
         "skipped_steps": scaling.skipped,
-        "grad_abs": {"min": scaling.min_abs_grad, "max": scaling.max_abs_grad},
-        "embeddings": _embedding_report(model),
+        "grad_abs": {
+            "min": min_grad if math.isfinite(min_grad) else None,
+            "max": scaling.max_abs_grad,
+            **({} if math.isfinite(min_grad) else {"min_undefined": "no non-zero gradient"}),
+        },
+        "embeddings": _embedding_report(trainer.model),
     }
-    _atomic_write(
-        out_dir / "report.json",
-        lambda p: p.write_text(json.dumps(report, indent=2, default=_json_default)),
-    )
-    return report
+
+
+def _strict_json(x):
+    """``x`` with no NaN or infinity left, so that it is valid strict JSON: a non-finite float
+    becomes null and, as a value in a dict under ``key``, ``key_undefined`` beside it says what
+    it was (unless the report already says why)."""
+    if isinstance(x, dict):
+        out = {}
+        for key, value in x.items():
+            if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+                out[key] = None
+                out.setdefault(f"{key}_undefined", f"not finite ({value})")
+            else:
+                out[key] = _strict_json(value)
+        return out
+    if isinstance(x, (list, tuple)):
+        return [
+            None
+            if isinstance(v, (float, np.floating)) and not math.isfinite(v)
+            else _strict_json(v)
+            for v in x
+        ]
+    return x
 
 
 def _json_default(x):
     if isinstance(x, (np.floating, np.integer)):
         return x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
     raise TypeError(type(x))
 
 

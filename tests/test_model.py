@@ -162,5 +162,6 @@ def test_relative_accuracy_drop_and_evaluate():
     assert metrics.relative_accuracy_drop(0.8, 0.81) < 0
     assert metrics.relative_accuracy_drop(0.789, 0.7889) < metrics.NEUTRAL_DROP_PERCENT
     result = metrics.evaluate([0, 1, 1, 0], [-1.0, 2.0, 0.5, 1.0])
-    assert set(result) == {"auc", "accuracy", "log_loss", "normalized_entropy"}
+    assert set(result) == {"auc", "accuracy", "log_loss", "normalized_entropy", "undefined"}
+    assert result["undefined"] == {}
     assert result["auc"] == pytest.approx(0.75) and result["accuracy"] == pytest.approx(0.75)

@@ -1,0 +1,118 @@
+"""The `dlrm` command under bad options and failing runs: one line naming the option and exit
+status 2 before any work; a diverging run stops naming the step, writes a strict-JSON report
+marked diverged and keeps its last good checkpoint; undefined metrics are reported as such."""
+
+import json
+import random
+
+import pytest
+
+from dlrm.cli import main
+
+SMALL = ["--synthetic-rows", "30000", "--batch-size", "256", "--no-progress", "--threads", "1"]
+
+
+def _strict_json(path):
+    """The file parsed as strict JSON: NaN and Infinity tokens are refused."""
+
+    def refuse(token):
+        raise AssertionError(f"{path} holds the non-JSON token {token}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["train", "--batch-size", "0"], "--batch-size"),
+        (["train", "--batch-size", "-4"], "--batch-size"),
+        (["train", "--batch-size", "many"], "--batch-size"),
+        (["train", "--checkpoint-every", "0"], "--checkpoint-every"),
+        (["train", "--threads", "-1"], "--threads"),
+        (["train", "--steps", "0"], "--steps"),
+        (["train", "--steps", "-5"], "--steps"),
+        (["train", "--eval-every", "-1"], "--eval-every"),
+        (["train", "--stop-after", "0"], "--stop-after"),
+        (["train", "--epochs", "0"], "--epochs"),
+        (["train", "--synthetic-scale", "-1"], "--synthetic-scale"),
+        (["train", "--lr", "nan"], "--lr"),
+        (["train", "--cache-ratio", "1.5"], "--cache-ratio"),
+        (["train", "--emb-lr", "-1"], "--emb-lr"),
+        (["train", "--table", "t_2:bogus=1"], "--table t_2: unknown option 'bogus'"),
+        (["train", "--table", "t_99:precision=int4"], "--table t_99: no such table"),
+        (["train", "--table", "t_2:associativity=3"], "--table t_2: associativity=3"),
+        (["train", "--table", "t_2"], "--table"),
+        (["generate", "OUT", "--scale", "-1"], "--scale"),
+        (["generate", "OUT", "--rows", "0"], "--rows"),
+        (["preprocess", "SRC", "OUT", "--min-count", "0"], "--min-count"),
+    ],
+)
+def test_invalid_option_is_one_line_exit_2_before_any_work(tmp_path, capsys, argv, option):
+    argv = [str(tmp_path / a) if a in ("OUT", "SRC") else a for a in argv]
+    if argv[0] == "train":  # the option under test last: it overrides SMALL's
+        argv = ["train", "--out", str(tmp_path / "run"), *SMALL, *argv[1:]]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and option in err and "error" in err, err
+    assert list(tmp_path.iterdir()) == []  # no data generated, no run directory made
+
+
+def test_dense_divergence_stops_at_step_1_with_a_strict_report(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), *SMALL, "--steps", "6", "--lr", "1e30"])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "diverged at step 1" in err and "FP16" in err, err
+    report = _strict_json(out / "report.json")
+    assert report["status"] == "diverged" and report["diverged"]["step"] == 1
+    assert report["diverged"]["last_checkpoint_step"] is None
+    assert report["test"] is None and report["undefined"]["test"]
+    # no step was applied: no gradient statistics, null with the reason (not Infinity)
+    assert report["grad_abs"]["min"] is None and report["grad_abs"]["min_undefined"]
+    assert not (out / "checkpoint.pt").exists()
+
+
+def test_run_that_only_skips_is_diverged_and_writes_no_checkpoint_of_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), *SMALL, "--steps", "10", "--checkpoint-every", "2"]
+    # a static loss scale of 1e30 overflows every FP16 gradient: every step is skipped
+    argv += ["--loss-scaler", "static", "--static-scale", "1e30", "--max-skipped-in-a-row", "3"]
+    assert main(argv) == 1
+    assert "diverged at step 3: steps 1 to 3 were all skipped" in capsys.readouterr().err
+    report = _strict_json(out / "report.json")
+    assert report["status"] == "diverged" and report["skipped_steps"] == 3
+    # the checkpoint due at step 2 fell among skipped steps: it was never written
+    assert report["diverged"]["last_checkpoint_step"] is None
+    assert not (out / "checkpoint.pt").exists()
+
+
+def _criteo_tsv(path, rows: int, no_click_from: int, no_click_to: int) -> None:
+    """Criteo-format lines (label, 13 integers, 26 hex ids); no click in the given rows."""
+    rng = random.Random(0)
+    lines = []
+    for r in range(rows):
+        label = 0 if no_click_from <= r < no_click_to else int(rng.random() < 0.3)
+        ints = [str(rng.randrange(0, 50)) for _ in range(13)]
+        ids = [f"{rng.randrange(0, 40):08x}" for _ in range(26)]
+        lines.append("\t".join([str(label), *ints, *ids]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_metrics_of_a_split_with_one_class_are_undefined_and_the_report_is_written(tmp_path):
+    # 1000 rows: the test split is rows 857-928 (the first half of the last of 7 days)
+    _criteo_tsv(tmp_path / "train.txt", 1000, 857, 929)
+    data = tmp_path / "data"
+    assert main(["preprocess", str(tmp_path / "train.txt"), str(data)]) == 0
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--data", str(data), "--batch-size", "64"]
+    assert main([*argv, "--steps", "4", "--eval-every", "2", "--no-progress"]) == 0
+    report = _strict_json(out / "report.json")
+    test = report["test"]
+    assert report["status"] == "completed"
+    assert test["auc"] is None and test["normalized_entropy"] is None
+    assert "only one class: 0 clicks" in test["undefined"]["auc"]
+    assert test["accuracy"] == 1.0 and test["log_loss"] > 0  # defined, and all "no click"

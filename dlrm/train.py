@@ -383,7 +383,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     trainer = build_trainer(cfg, model)
     ckpt_path = out_dir / "checkpoint.pt"
     progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}
-    run_data = {"dir": str(Path(data_dir).resolve()), "fingerprint": dataset.meta["fingerprint"]}
+    run_data = _run_data(data_dir, dataset)
     if resume:
         state = load_checkpoint(ckpt_path, cfg, run_data)
         trainer.load_state_dict(state["trainer"])
@@ -559,7 +559,13 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
         dataset = data_batches.load(data_dir)
     except DataError as e:
         raise RunError(str(e)) from None
+    state = load_checkpoint(state_path, cfg, _run_data(data_dir, dataset))
     model = build_model(cfg, list(dataset.meta["cardinalities"]))
     trainer = build_trainer(cfg, model)
-    trainer.load_state_dict(load_checkpoint(state_path, cfg)["trainer"])
+    trainer.load_state_dict(state["trainer"])
     return evaluate(model, dataset, split, cfg.batch_size)
+
+
+def _run_data(data_dir: Path, dataset) -> dict:
+    """What a checkpoint records of its dataset (see :func:`load_checkpoint`)."""
+    return {"dir": str(Path(data_dir).resolve()), "fingerprint": dataset.meta["fingerprint"]}

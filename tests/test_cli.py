@@ -116,3 +116,16 @@ def test_metrics_of_a_split_with_one_class_are_undefined_and_the_report_is_writt
     assert test["auc"] is None and test["normalized_entropy"] is None
     assert "only one class: 0 clicks" in test["undefined"]["auc"]
     assert test["accuracy"] == 1.0 and test["log_loss"] > 0  # defined, and all "no click"
+
+
+def test_evaluate_refuses_a_checkpoint_of_other_data_at_the_same_path(tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "run"
+    assert main(["generate", str(data), "--rows", "5000", "--scale", "0.0005"]) == 0
+    argv = ["--out", str(out), "--data", str(data), "--batch-size", "64", "--no-progress"]
+    assert main(["train", *argv, "--steps", "2", "--eval-every", "0"]) == 0
+    assert main(["evaluate", *argv]) == 0
+    assert main(["generate", str(data), "--rows", "5000", "--scale", "0.0005", "--seed", "1"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds other data" in err, err

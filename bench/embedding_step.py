@@ -74,35 +74,7 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import embcache  # noqa: E402
-
-KAGGLE = [
-    1460,
-    583,
-    10131227,
-    2202608,
-    305,
-    24,
-    12517,
-    633,
-    3,
-    93145,
-    5683,
-    8351593,
-    3194,
-    27,
-    14992,
-    5461306,
-    10,
-    5652,
-    2173,
-    4,
-    7046547,
-    18,
-    15,
-    286181,
-    105,
-    142572,
-]
+from dlrm.data.criteo import KAGGLE_CARDINALITIES  # noqa: E402
 
 
 def trace(cards, batch, steps, alpha, seed):
@@ -232,7 +204,7 @@ def main():
     )
     args = p.parse_args()
     env = environment(__file__, threads=torch.get_num_threads())
-    cards = [min(n, args.max_rows) if args.max_rows else n for n in KAGGLE]
+    cards = [min(n, args.max_rows) if args.max_rows else n for n in KAGGLE_CARDINALITIES]
     total_steps = args.warmup + args.rounds * args.steps
     batches = trace(cards, args.batch, total_steps, args.alpha, seed=0)
     grad = torch.randn(args.batch, len(cards) * args.dim) * 1e-2

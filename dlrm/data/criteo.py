@@ -76,34 +76,12 @@ NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 NUM_DAYS = 7
 MAX_REPORTED = 10
 # Criteo-Kaggle train.txt, no threshold (docs/contract.md §7).
+# fmt: off
 KAGGLE_CARDINALITIES = (
-    1460,
-    583,
-    10131227,
-    2202608,
-    305,
-    24,
-    12517,
-    633,
-    3,
-    93145,
-    5683,
-    8351593,
-    3194,
-    27,
-    14992,
-    5461306,
-    10,
-    5652,
-    2173,
-    4,
-    7046547,
-    18,
-    15,
-    286181,
-    105,
-    142572,
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )
+# fmt: on
 FILES = ("dense.npy", "sparse.npy", "labels.npy", "meta.json")
 FORMAT = "dlrm-criteo-npy/1"
 LAYOUT = {  # in every meta.json

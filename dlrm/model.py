@@ -54,8 +54,7 @@ PRESETS = {
     # The reference DLRM's Criteo-Kaggle configuration (docs/contract.md §7).
     "kaggle": DLRMConfig(bottom_mlp=(13, 512, 256, 64, 16), top_mlp=(512, 256, 1)),
     # The paper ("Mixed-Precision Embedding using a Cache") gives only the embedding dimension,
-    # 128, for its Kaggle runs;
-    # it gives no MLP widths. We take the reference DLRM's other standard configuration whose
+    # 128, for its Kaggle runs, and no MLP widths. We take the reference DLRM's other standard configuration whose
     # bottom MLP ends at 128 (its MLPerf/Terabyte one): bottom 13-512-256-128,
     # top 1024-1024-512-256-1.
     "paper": DLRMConfig(bottom_mlp=(13, 512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1)),

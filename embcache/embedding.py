@@ -94,16 +94,12 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.config = TableConfig(num_embeddings, embedding_dim, **options)
         cfg = self.config
         rows, dim = num_embeddings, embedding_dim
-        if weight is None:
-            bound = math.sqrt(1.0 / rows)
-            gen = torch.Generator().manual_seed(cfg.seed * 1000003 + cfg.table_id)
-            weight = torch.empty(rows, dim).uniform_(-bound, bound, generator=gen)
-        elif tuple(weight.shape) != (rows, dim):
+        if weight is not None and tuple(weight.shape) != (rows, dim):
             raise ValueError(
                 f"table '{cfg.name}': initial weight has shape {tuple(weight.shape)}, "
                 f"expected {(rows, dim)}"
             )
-        self.register_buffer("weights", self._quantize_initial(weight.detach().float()))
+        self.register_buffer("weights", self._quantize_initial(weight))
         self.register_buffer("cache_tags", _state_tensor((cfg.num_slots,), torch.int32).fill_(-1))
         self.register_buffer(
             "cache_rows", _state_tensor((cfg.num_slots, dim), torch.float32).zero_()
@@ -164,13 +160,26 @@ class CachedLowPrecisionEmbedding(nn.Module):
     def _format_args(self) -> tuple[int, bool]:
         return self.config.bits, self.config.qparams_fp16
 
-    def _quantize_initial(self, weight: torch.Tensor) -> torch.Tensor:
-        """Round the initial FP32 rows to the stored format (nearest), in bounded chunks."""
+    def _quantize_initial(self, weight: torch.Tensor | None) -> torch.Tensor:
+        """The initial rows in the stored format, rounded to nearest: ``weight``'s, or (None)
+        uniform in ``±sqrt(1 / rows)`` from a generator seeded by the table's seed and id. Made
+        2^16 rows at a time, so no FP32 copy of the whole table ever exists (the drawn values
+        are those of one draw for the whole table: the generator's stream is consumed in
+        order, in chunks whose sizes are multiples of 2^16 values)."""
+        cfg = self.config
+        rows, dim = cfg.num_embeddings, cfg.embedding_dim
+        if weight is None:
+            bound = math.sqrt(1.0 / rows)
+            gen = torch.Generator().manual_seed(cfg.seed * 1000003 + cfg.table_id)
         bits, qfp16 = self._format_args()
-        out = _state_tensor((weight.shape[0], self.config.row_bytes), torch.uint8)
-        for start in range(0, weight.shape[0], 1 << 16):
-            block = weight[start : start + (1 << 16)].contiguous()
-            ids = torch.arange(start, start + block.shape[0], dtype=torch.int64)
+        out = _state_tensor((rows, cfg.row_bytes), torch.uint8)
+        for start in range(0, rows, _INIT_CHUNK_ROWS):
+            n = min(_INIT_CHUNK_ROWS, rows - start)
+            if weight is None:
+                block = torch.empty(n, dim).uniform_(-bound, bound, generator=gen)
+            else:
+                block = weight[start : start + n].detach().float().contiguous()
+            ids = torch.arange(start, start + n, dtype=torch.int64)
             try:
                 out[start : start + block.shape[0]] = _ops.quantize_rows(
                     block, ids, bits, qfp16, False, 0, 0, 0
@@ -598,6 +607,7 @@ def check_state_dict(module: nn.Module, state_dict, strict: bool = True) -> None
 
 
 _HUGE_PAGE = 2 << 20
+_INIT_CHUNK_ROWS = 1 << 16
 _NO_FLOOR = torch.iinfo(torch.int32).min  # a set floor that every priority beats
 
 

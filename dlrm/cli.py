@@ -150,6 +150,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default=d.max_skipped_in_a_row,
         help="stop the run as diverged after this many skipped steps in a row",
     )
+    g.add_argument(
+        "--compare-fp32",
+        action="store_true",
+        help="also train the same run with FP32 tables (no cache) in OUT/fp32 and compare",
+    )
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -179,10 +184,22 @@ def _summary(report: dict) -> str:
         f"skipped {report['skipped_steps']}  final loss scale {report['loss_scale']['final']:g}",
     ]
     emb = report["embeddings"]
+    line = (
+        f"embeddings: {emb['memory_bytes'] / 2**20:.1f} MiB, FP32 tables "
+        f"{emb['fp32_bytes'] / 2**20:.1f} MiB (factor {emb['compression_factor']:.3f})"
+    )
     if "hit_rate" in emb:
+        line += f", cache hit rate {emb['hit_rate']:.3f} (tables with a cache)"
+    lines.append(line + f"; peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB")
+    fp32 = report.get("compare_fp32")
+    if fp32 and fp32["status"] == "completed":
+        auc = fp32["test"]["auc"]
         lines.append(
-            f"embeddings: {emb['memory_bytes'] / 2**20:.1f} MiB, compression factor "
-            f"{emb['compression_factor']:.3f}, cache hit rate {emb['hit_rate']:.3f} (tables with a cache)"
+            "FP32 tables, same run: test auc "
+            + ("n/a" if auc is None else f"{auc:.4f}")
+            + ("" if fp32["auc_difference"] is None else f" (ours {fp32['auc_difference']:+.4f})")
+            + f", embeddings {fp32['embedding_memory_bytes'] / 2**20:.1f} MiB, "
+            f"samples/s {fp32['samples_per_second']:.0f}"
         )
     if report["data"].get("bayes_auc"):
         lines.append(f"data: Bayes-optimal AUC {json.dumps(report['data']['bayes_auc'])}")

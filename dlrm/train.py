@@ -13,6 +13,8 @@ import dataclasses
 import json
 import math
 import os
+import resource
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +74,8 @@ class RunConfig:
     # a run that skips this many steps in a row has diverged (more than the backoff scaler
     # needs to fall from its largest scale, 2^24, to 1)
     max_skipped_in_a_row: int = 25
+    # also train the same run with FP32 tables (no cache) in out_dir/fp32, and compare
+    compare_fp32: bool = False
     progress: bool = True
 
     BOOKKEEPING = (
@@ -80,6 +84,7 @@ class RunConfig:
         "checkpoint_every",
         "stop_after",
         "max_skipped_in_a_row",
+        "compare_fp32",
         "progress",
         "eval_every",
     )
@@ -334,14 +339,19 @@ def _embedding_report(model: DLRM) -> dict:
     collection = model.embedding_collection
     if not hasattr(collection, "stats"):
         fp32 = sum(p.nbytes for p in collection.parameters())
-        return {"memory_bytes": fp32, "compression_factor": 1.0}
+        return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
     stats, memory = collection.stats(), collection.memory_bytes()
+    fp32 = sum(  # FP32 tables with the same optimizer state: the factor's denominator
+        t.config.num_embeddings * t.config.embedding_dim * 4 + memory[name]["optimizer_state"]
+        for name, t in collection.embedding_bags.items()
+    )
     cached = [name for name, t in collection.embedding_bags.items() if t.config.num_slots > 0]
     lookups = sum(stats[n]["lookups"] for n in cached)
     return {
         # over the tables that have a cache (small tables stay FP32 without one)
         "hit_rate": sum(stats[n]["hits"] for n in cached) / lookups if lookups else 0.0,
         "memory_bytes": sum(m["total"] for m in memory.values()),
+        "fp32_bytes": fp32,
         "compression_factor": collection.compression_factor(),
         "tables": {
             name: {
@@ -468,9 +478,45 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     else:
         test = evaluate(model, dataset, "test", cfg.batch_size)
         report = _report(cfg, dataset, data_dir, trainer, progress, test)
+        if cfg.compare_fp32:
+            report["compare_fp32"] = _compare_fp32(cfg, out_dir, data_dir, report, resume)
     text = json.dumps(_strict_json(report), indent=2, allow_nan=False, default=_json_default)
     _atomic_write(out_dir / "report.json", lambda p: p.write_text(text))
     return report
+
+
+def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, resume: bool):
+    """Train the same run with FP32 tables and no cache in ``out_dir/fp32`` (on the same
+    data; resumed if it was interrupted) and set its results beside ``report``'s."""
+    fp32_cfg = dataclasses.replace(
+        cfg, data=str(data_dir), precision="fp32", cache_ratio=0.0, tables={}, compare_fp32=False
+    )
+    fp32_dir = out_dir / "fp32"
+    fp32 = train(fp32_cfg, fp32_dir, resume=resume and (fp32_dir / "checkpoint.pt").exists())
+    if fp32.get("status") != "completed":
+        return {"dir": str(fp32_dir), "status": fp32.get("status", "stopped")}
+    ours, theirs = report["test"], fp32["test"]
+    return {
+        "dir": str(fp32_dir),
+        "status": "completed",
+        "test": theirs,
+        "auc_difference": None
+        if ours["auc"] is None or theirs["auc"] is None
+        else ours["auc"] - theirs["auc"],
+        "embedding_memory_bytes": fp32["embeddings"]["memory_bytes"],
+        "samples_per_second": fp32["samples_per_second"],
+    }
+
+
+def _peak_rss_bytes() -> int:
+    """The process's peak resident memory so far."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError):  # not Linux: getrusage's maximum (KiB on Linux, bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _metrics_line(m: dict) -> str:
@@ -512,6 +558,7 @@ def _report(cfg, dataset, data_dir, trainer, progress, test) -> dict:
             **({} if math.isfinite(min_grad) else {"min_undefined": "no non-zero gradient"}),
         },
         "embeddings": _embedding_report(trainer.model),
+        "peak_rss_bytes": _peak_rss_bytes(),
     }
 
 

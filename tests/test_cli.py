@@ -129,3 +129,21 @@ def test_evaluate_refuses_a_checkpoint_of_other_data_at_the_same_path(tmp_path, 
     assert main(["evaluate", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds other data" in err, err
+
+
+def test_compare_fp32_trains_the_same_run_with_fp32_tables(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), *SMALL, "--steps", "6", "--eval-every", "0"]
+    assert main([*argv, "--compare-fp32"]) == 0
+    assert "FP32 tables, same run: test auc" in capsys.readouterr().out
+    report = _strict_json(out / "report.json")
+    fp32 = _strict_json(out / "fp32" / "report.json")
+    assert fp32["config"]["precision"] == "fp32" and fp32["config"]["cache_ratio"] == 0.0
+    assert fp32["data"]["dir"] == report["data"]["dir"]  # the same data, not generated again
+    compared = report["compare_fp32"]
+    assert compared["test"] == fp32["test"]
+    assert compared["auc_difference"] == report["test"]["auc"] - fp32["test"]["auc"]
+    # what the run reports as the FP32 equivalent is what the FP32 run really allocated
+    assert report["embeddings"]["fp32_bytes"] == fp32["embeddings"]["memory_bytes"]
+    assert report["embeddings"]["memory_bytes"] < 0.6 * fp32["embeddings"]["memory_bytes"]
+    assert report["peak_rss_bytes"] > report["embeddings"]["memory_bytes"]

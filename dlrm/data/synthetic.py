@@ -4,14 +4,29 @@ Each row has 13 dense features and 26 categorical ids, as preprocessed Criteo, a
 from a hidden teacher model, so the data are learnable and the best achievable AUC (the
 Bayes AUC: the AUC of the teacher's true probabilities on the generated labels) is known.
 
+The model stores nothing per id: whatever an id needs (its place in the popularity order,
+its teacher parameters) is a function of a hash of (seed, column, id), so memory does not
+grow with the cardinalities (Kaggle's full 33.8M ids, ``scale=1``, take a few MB of tables;
+generating takes about 20 MB per block in flight) and the model is built at once.
+
 Generative model (parameters of ``SyntheticCriteo``):
 
 * Cardinalities: the Kaggle ones (``criteo.KAGGLE_CARDINALITIES``) times ``scale``, rounded,
   but at least ``min(K, MIN_CARDINALITY)`` for a Kaggle cardinality K, so the small tables
   (3, 4, 10, ... up to 32) stay as they are.
-* Ids of table t (n ids): rank r in [0, n) with probability proportional to
-  ``(r + 1) ** -alpha`` (Zipf-like; ``alpha`` = 1.05 by default), id = ``perm_t[r]`` for a
-  random permutation ``perm_t``, so the hot ids are not 0, 1, 2, ...
+* Ids of table t (n ids): a popularity rank r in [0, n), then id = ``(a_t * r + c_t) mod n``
+  (a bijection: ``a_t`` coprime with n, both drawn from the seed), so the hot ids are not
+  0, 1, 2, .... The rank is 0 with probability ``head_t``, else it follows a power law: with
+  probability ``1 - head_t``, ``r = floor(x) - 1`` where x has density proportional to
+  ``x ** -alpha_t`` on [1, n + 1] (drawn by inverting its CDF; the continuous version of a
+  Zipf law ``(r + 1) ** -alpha_t``). So the hottest k ids take the share
+  ``head_t + (1 - head_t) * (1 - (k + 1) ** (1 - alpha_t)) / (1 - (n + 1) ** (1 - alpha_t))``
+  of the accesses (``SyntheticCriteo.share_of_hottest``). ``head_t`` models a value much more
+  frequent than the rest (in Criteo often the missing value, 45% of some columns).
+  The defaults ``KAGGLE_ALPHA`` and ``KAGGLE_HEAD`` are fitted per column to the first
+  10,000 rows of Kaggle's train.txt by ``bench/calibrate_synthetic.py`` (shares of the
+  hottest 1% and 10% of the values seen, share of values seen once;
+  bench/results/synthetic_calibration/).
 * Dense feature j: a latent ``z ~ N(mu_j, sigma_j)`` (mu_j ~ U(0, 3), sigma_j ~ U(0.5, 2));
   missing with probability ``p_j ~ U(0, 0.5)``; the feature is ``log(floor(exp(z)) + 1)``
   like Criteo's ``log(x + 1)`` of a count, and 0 when missing.
@@ -22,26 +37,47 @@ Generative model (parameters of ``SyntheticCriteo``):
   ``Bernoulli(sigmoid(logit))``. ``bias`` is set (by bisection on a calibration block) so
   that the mean probability is ``positive_rate`` (0.25 by default, about Criteo's). With the
   defaults the Bayes AUC is about 0.82.
+* Per-id parameters: ``h_k = splitmix64(id + s_{t,k})`` (the 64-bit finalizer of
+  SplitMix64, in numpy uint64 arithmetic; salts ``s_{t,k}`` drawn from the seed) gives
+  4 independent 16-bit fields per hash; field f is mapped to the normal quantile
+  ``Phi^-1((f + 0.5) / 65536)`` (a table, rescaled to unit variance), so b and the
+  components of v are normals quantized to 65,536 levels (|x| < 4.2). b is field 0,
+  v_i field i + 1 (``ceil((teacher_dim + 1) / 4)`` hashes per id).
 
-Determinism: the model comes from ``numpy.random.default_rng([seed, 0, t])``, and rows
-``[i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS)`` from ``default_rng([seed, 1, i])``, so the same seed
-gives identical arrays however the rows are requested (whole or in chunks). The model holds
-32 bytes per id (at ``scale=1`` the 33.8M Kaggle ids take about 1.1 GB).
+Determinism: the per-column constants come from ``numpy.random.default_rng([seed, 0, t])``,
+and rows ``[i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS)`` from ``default_rng([seed, 1, i])``, so
+the same seed gives identical arrays however the rows are requested (whole or in chunks,
+with any number of ``threads``: blocks are generated independently, in parallel, and put in
+order).
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
+from tqdm import tqdm
 
 from dlrm.data.batches import Batch, make_batch, num_batches
 from dlrm.data.criteo import KAGGLE_CARDINALITIES, NUM_DENSE, DatasetWriter, split_ranges
 
 MIN_CARDINALITY = 32
 BLOCK_ROWS = 16384
+PROGRESS_MIN_ROWS = 1_000_000  # write() shows a progress bar from this many rows
+
+# Per column C1..C26: the power-law exponent and the head share (module docstring), fitted to
+# the first 10,000 rows of Kaggle's train.txt by bench/calibrate_synthetic.py --fit.
+KAGGLE_ALPHA = (1.05,) * 26
+KAGGLE_HEAD = (0.0,) * 26
+
+_B_STD, _V_STD = 0.2, 0.17
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_NORMAL_TABLE: np.ndarray | None = None
 
 
 def scaled_cardinalities(scale: float) -> list[int]:
@@ -49,85 +85,158 @@ def scaled_cardinalities(scale: float) -> list[int]:
     return [max(round(k * scale), min(k, MIN_CARDINALITY)) for k in KAGGLE_CARDINALITIES]
 
 
+def _per_column(value: float | Sequence[float], name: str) -> list[float]:
+    values = [float(value)] * len(KAGGLE_CARDINALITIES) if np.isscalar(value) else list(value)
+    if len(values) != len(KAGGLE_CARDINALITIES):
+        raise ValueError(f"{name}: one value or {len(KAGGLE_CARDINALITIES)}, got {len(values)}")
+    return [float(v) for v in values]
+
+
 class SyntheticCriteo:
-    """The generator; ``rows(start, stop)`` gives any range of the infinite row sequence."""
+    """The generator; ``rows(start, stop)`` gives any range of the infinite row sequence.
+
+    ``alpha`` and ``head``: one value for all columns or one per column (module docstring);
+    ``threads``: blocks generated in parallel by ``rows`` and ``write`` (the data do not
+    depend on it; default: the CPU count, at most 4)."""
 
     def __init__(
         self,
         scale: float = 0.001,
-        alpha: float = 1.05,
+        alpha: float | Sequence[float] = KAGGLE_ALPHA,
+        head: float | Sequence[float] = KAGGLE_HEAD,
         teacher_dim: int = 4,
         positive_rate: float = 0.25,
         seed: int = 0,
+        threads: int | None = None,
     ) -> None:
+        alpha, head = _per_column(alpha, "alpha"), _per_column(head, "head")
+        if not all(0 <= h < 1 for h in head) or not all(a > 0 for a in alpha):
+            raise ValueError("head must be in [0, 1) and alpha positive")
         self.params = {
             "scale": scale,
             "alpha": alpha,
+            "head": head,
             "teacher_dim": teacher_dim,
             "positive_rate": positive_rate,
             "seed": seed,
         }
         self.cardinalities = scaled_cardinalities(scale)
         self.seed = seed
-        self.cdf, self.perm, self.b, self.v = [], [], [], []
-        for t, n in enumerate(self.cardinalities):
+        self.teacher_dim = teacher_dim
+        self.threads = threads or min(4, os.cpu_count() or 1)
+        n = np.array(self.cardinalities, np.float64)
+        # alpha = 1 is the limit of alpha -> 1 (x = (n + 1) ** u); nudged to avoid dividing by 0.
+        one_minus = np.array([1 - a if abs(1 - a) > 1e-6 else -1e-6 for a in alpha])
+        self._exponent = 1 / one_minus  # x = (1 - u * _scale) ** _exponent
+        self._scale = 1 - (n + 1) ** one_minus
+        self._one_minus = one_minus
+        self._head = np.array(head)
+        hashes = -(-(teacher_dim + 1) // 4)
+        mult, offset, salt = [], [], []
+        for t, card in enumerate(self.cardinalities):
             rng = np.random.default_rng([seed, 0, t])
-            weights = np.arange(1, n + 1, dtype=np.float64) ** -alpha
-            self.cdf.append(np.cumsum(weights) / weights.sum())
-            self.perm.append(rng.permutation(n).astype(np.int32))
-            self.b.append(rng.normal(0, 0.2, n).astype(np.float32))
-            self.v.append(rng.normal(0, 0.17, (n, teacher_dim)).astype(np.float32))
+            a = int(rng.integers(1, card)) if card > 1 else 1
+            while math.gcd(a, card) != 1:
+                a = a + 1 if a + 1 < card else 1
+            mult.append(a)
+            offset.append(int(rng.integers(0, card)))
+            salt.append(rng.integers(0, 2**63, hashes))
+        self._mult = np.array(mult, np.int64)
+        self._offset = np.array(offset, np.int64)
+        self._n = np.array(self.cardinalities, np.int64)
+        self._salt = np.array(salt, np.uint64).T  # [hashes, 26]
         rng = np.random.default_rng([seed, 0, len(self.cardinalities)])
-        self.mu = rng.uniform(0, 3, NUM_DENSE)
-        self.sigma = rng.uniform(0.5, 2, NUM_DENSE)
-        self.p_missing = rng.uniform(0, 0.5, NUM_DENSE)
-        self.w = rng.normal(0, 0.2, NUM_DENSE)
+        self.mu = rng.uniform(0, 3, NUM_DENSE).astype(np.float32)
+        self.sigma = rng.uniform(0.5, 2, NUM_DENSE).astype(np.float32)
+        self.p_missing = rng.uniform(0, 0.5, NUM_DENSE).astype(np.float32)
+        self.w = rng.normal(0, 0.2, NUM_DENSE).astype(np.float32)
         # The bias that gives the wanted mean probability on a calibration block (bisection).
-        logit = self._features(np.random.default_rng([seed, 2]))[2]
+        logit = self._features(np.random.default_rng([seed, 2]))[2].astype(np.float64)
         lo, hi = -20.0, 20.0
         for _ in range(50):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if _sigmoid(logit + mid).mean() < positive_rate else (lo, mid)
         self.bias = self.params["bias"] = (lo + hi) / 2
 
+    def share_of_hottest(self, table: int, k: int) -> float:
+        """The model's share of table ``table``'s accesses taken by its ``k`` hottest ids."""
+        n, head = self.cardinalities[table], self._head[table]
+        if k <= 0:
+            return 0.0
+        k = min(k, n)
+        om = self._one_minus[table]
+        return float(head + (1 - head) * (1 - (k + 1) ** om) / (1 - (n + 1) ** om))
+
+    def ranks(self, u: np.ndarray) -> np.ndarray:
+        """int64 popularity ranks [rows, 26] from uniforms u in [0, 1) [rows, 26]."""
+        u = np.maximum((u - self._head) / (1 - self._head), 0)
+        x = (1 - u * self._scale) ** self._exponent
+        return np.minimum(x.astype(np.int64) - 1, self._n - 1)
+
+    def ids_of_ranks(self, ranks: np.ndarray) -> np.ndarray:
+        """The ids (int64) of popularity ranks [rows, 26]: the bijection of the docstring."""
+        return (ranks * self._mult + self._offset) % self._n
+
+    def id_params(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The teacher's per-id bias b [rows, 26] and vector v [rows, 26, teacher_dim]
+        (float32) of ids [rows, 26] (int64), from their hash (module docstring)."""
+        keys = ids.astype(np.uint64)
+        fields = np.empty((*ids.shape, len(self._salt)), np.uint64)
+        for k, salt in enumerate(self._salt):
+            fields[..., k] = _splitmix64(keys + salt)
+        values = _normal_table()[fields.view(np.uint16)]  # [rows, 26, 4 * hashes]
+        b = values[..., 0] * np.float32(_B_STD)
+        v = values[..., 1 : 1 + self.teacher_dim] * np.float32(_V_STD)
+        return b, v
+
     def rows(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
         """Rows ``[start, stop)``: dense float32 [n, 13], sparse int32 [n, 26], labels float32
-        [n] and the teacher's probabilities float64 [n]."""
+        [n] and the teacher's probabilities float32 [n]."""
         first, last = start // BLOCK_ROWS, -(-stop // BLOCK_ROWS)
-        blocks = [self._block(i) for i in range(first, last)]
+        blocks = list(self._blocks(first, last))
         offset = first * BLOCK_ROWS
         return tuple(
             np.concatenate(parts)[start - offset : stop - offset] for parts in zip(*blocks)
         )
 
+    def _blocks(self, first: int, last: int) -> Iterator[tuple[np.ndarray, ...]]:
+        """Blocks ``first`` to ``last - 1`` in order, generated by ``threads`` threads (at
+        most twice as many blocks in flight, so memory stays bounded)."""
+        if self.threads <= 1 or last - first <= 1:
+            yield from (self._block(i) for i in range(first, last))
+            return
+        with ThreadPoolExecutor(self.threads) as pool:
+            pending = deque()
+            for i in range(first, last):
+                pending.append(pool.submit(self._block, i))
+                if len(pending) >= 2 * self.threads:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
     def _block(self, i: int) -> tuple[np.ndarray, ...]:
         rng = np.random.default_rng([self.seed, 1, i])
         dense, sparse, logit = self._features(rng)
-        prob = _sigmoid(logit + self.bias)
-        labels = (rng.random(BLOCK_ROWS) < prob).astype(np.float32)
+        prob = _sigmoid(logit + np.float32(self.bias))
+        labels = (rng.random(BLOCK_ROWS, np.float32) < prob).astype(np.float32)
         return dense, sparse, labels, prob
 
     def _features(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-        """A block of dense float32, sparse int32 and the teacher's logit less its bias."""
+        """A block of dense float32, sparse int32 and the teacher's logit (float32) less its
+        bias."""
         n = BLOCK_ROWS
-        z = rng.normal(self.mu, self.sigma, (n, NUM_DENSE))
-        present = rng.random((n, NUM_DENSE)) >= self.p_missing
-        dense = np.where(present, np.log1p(np.floor(np.exp(z))), 0).astype(np.float32)
-        logit = (present * (z - self.mu) / self.sigma) @ self.w
+        s = rng.standard_normal((n, NUM_DENSE), np.float32)
+        present = rng.random((n, NUM_DENSE), np.float32) >= self.p_missing
+        z = s * self.sigma + self.mu
+        dense = np.where(present, np.log1p(np.floor(np.exp(z))), np.float32(0))
+        logit = (present * s) @ self.w
 
-        u = rng.random((n, len(self.cardinalities)))
-        sparse = np.empty((n, len(self.cardinalities)), np.int32)
-        v_sum = np.zeros((n, self.v[0].shape[1]))
-        v_sq = np.zeros(n)
-        for t, cdf in enumerate(self.cdf):
-            rank = np.minimum(np.searchsorted(cdf, u[:, t], side="right"), len(cdf) - 1)
-            ids = sparse[:, t] = self.perm[t][rank]
-            logit += self.b[t][ids]
-            v = self.v[t][ids]
-            v_sum += v
-            v_sq += (v * v).sum(axis=1)
-        logit += 0.5 * ((v_sum * v_sum).sum(axis=1) - v_sq)  # sum over pairs t < s
-        return dense, sparse, logit
+        ids = self.ids_of_ranks(self.ranks(rng.random((n, len(self.cardinalities)))))
+        b, v = self.id_params(ids)
+        v_sum = v.sum(axis=1)
+        logit += b.sum(axis=1)
+        logit += 0.5 * ((v_sum * v_sum).sum(axis=1) - (v * v).sum(axis=(1, 2)))  # pairs t < s
+        return dense, ids.astype(np.int32), logit
 
     def batches(
         self,
@@ -155,18 +264,27 @@ class SyntheticCriteo:
         _, _, labels, prob = self.rows(0, num_rows)
         return _auc(labels, prob)
 
-    def write(self, out_dir: str | os.PathLike, num_rows: int) -> dict:
+    def write(self, out_dir: str | os.PathLike, num_rows: int, progress: bool = True) -> dict:
         """Generate ``num_rows`` rows into ``out_dir`` in the layout of ``dlrm.data.criteo``
         (atomically, see ``DatasetWriter``); returns the metadata written, including the Bayes
-        AUC per split and the dataset's ``fingerprint``."""
+        AUC per split and the dataset's ``fingerprint``. ``progress``: a progress bar on
+        stderr (from ``PROGRESS_MIN_ROWS`` rows)."""
         if num_rows < 1:
             raise ValueError("num_rows must be positive")
-        labels, prob = np.empty(num_rows, np.float32), np.empty(num_rows)
-        with DatasetWriter(out_dir, num_rows) as out:
-            for lo in range(0, num_rows, 16 * BLOCK_ROWS):
-                hi = min(lo + 16 * BLOCK_ROWS, num_rows)
-                dense, sparse, labels[lo:hi], prob[lo:hi] = self.rows(lo, hi)
+        labels, prob = np.empty(num_rows, np.float32), np.empty(num_rows, np.float32)
+        bar = tqdm(
+            total=num_rows,
+            desc="synthetic data",
+            unit="rows",
+            unit_scale=True,
+            disable=not progress or num_rows < PROGRESS_MIN_ROWS,
+        )
+        with bar, DatasetWriter(out_dir, num_rows) as out:
+            for i, block in enumerate(self._blocks(0, -(-num_rows // BLOCK_ROWS))):
+                lo, hi = i * BLOCK_ROWS, min((i + 1) * BLOCK_ROWS, num_rows)
+                dense, sparse, labels[lo:hi], prob[lo:hi] = (a[: hi - lo] for a in block)
                 out.append(dense, sparse, labels[lo:hi])
+                bar.update(hi - lo)
             splits = split_ranges(num_rows)
             meta = {
                 "source_format": "synthetic",
@@ -174,7 +292,7 @@ class SyntheticCriteo:
                 "cardinalities": self.cardinalities,
                 "splits": splits,
                 "generator": self.params,
-                "positive_rate": float(labels.mean()),
+                "positive_rate": float(labels.mean(dtype=np.float64)),
                 "bayes_auc": _auc(labels, prob),
                 "bayes_auc_splits": {
                     name: _auc(labels[a:b], prob[a:b]) for name, (a, b) in splits.items()
@@ -182,6 +300,27 @@ class SyntheticCriteo:
             }
             out.commit(meta)
         return meta
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer (a bijection of uint64 with good avalanche), in place on x."""
+    x ^= x >> np.uint64(30)
+    x *= _MIX1
+    x ^= x >> np.uint64(27)
+    x *= _MIX2
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def _normal_table() -> np.ndarray:
+    """float32 [65536]: the normal quantiles of (f + 0.5) / 65536, rescaled to unit variance."""
+    global _NORMAL_TABLE
+    if _NORMAL_TABLE is None:
+        from scipy.special import ndtri  # scipy comes with scikit-learn
+
+        q = ndtri((np.arange(65536) + 0.5) / 65536)
+        _NORMAL_TABLE = (q / q.std()).astype(np.float32)
+    return _NORMAL_TABLE
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

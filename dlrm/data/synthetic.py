@@ -60,7 +60,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from sklearn.metrics import roc_auc_score
 from tqdm import tqdm
 
 from dlrm.data.batches import Batch, make_batch, num_batches
@@ -180,14 +179,19 @@ class SyntheticCriteo:
     def id_params(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The teacher's per-id bias b [rows, 26] and vector v [rows, 26, teacher_dim]
         (float32) of ids [rows, 26] (int64), from their hash (module docstring)."""
+        values = self._id_values(ids)
+        return values[0] * np.float32(_B_STD), np.moveaxis(values[1:], 0, -1) * np.float32(_V_STD)
+
+    def _id_values(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [1 + teacher_dim, rows, 26]: b / 0.2 and the components of v / 0.17."""
         keys = ids.astype(np.uint64)
-        fields = np.empty((*ids.shape, len(self._salt)), np.uint64)
+        hashes = np.empty((len(self._salt), *ids.shape), np.uint64)
         for k, salt in enumerate(self._salt):
-            fields[..., k] = _splitmix64(keys + salt)
-        values = _normal_table()[fields.view(np.uint16)]  # [rows, 26, 4 * hashes]
-        b = values[..., 0] * np.float32(_B_STD)
-        v = values[..., 1 : 1 + self.teacher_dim] * np.float32(_V_STD)
-        return b, v
+            np.add(keys, salt, out=hashes[k])
+            _splitmix64(hashes[k])
+        fields = hashes.view(np.uint16).reshape(*hashes.shape, 4)  # [hashes, rows, 26, 4]
+        fields = np.moveaxis(fields, -1, 1).reshape(-1, *ids.shape)[: 1 + self.teacher_dim]
+        return _normal_table()[fields]
 
     def rows(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
         """Rows ``[start, stop)``: dense float32 [n, 13], sparse int32 [n, 26], labels float32
@@ -232,10 +236,11 @@ class SyntheticCriteo:
         logit = (present * s) @ self.w
 
         ids = self.ids_of_ranks(self.ranks(rng.random((n, len(self.cardinalities)))))
-        b, v = self.id_params(ids)
-        v_sum = v.sum(axis=1)
-        logit += b.sum(axis=1)
-        logit += 0.5 * ((v_sum * v_sum).sum(axis=1) - (v * v).sum(axis=(1, 2)))  # pairs t < s
+        values = self._id_values(ids)  # unit normals: b / 0.2, v / 0.17
+        v_sum = values[1:] @ np.ones(values.shape[2], np.float32)  # [teacher_dim, n]
+        v_sq = np.einsum("knt,knt->n", values[1:], values[1:])
+        logit += np.float32(_B_STD) * values[0].sum(axis=1)
+        logit += np.float32(0.5 * _V_STD**2) * ((v_sum * v_sum).sum(axis=0) - v_sq)  # t < s
         return dense, ids.astype(np.int32), logit
 
     def batches(
@@ -328,5 +333,22 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def _auc(labels: np.ndarray, scores: np.ndarray) -> float | None:
-    """ROC AUC, or None when only one class is present."""
-    return float(roc_auc_score(labels, scores)) if 0 < labels.sum() < len(labels) else None
+    """ROC AUC (ties count one half, as ``sklearn.metrics.roc_auc_score``) of binary
+    ``labels`` and float32 ``scores``, or None when only one class is present. One sort of
+    int64 keys (the score's order-preserving bits, then the label), several times faster
+    than sklearn's."""
+    positive = np.asarray(labels) > 0.5
+    num_pos = int(positive.sum())
+    num_neg = len(positive) - num_pos
+    if num_pos == 0 or num_neg == 0:
+        return None
+    scores = np.asarray(scores, np.float32) + np.float32(0)  # -0.0 becomes +0.0
+    bits = scores.view(np.int32).astype(np.int64)
+    bits ^= (bits >> 31) & 0x7FFFFFFF  # negative floats: reverse their order
+    key = np.sort((bits << 1) | positive)
+    score, pos = key >> 1, key & 1
+    starts = np.flatnonzero(np.concatenate([[True], score[1:] != score[:-1]]))
+    pos_in = np.add.reduceat(pos, starts)
+    neg_in = np.diff(np.append(starts, len(key))) - pos_in
+    neg_below = np.cumsum(neg_in) - neg_in
+    return float((pos_in * (neg_below + 0.5 * neg_in)).sum() / num_pos / num_neg)

@@ -15,11 +15,21 @@ cache and counts 0 hits. The overall rate is hits / lookups over the tables with
 training. Tables are independent: --jobs N replays (table, configuration) pairs in N processes.
 The replay rate (accesses/s of one configuration, i.e. one single-threaded op call) is printed.
 
+The regime beside the rates: per table and cache size, the mean number of distinct rows a step
+touches (``unique_rows / steps``), that number per slot of the cache (``distinct_per_slot``;
+with W ways, per set it is about W times as much: ``distinct_per_set``, per record), and the
+distinct rows of the whole trace per slot (below 1 the cache never has to evict: only first
+touches miss). The Markdown states, per policy, the threshold of distinct rows per step per
+slot that best separates the (table, size) cells where the most ways lose to direct-mapped from
+those where they do not.
+
     python bench/hit_rate.py                                   # dlrm train's synthetic data
     python bench/hit_rate.py --data runs/data/kaggle --jobs 2  # a preprocessed Criteo directory
     python bench/hit_rate.py --data trace.npy --sizes 5 10 --policies lfu --ways 32
 
-Writes --out/hit_rate.md (also printed), hit_rate.json (every count) and hit_rate.png.
+Writes --out/hit_rate.md (also printed), hit_rate.json (every count, the trace's
+``cardinalities``, ``batch_size``, ``trace_rows`` and ``steps``, the per-table regime) and
+hit_rate.png.
 """
 
 from __future__ import annotations
@@ -179,8 +189,117 @@ def config_label(policy: str, ways: int) -> str:
     return f"{policy.upper()} {'direct' if ways == 1 else f'{ways}-way'}"
 
 
-def render(df: pd.DataFrame, header: str, footnote: str) -> str:
-    """The markdown report: overall hit rate (size x configuration), then per table."""
+def add_regime(df: pd.DataFrame, steps: int) -> pd.DataFrame:
+    """``df`` with the regime of each record: mean distinct rows per step, and that per slot
+    and per set of the record's cache (None without a cache)."""
+    per_step = df.unique_rows / steps
+    return df.assign(
+        distinct_per_step=per_step,
+        distinct_per_slot=(per_step / df.slots.where(df.slots > 0)).astype(object),
+        distinct_per_set=(per_step / df.sets.where(df.sets > 0)).astype(object),
+    ).pipe(lambda d: d.where(d.notna(), None))
+
+
+def regime_table(df: pd.DataFrame, trace_distinct: dict[str, int]) -> pd.DataFrame:
+    """Per table and cache size: slots of the least associative cache in ``df`` (the size's
+    capacity), distinct rows per step and per trace, and their ratios to the slots."""
+    d = df[df.ways == df.ways.min()].drop_duplicates(["table", "size"])
+    return pd.DataFrame(
+        {
+            "table": d.table,
+            "rows": d.rows,
+            "size": d["size"],
+            "slots": d.slots,
+            "distinct_per_step": d.distinct_per_step,
+            "trace_distinct": [trace_distinct[t] for t in d.table],
+        }
+    ).assign(
+        step_per_slot=lambda x: x.distinct_per_step / x.slots.where(x.slots > 0),
+        trace_per_slot=lambda x: x.trace_distinct / x.slots.where(x.slots > 0),
+    )
+
+
+def regime_rule(df: pd.DataFrame, regime: pd.DataFrame) -> list[dict]:
+    """Per policy: does the most associative cache lose to the least associative one (lower
+    hit rate) in a (table, size) cell, and which threshold t of distinct rows per step per
+    slot best separates the cells (loses iff ratio >= t; fewest exceptions, then the smallest
+    t)? Cells where either cache has no slot are left out."""
+    lo, hi = df.ways.min(), df.ways.max()
+    if lo == hi:
+        return []
+    ratio = regime.set_index(["table", "size"]).step_per_slot
+    out = []
+    for policy in dict.fromkeys(df.policy):
+        d = df[(df.policy == policy) & df.ways.isin([lo, hi])]
+        rate = d.assign(rate=d.hits / d.lookups).where(d.slots > 0)
+        rate = rate.dropna(subset=["rate"]).pivot(
+            index=["table", "size"], columns="ways", values="rate"
+        )
+        rate = rate.dropna()
+        if rate.empty:
+            continue
+        x = ratio.reindex(rate.index).to_numpy(float)
+        loses = (rate[hi] < rate[lo]).to_numpy()
+        best = None
+        for t in sorted(set(x)) + [np.inf]:
+            wrong = int(((x >= t) != loses).sum())
+            if best is None or wrong < best[0]:
+                best = (wrong, t)
+        t = best[1]
+        above = x >= t
+        out.append(
+            {
+                "policy": policy,
+                "few_ways": int(lo),
+                "many_ways": int(hi),
+                "cells": len(x),
+                "cells_losing": int(loses.sum()),
+                "threshold_distinct_per_step_per_slot": None if np.isinf(t) else float(t),
+                "cells_at_or_above": int(above.sum()),
+                "losing_at_or_above": int((loses & above).sum()),
+                "cells_below": int((~above).sum()),
+                "losing_below": int((loses & ~above).sum()),
+                "largest_ratio_not_losing": float(x[~loses].max()) if (~loses).any() else None,
+                "smallest_ratio_losing": float(x[loses].min()) if loses.any() else None,
+            }
+        )
+    return out
+
+
+def rule_sentences(rules: list[dict]) -> list[str]:
+    out = []
+    for r in rules:
+        few, many = (config_label(r["policy"], w) for w in (r["few_ways"], r["many_ways"]))
+        if r["threshold_distinct_per_step_per_slot"] is None:
+            out.append(
+                f"* {r['policy'].upper()}: {many} loses to {few} in {r['cells_losing']} of "
+                f"{r['cells']} (table, size) cells; no threshold of distinct rows per step per "
+                f"slot separates them better than 'never'."
+            )
+            continue
+        t = r["threshold_distinct_per_step_per_slot"]
+        out.append(
+            f"* {r['policy'].upper()}: {many} loses to {few} in {r['cells_losing']} of "
+            f"{r['cells']} (table, size) cells: in {r['losing_at_or_above']} of the "
+            f"{r['cells_at_or_above']} cells whose step touches at least {t:.3g} distinct rows "
+            f"per slot (about {t * r['many_ways']:.3g} per {r['many_ways']}-way set), in "
+            f"{r['losing_below']} of the {r['cells_below']} below (largest ratio where it does not "
+            f"lose: {r['largest_ratio_not_losing'] if r['largest_ratio_not_losing'] is not None else float('nan'):.3g}; "
+            f"smallest where it loses: {r['smallest_ratio_losing']:.3g})."
+        )
+    return out
+
+
+def render(
+    df: pd.DataFrame,
+    header: str,
+    footnote: str,
+    regime: pd.DataFrame | None = None,
+    rules: list[dict] | None = None,
+) -> str:
+    """The markdown report: overall hit rate (size x configuration), the regime (distinct
+    rows per step and per trace over the slots, per table and size, and the rule they
+    suggest), then per table."""
     df = df.assign(
         config=[config_label(p, w) for p, w in zip(df.policy, df.ways)],
         size=[f"{s:g}%" for s in df["size"]],
@@ -208,6 +327,49 @@ def render(df: pd.DataFrame, header: str, footnote: str) -> str:
         ),
         "",
     ]
+    ratio = {}
+    if regime is not None:
+        r = regime.assign(size=[f"{s:g}%" for s in regime["size"]])
+        ratio = {(t, s): v for t, s, v in zip(r.table, r["size"], r.step_per_slot)}
+
+        def grid(values, fmt):
+            return (
+                r.assign(cell=[("no cache" if v != v else fmt(v)) for v in values])
+                .pivot(index=["table", "rows"], columns="size", values="cell")
+                .reindex(tables)
+                .reindex(columns=sizes)
+                .rename_axis(None, axis=1)
+            )
+
+        per_step = r.drop_duplicates("table").set_index("table").distinct_per_step
+        trace_rows = r.drop_duplicates("table").set_index("table").trace_distinct
+        step = grid(r.step_per_slot, lambda v: f"{v:.3g}")
+        step.insert(0, "distinct rows / step", [f"{per_step[t]:,.0f}" for t, _ in tables])
+        trace = grid(r.trace_per_slot, lambda v: f"{v:.3g}")
+        trace.insert(0, "distinct rows in the trace", [f"{trace_rows[t]:,}" for t, _ in tables])
+        out += [
+            "## Regime: distinct rows per step per slot",
+            "",
+            "Mean distinct rows one step touches, divided by the cache's slots (the capacity at "
+            "the size; a W-way cache has 1/W as many sets, so per set it sees W times this "
+            "number each step). Above 1 a step touches more distinct rows than the cache "
+            "holds.",
+            "",
+            markdown_table(step),
+            "",
+            "Distinct rows of the whole trace per slot: below 1 the cache never has to evict "
+            "(only a row's first touch misses), so the trace does not test the policy there.",
+            "",
+            markdown_table(trace),
+            "",
+        ]
+        if rules:
+            out += [
+                "Observed rule (these numbers only; a cell is one table at one size):",
+                "",
+                *rule_sentences(rules),
+                "",
+            ]
     for size in sizes:
         d = df[df["size"] == size].assign(rate=lambda x: x.hits / x.lookups)
         cell = d.rate.map(lambda r: f"{r:.2%}").where(d.slots > 0, "no cache")
@@ -216,6 +378,13 @@ def render(df: pd.DataFrame, header: str, footnote: str) -> str:
             .reindex(tables)
             .rename_axis(None, axis=1)
         )
+        if ratio:
+            v = [ratio.get((t, size), float("nan")) for t, _ in tables]
+            table.insert(
+                0,
+                "distinct rows / step / slot",
+                ["no cache" if x != x else f"{x:.3g}" for x in v],
+            )
         out += [f"## Per table, cache {size} of each table", "", markdown_table(table), ""]
     return "\n".join(out + [footnote, ""])
 
@@ -314,6 +483,14 @@ def main(argv=None) -> dict:
     table = [big[i] for i in df.pop("row")]
     df.insert(0, "table", [source.names[t] for t in table])
     df.insert(1, "rows", [source.cardinalities[t] for t in table])
+    steps = len(rows) // args.batch_size
+    df = add_regime(df, steps)
+    trace_distinct = {
+        source.names[t]: int(np.count_nonzero(np.bincount(trace[i], minlength=1)))
+        for i, t in enumerate(big)
+    }
+    regime = regime_table(df, trace_distinct)
+    rules = regime_rule(df, regime)
 
     per_config = df.lookups / df.seconds
     rate = {
@@ -324,16 +501,17 @@ def main(argv=None) -> dict:
         "jobs": args.jobs,
         "all_jobs": float(df.lookups.sum() / wall),
     }
-    steps = len(rows) // args.batch_size
     header = (
-        f"# Cache hit rate\n\n{environment_markdown(env)}\n\nData: {source.description}; {steps:,} steps of {args.batch_size:,} "
-        f"lookups per table, {'shuffled as dlrm train (seed ' + str(args.seed) + ')' if shuffle else 'in file order'}. "
+        f"# Cache hit rate\n\n{environment_markdown(env)}\n\nData: {source.description}; "
+        f"trace of {len(rows):,} rows ({len(rows) * len(big):,} lookups): {steps:,} steps of "
+        f"{args.batch_size:,} lookups per table, "
+        f"{'shuffled as dlrm train (seed ' + str(args.seed) + ')' if shuffle else 'in file order'}. "
         f"A hit is a lookup whose row is cached before its step's update; cache size is % of each "
         f"table's rows; overall = hits / lookups over the {len(big)} tables with a cache in training "
         f"('no cache': capacity rounds to 0 slots, 0 hits)."
     )
     footnote = small_tables_note(source, small, args.min_rows)
-    md = render(df, header, footnote)
+    md = render(df, header, footnote, regime, rules)
     rate_line = (
         f"replay: {rate['per_configuration_median'] / 1e6:.1f} M accesses/s per configuration "
         f"(median over {len(df)} table x configuration replays, slowest "
@@ -348,13 +526,18 @@ def main(argv=None) -> dict:
     result = {
         "environment": env,
         "data": source.description,
+        "cardinalities": list(map(int, source.cardinalities)),
         "batch_size": args.batch_size,
+        "trace_rows": len(rows),
         "steps": steps,
+        "lookups_per_table": len(rows),
         "shuffled": shuffle,
         "seed": args.seed,
         "min_rows": args.min_rows,
         "left_out": [source.names[t] for t in small],
         "rate": rate,
+        "regime": regime.astype(object).where(regime.notna(), None).to_dict(orient="records"),
+        "rule": rules,
         "records": df.to_dict(orient="records"),
     }
     write_text(args.out / "hit_rate.json", json.dumps(result, indent=1))

@@ -77,10 +77,20 @@ def test_replay_counts_what_training_counts(policy, ways, ratio):
 
 
 def test_main_matches_a_dlrm_training_run_and_writes_outputs(tmp_path):
+    # A static loss scale of 1 skips no step (a skipped step changes no cache; the replay
+    # knows of no skipped steps).
     cfg = RunConfig(
-        synthetic_rows=20000, batch_size=256, steps=8, eval_every=0, progress=False, threads=1
+        synthetic_rows=20000,
+        batch_size=256,
+        steps=8,
+        eval_every=0,
+        progress=False,
+        threads=1,
+        loss_scaler="static",
+        static_scale=1.0,
     )
     report = train(cfg, tmp_path / "runs" / "run")
+    assert report["skipped_steps"] == 0
     out = tmp_path / "hit"
     result = hit_rate.main(
         [
@@ -104,8 +114,28 @@ def test_main_matches_a_dlrm_training_run_and_writes_outputs(tmp_path):
         ]
     )
     assert {p.name for p in out.iterdir()} == {"hit_rate.md", "hit_rate.json", "hit_rate.png"}
-    assert "Overall hit rate" in (out / "hit_rate.md").read_text()
-    assert json.loads((out / "hit_rate.json").read_text())["steps"] == 8
+    md = (out / "hit_rate.md").read_text()
+    assert "Overall hit rate" in md and "## Regime: distinct rows per step per slot" in md
+    assert "| distinct rows / step / slot |" in md and "Observed rule" in md
+    saved = json.loads((out / "hit_rate.json").read_text())
+    meta = json.loads((Path(report["data"]["dir"]) / "meta.json").read_text())
+    assert saved["cardinalities"] == list(meta["cardinalities"])
+    assert (saved["batch_size"], saved["steps"], saved["trace_rows"]) == (256, 8, 8 * 256)
+    assert saved["lookups_per_table"] == 8 * 256
+    env = saved["environment"]
+    assert env["command"].startswith("python bench/hit_rate.py --data ")
+    assert {"commit", "dirty", "cpu_model", "cores", "threads", "torch", "date"} <= set(env)
+    for r in saved["records"]:
+        assert r["distinct_per_step"] == pytest.approx(r["unique_rows"] / 8)
+        if r["slots"]:
+            assert r["distinct_per_set"] == pytest.approx(r["unique_rows"] / 8 / r["sets"])
+            assert r["distinct_per_slot"] == pytest.approx(r["unique_rows"] / 8 / r["slots"])
+        else:
+            assert r["distinct_per_set"] is None and r["distinct_per_slot"] is None
+    assert {(r["table"], r["size"]) for r in saved["regime"]} == {
+        (r["table"], r["size"]) for r in saved["records"]
+    }
+    assert [r["policy"] for r in saved["rule"]] == ["lru", "lfu"]
     trained = report["embeddings"]["tables"]
     replayed = {
         r["table"]: r["hits"] / r["lookups"]
@@ -186,3 +216,78 @@ def test_outputs_are_replaced_whole(tmp_path):
     assert path.read_text() == "old" and list(tmp_path.iterdir()) == [path]
     _common.write_text(path, "new")
     assert path.read_text() == "new" and list(tmp_path.iterdir()) == [path]
+
+
+def test_regime_counts_distinct_rows_per_step_and_the_rule(tmp_path):
+    """The regime columns against a direct count on a trace; the rule's threshold on a case
+    built so that the many-way cache loses exactly where a step touches many rows per slot."""
+    rng = np.random.default_rng(0)
+    batch, steps = 64, 12
+    trace = np.stack(
+        [(rng.random(batch * steps) ** 2 * n).astype(np.int64) for n in (4000, 1200)], axis=1
+    )
+    trace[0] = [3999, 1199]  # the largest ids: cardinalities 4000 and 1200
+    path = tmp_path / "trace.npy"
+    np.save(path, trace)
+    result = hit_rate.main(
+        [
+            "--data",
+            str(path),
+            "--batch-size",
+            str(batch),
+            "--sizes",
+            "1",
+            "10",
+            "--policies",
+            "lru",
+            "--ways",
+            "1",
+            "4",
+            "--out",
+            str(tmp_path / "hit"),
+        ]
+    )
+    assert result["cardinalities"] == [4000, 1200]
+    assert (result["trace_rows"], result["steps"]) == (batch * steps, steps)
+    for t, n in enumerate((4000, 1200)):
+        per_step = np.mean([len(np.unique(s)) for s in trace[:, t].reshape(steps, batch)])
+        for size in (1, 10):
+            (reg,) = [r for r in result["regime"] if (r["table"], r["size"]) == (f"t_{t}", size)]
+            slots = int(size / 100 * n)
+            assert reg["slots"] == slots and reg["distinct_per_step"] == pytest.approx(per_step)
+            assert reg["step_per_slot"] == pytest.approx(per_step / slots)
+            assert reg["trace_distinct"] == len(np.unique(trace[:, t]))
+    md = (tmp_path / "hit" / "hit_rate.md").read_text()
+    reg = result["regime"][0]
+    assert f"| {reg['table']} | {reg['rows']} | {reg['step_per_slot']:.3g} |" in md
+
+    rows = []
+    for table, _ratio, direct, many in [
+        ("a", 0.1, 0.5, 0.6),
+        ("b", 0.5, 0.5, 0.55),
+        ("c", 2.0, 0.4, 0.3),
+        ("d", 4.0, 0.3, 0.1),
+    ]:
+        for ways, rate in ((1, direct), (32, many)):
+            rows.append(
+                {
+                    "table": table,
+                    "size": 5,
+                    "policy": "lru",
+                    "ways": ways,
+                    "slots": 100,
+                    "hits": rate * 1000,
+                    "lookups": 1000,
+                }
+            )
+    df = hit_rate.pd.DataFrame(rows)
+    regime = hit_rate.pd.DataFrame(
+        {"table": list("abcd"), "size": 5, "step_per_slot": [0.1, 0.5, 2.0, 4.0]}
+    )
+    (rule,) = hit_rate.regime_rule(df, regime)
+    assert rule["threshold_distinct_per_step_per_slot"] == 2.0
+    assert (rule["cells_losing"], rule["losing_at_or_above"], rule["losing_below"]) == (2, 2, 0)
+    assert (
+        "in 2 of the 2 cells whose step touches at least 2 distinct rows per slot"
+        in (hit_rate.rule_sentences([rule])[0])
+    )

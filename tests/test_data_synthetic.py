@@ -1,11 +1,15 @@
 """Synthetic Criteo-like data (dlrm.data.synthetic)."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+from sklearn.metrics import roc_auc_score
 
-from dlrm.data import batches
+from dlrm.data import batches, synthetic
 from dlrm.data.criteo import KAGGLE_CARDINALITIES
-from dlrm.data.synthetic import BLOCK_ROWS, SyntheticCriteo, scaled_cardinalities
+from dlrm.data.synthetic import BLOCK_ROWS, SyntheticCriteo, _auc, scaled_cardinalities
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +49,101 @@ def test_cardinalities(gen):
     assert set(np.unique(labels)) == {0.0, 1.0} and ((prob > 0) & (prob < 1)).all()
 
 
-def test_skew(gen):
-    ids = gen.rows(0, 100_000)[1][:, 2]  # the table of 10131 ids
-    counts = np.sort(np.bincount(ids, minlength=10131))[::-1]
-    assert counts[:101].sum() / len(ids) > 0.4  # the top 1% of ids get a large share
-    hot = np.argsort(np.bincount(ids))[::-1][:10]
-    assert set(hot) != set(range(10))  # hot ids are permuted, not 0, 1, 2, ...
+def test_threads_do_not_change_the_data(gen):
+    """Blocks generated in parallel come back in order: the same rows with 1 or 3 threads."""
+    one = SyntheticCriteo(seed=3, threads=1).rows(1000, 5 * BLOCK_ROWS + 17)
+    three = SyntheticCriteo(seed=3, threads=3).rows(1000, 5 * BLOCK_ROWS + 17)
+    for a, b in zip(one, three):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_full_scale_ids_in_range():
+    """At Kaggle's full cardinalities (33.8M ids) every id is in [0, n), and each table's
+    rank -> id map is a bijection (checked whole on the tables up to 1M ids)."""
+    gen = SyntheticCriteo(scale=1.0, seed=1)
+    assert gen.cardinalities == list(KAGGLE_CARDINALITIES)
+    sparse = gen.rows(0, 3 * BLOCK_ROWS)[1]
+    assert (sparse >= 0).all() and (sparse < np.array(KAGGLE_CARDINALITIES)).all()
+    assert (sparse.max(axis=0) > np.array(KAGGLE_CARDINALITIES) // 2).sum() >= 20  # spread out
+    for t, n in enumerate(KAGGLE_CARDINALITIES):
+        if n <= 1_000_000:
+            ranks = np.zeros((n, 26), np.int64)
+            ranks[:, t] = np.arange(n)
+            ids = gen.ids_of_ranks(ranks)[:, t]
+            assert np.array_equal(np.sort(ids), np.arange(n)), t
+
+
+def test_skew_matches_the_model(gen):
+    """The share of the accesses taken by each table's hottest 1% of ids (the model's hottest:
+    ranks 0..k-1) is what ``share_of_hottest`` promises, within sampling error; the hot ids
+    are permuted, not 0, 1, 2, ..."""
+    n_rows = 200_000
+    sparse = gen.rows(0, n_rows)[1]
+    checked = 0
+    for t, n in enumerate(gen.cardinalities):
+        k = int(np.ceil(0.01 * n))
+        if n < 100:
+            continue
+        ranks = np.zeros((k, 26), np.int64)
+        ranks[:, t] = np.arange(k)
+        hot = gen.ids_of_ranks(ranks)[:, t]
+        counts = np.bincount(sparse[:, t], minlength=n)
+        share = counts[hot].sum() / n_rows
+        assert share == pytest.approx(gen.share_of_hottest(t, k), abs=0.01), t
+        assert 0.05 < share < 0.95
+        if n > 1000:
+            assert set(np.argsort(counts)[::-1][:10]) != set(range(10))
+        checked += 1
+    assert checked >= 5
+    # The model itself: the calibrated defaults (head, alpha) of a few columns.
+    assert gen.share_of_hottest(8, 1) == pytest.approx(0.8 + 0.2 * (1 - 2**0.38) / (1 - 4**0.38))
+    assert gen.share_of_hottest(2, gen.cardinalities[2]) == pytest.approx(1.0)
+
+
+def test_bayes_auc_at_full_scale():
+    auc = SyntheticCriteo(scale=1.0, seed=2).bayes_auc(100_000)
+    assert 0.75 < auc < 0.88
+
+
+def test_memory_bounded_at_full_scale():
+    """Building the full-scale generator (33.8M ids) and generating 100k rows raises the peak
+    RSS (VmHWM of a fresh process, measured after the imports) by less than 300 MB."""
+    code = """
+import sys
+from dlrm.data.synthetic import SyntheticCriteo
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+before = hwm()
+gen = SyntheticCriteo(scale=1.0, seed=0)
+rows = gen.rows(0, 100_000)
+assert len(rows[2]) == 100_000
+print(hwm() - before)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    grown = int(done.stdout.split()[-1])
+    assert grown < 300 * 2**20, f"peak RSS grew by {grown / 2**20:.0f} MB"
+
+
+def test_auc_matches_sklearn_with_ties():
+    rng = np.random.default_rng(0)
+    for n in (2, 50, 5000):
+        scores = np.round(rng.normal(size=n), 1).astype(np.float32)  # many ties, -0.0 too
+        labels = (rng.random(n) < 1 / (1 + np.exp(-scores))).astype(np.float32)
+        labels[:2] = [0, 1]
+        assert _auc(labels, scores) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+    assert _auc(np.ones(4), np.arange(4, dtype=np.float32)) is None
+
+
+def test_progress_bar(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(synthetic, "PROGRESS_MIN_ROWS", 1000)
+    SyntheticCriteo(seed=5).write(tmp_path / "a", 2000, progress=False)
+    assert "synthetic data" not in capsys.readouterr().err
+    SyntheticCriteo(seed=5).write(tmp_path / "b", 2000)
+    assert "synthetic data" in capsys.readouterr().err
 
 
 def test_learnable(written):

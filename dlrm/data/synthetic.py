@@ -6,8 +6,9 @@ Bayes AUC: the AUC of the teacher's true probabilities on the generated labels) 
 
 The model stores nothing per id: whatever an id needs (its place in the popularity order,
 its teacher parameters) is a function of a hash of (seed, column, id), so memory does not
-grow with the cardinalities (Kaggle's full 33.8M ids, ``scale=1``, take a few MB of tables;
-generating takes about 20 MB per block in flight) and the model is built at once.
+grow with the cardinalities (at ``scale=1``, Kaggle's full 33.8M ids, the model holds a few
+hundred numbers and a 256 KB table; generating takes some 40 MB of temporaries per thread)
+and is built at once.
 
 Generative model (parameters of ``SyntheticCriteo``):
 
@@ -69,10 +70,38 @@ MIN_CARDINALITY = 32
 BLOCK_ROWS = 16384
 PROGRESS_MIN_ROWS = 1_000_000  # write() shows a progress bar from this many rows
 
-# Per column C1..C26: the power-law exponent and the head share (module docstring), fitted to
-# the first 10,000 rows of Kaggle's train.txt by bench/calibrate_synthetic.py --fit.
-KAGGLE_ALPHA = (1.05,) * 26
-KAGGLE_HEAD = (0.0,) * 26
+# Per column C1..C26: (alpha, head) of the power law (module docstring), fitted to the first
+# 10,000 rows of Kaggle's train.txt by `python bench/calibrate_synthetic.py --fit`.
+KAGGLE_SKEW = (
+    (1.94, 0.01),  # C1
+    (1.06, 0.0),  # C2
+    (1.02, 0.05),  # C3
+    (1.08, 0.0),  # C4
+    (2.56, 0.0),  # C5
+    (0.2, 0.42),  # C6
+    (0.72, 0.0),  # C7
+    (1.9, 0.0),  # C8
+    (0.62, 0.8),  # C9
+    (1.02, 0.08),  # C10
+    (0.72, 0.0),  # C11
+    (1.02, 0.06),  # C12
+    (0.78, 0.0),  # C13
+    (1.8, 0.0),  # C14
+    (0.86, 0.0),  # C15
+    (1.02, 0.1),  # C16
+    (1.04, 0.19),  # C17
+    (0.84, 0.0),  # C18
+    (1.7, 0.53),  # C19
+    (1.06, 0.01),  # C20
+    (1.02, 0.1),  # C21
+    (0.2, 0.8),  # C22
+    (1.78, 0.0),  # C23
+    (1.12, 0.11),  # C24
+    (1.88, 0.02),  # C25
+    (1.32, 0.08),  # C26
+)
+KAGGLE_ALPHA = tuple(a for a, _ in KAGGLE_SKEW)
+KAGGLE_HEAD = tuple(h for _, h in KAGGLE_SKEW)
 
 _B_STD, _V_STD = 0.2, 0.17
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -82,6 +111,27 @@ _NORMAL_TABLE: np.ndarray | None = None
 def scaled_cardinalities(scale: float) -> list[int]:
     """The Kaggle cardinalities times ``scale``, small ones kept (module docstring)."""
     return [max(round(k * scale), min(k, MIN_CARDINALITY)) for k in KAGGLE_CARDINALITIES]
+
+
+def _one_minus(alpha: float) -> float:
+    """1 - alpha; alpha = 1 (x = (n + 1) ** u, the limit) is nudged to avoid dividing by 0."""
+    return 1 - alpha if abs(1 - alpha) > 1e-6 else -1e-6
+
+
+def power_law_ranks(
+    u: np.ndarray, n: np.ndarray, alpha: Sequence[float], head: Sequence[float]
+) -> np.ndarray:
+    """int64 popularity ranks in [0, n) from uniforms u in [0, 1), per column (the last axis;
+    ``n``, ``alpha``, ``head`` one value per column): rank 0 with probability ``head``, else
+    ``floor(x) - 1``, x of density proportional to ``x ** -alpha`` on [1, n + 1] (by the
+    inverse CDF, in float64 so that the tails of 10M-id columns stay reachable)."""
+    n = np.asarray(n, np.int64)
+    head = np.asarray(head, np.float64)
+    one_minus = np.array([_one_minus(a) for a in alpha])
+    scale = 1 - (n + 1.0) ** one_minus
+    u = np.maximum((u - head) / (1 - head), 0)
+    x = (1 - u * scale) ** (1 / one_minus)
+    return np.minimum(x.astype(np.int64) - 1, n - 1)
 
 
 def _per_column(value: float | Sequence[float], name: str) -> list[float]:
@@ -123,13 +173,8 @@ class SyntheticCriteo:
         self.seed = seed
         self.teacher_dim = teacher_dim
         self.threads = threads or min(4, os.cpu_count() or 1)
-        n = np.array(self.cardinalities, np.float64)
-        # alpha = 1 is the limit of alpha -> 1 (x = (n + 1) ** u); nudged to avoid dividing by 0.
-        one_minus = np.array([1 - a if abs(1 - a) > 1e-6 else -1e-6 for a in alpha])
-        self._exponent = 1 / one_minus  # x = (1 - u * _scale) ** _exponent
-        self._scale = 1 - (n + 1) ** one_minus
-        self._one_minus = one_minus
         self._head = np.array(head)
+        self._one_minus = np.array([_one_minus(a) for a in alpha])
         hashes = -(-(teacher_dim + 1) // 4)
         mult, offset, salt = [], [], []
         for t, card in enumerate(self.cardinalities):
@@ -168,9 +213,7 @@ class SyntheticCriteo:
 
     def ranks(self, u: np.ndarray) -> np.ndarray:
         """int64 popularity ranks [rows, 26] from uniforms u in [0, 1) [rows, 26]."""
-        u = np.maximum((u - self._head) / (1 - self._head), 0)
-        x = (1 - u * self._scale) ** self._exponent
-        return np.minimum(x.astype(np.int64) - 1, self._n - 1)
+        return power_law_ranks(u, self._n, self.params["alpha"], self.params["head"])
 
     def ids_of_ranks(self, ranks: np.ndarray) -> np.ndarray:
         """The ids (int64) of popularity ranks [rows, 26]: the bijection of the docstring."""

@@ -389,15 +389,24 @@ def render(
     return "\n".join(out + [footnote, ""])
 
 
-def plot(df: pd.DataFrame, path: Path) -> None:
+def plot(df: pd.DataFrame, path: Path, regime: pd.DataFrame | None = None) -> None:
+    """Top: overall hit rate against cache size, a line per associativity, a panel per policy.
+    Bottom (with ``regime`` and more than one associativity): per (table, size) cell, the hit
+    rate of the most ways minus that of the fewest, against the cell's distinct rows per step
+    per slot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     policies = list(dict.fromkeys(df.policy))
+    lo, hi = df.ways.min(), df.ways.max()
+    gain = regime is not None and lo != hi
     fig, axes = plt.subplots(
-        1, len(policies), figsize=(5.5 * len(policies), 4), sharey=True, squeeze=False
+        2 if gain else 1,
+        len(policies),
+        figsize=(5.5 * len(policies), 8 if gain else 4),
+        squeeze=False,
     )
     overall = df.groupby(["policy", "ways", "size"])[["hits", "lookups"]].sum()
     overall = (100 * overall.hits / overall.lookups).rename("rate").reset_index()
@@ -411,6 +420,29 @@ def plot(df: pd.DataFrame, path: Path) -> None:
         )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if gain:
+        ratio = regime.set_index(["table", "size"]).step_per_slot
+        sizes = list(dict.fromkeys(df["size"]))
+        for ax, policy in zip(axes[1], policies):
+            d = df[(df.policy == policy) & df.ways.isin([lo, hi]) & (df.slots > 0)]
+            rate = d.assign(rate=100 * d.hits / d.lookups).pivot(
+                index=["table", "size"], columns="ways", values="rate"
+            )
+            rate = rate.dropna().assign(x=lambda r: ratio.reindex(r.index).to_numpy())
+            for k, size in enumerate(sizes):
+                r = rate[rate.index.get_level_values("size") == size]
+                ax.scatter(r.x, r[hi] - r[lo], s=18, color=f"C{k}", label=f"{size:g}% cache")
+            ax.axhline(0, color="k", lw=0.8)
+            ax.axvline(1, color="k", lw=0.8, ls=":")
+            ax.set_xscale("log")
+            ax.set(
+                title=f"{policy.upper()}: {config_label(policy, hi)} minus "
+                f"{config_label(policy, lo)}, per table and size",
+                xlabel="distinct rows per step / cache slots",
+                ylabel="hit rate difference (points)",
+            )
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     save_figure(fig, path)
 
 
@@ -541,7 +573,7 @@ def main(argv=None) -> dict:
         "records": df.to_dict(orient="records"),
     }
     write_text(args.out / "hit_rate.json", json.dumps(result, indent=1))
-    plot(df, args.out / "hit_rate.png")
+    plot(df, args.out / "hit_rate.png", regime)
     print(f"wrote {args.out}/hit_rate.md, hit_rate.json, hit_rate.png")
     return result
 

@@ -41,8 +41,9 @@ class RunConfig:
     overrides them per table (``{"t_2": {"precision": "int4"}}``)."""
 
     data: str = "synthetic"  # a preprocessed directory, or "synthetic"
-    synthetic_rows: int = 700_000
-    synthetic_scale: float = 0.001
+    # full Kaggle cardinalities, and rows enough for a 5% LFU cache to warm
+    synthetic_rows: int = 4_000_000
+    synthetic_scale: float = 1.0
     preset: str = "kaggle"
     embeddings: str = "embcache"  # or "torchrec" (FP32 baseline)
     precision: str = "int8"
@@ -68,7 +69,7 @@ class RunConfig:
     seed: int = 0
     # bookkeeping: may differ between a run and its resumption
     threads: int | None = None
-    checkpoint_every: int = 100
+    checkpoint_every: int = 500
     # stop (as if interrupted) after this many steps of this invocation
     stop_after: int | None = None
     # a run that skips this many steps in a row has diverged (more than the backoff scaler
@@ -210,7 +211,9 @@ def resolve_data(cfg: RunConfig, root: Path) -> Path:
         / f"synthetic-scale{cfg.synthetic_scale}-rows{cfg.synthetic_rows}-seed{cfg.seed}"
     )
     if not (path / "meta.json").exists():
-        SyntheticCriteo(scale=cfg.synthetic_scale, seed=cfg.seed).write(path, cfg.synthetic_rows)
+        SyntheticCriteo(scale=cfg.synthetic_scale, seed=cfg.seed).write(
+            path, cfg.synthetic_rows, progress=cfg.progress
+        )
     return path
 
 

@@ -9,7 +9,17 @@ import pytest
 
 from dlrm.cli import main
 
-SMALL = ["--synthetic-rows", "30000", "--batch-size", "256", "--no-progress", "--threads", "1"]
+SMALL = [
+    "--synthetic-scale",
+    "0.001",
+    "--synthetic-rows",
+    "30000",
+    "--batch-size",
+    "256",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def _strict_json(path):

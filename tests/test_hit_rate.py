@@ -80,6 +80,7 @@ def test_main_matches_a_dlrm_training_run_and_writes_outputs(tmp_path):
     # A static loss scale of 1 skips no step (a skipped step changes no cache; the replay
     # knows of no skipped steps).
     cfg = RunConfig(
+        synthetic_scale=0.001,
         synthetic_rows=20000,
         batch_size=256,
         steps=8,

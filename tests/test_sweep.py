@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import sweep  # noqa: E402
 
 TINY = [
+    "--synthetic-scale",
+    "0.001",
     "--synthetic-rows",
     "20000",
     "--batch-size",
@@ -55,7 +57,9 @@ def test_tiny_sweep_resumes_without_redoing_runs(tmp_path, capsys):
     assert len(pd.read_csv(out / "runs.csv")) == 3
     settings = json.loads((out / "sweep.json").read_text())
     assert settings["settings"]["steps"] == 5 and settings["environment"]["threads"] == 1
-    assert settings["environment"]["command"].startswith("python bench/sweep.py --synthetic-rows")
+    assert settings["environment"]["command"].startswith(
+        "python bench/sweep.py --synthetic-scale 0.001"
+    )
     assert all(r["commit"] == settings["environment"]["commit"] for r in rows)
     assert md.startswith("# Accuracy and memory sweep\n\nCommand: `python bench/sweep.py ")
 

@@ -10,6 +10,8 @@ import torch
 from dlrm.cli import main
 
 SMALL = [
+    "--synthetic-scale",
+    "0.001",
     "--synthetic-rows",
     "30000",
     "--batch-size",

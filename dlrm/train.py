@@ -42,7 +42,7 @@ class RunConfig:
 
     data: str = "synthetic"  # a preprocessed directory, or "synthetic"
     # full Kaggle cardinalities, and rows enough for a 5% LFU cache to warm
-    synthetic_rows: int = 4_000_000
+    synthetic_rows: int = 12_000_000
     synthetic_scale: float = 1.0
     preset: str = "kaggle"
     embeddings: str = "embcache"  # or "torchrec" (FP32 baseline)

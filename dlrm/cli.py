@@ -19,6 +19,7 @@ from pathlib import Path
 # torch.fx warns at import time about an API change that concerns neither us nor the user.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
+from dlrm.mixed_precision import OPTIMIZERS, SCALERS  # noqa: E402
 from dlrm.train import RunConfig, RunError  # noqa: E402
 
 _DEFAULTS = RunConfig()
@@ -121,11 +122,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--preset", choices=["kaggle", "paper"], default=d.preset)
     g.add_argument("--dense-precision", choices=["fp32", "fp16"], default=d.dense_precision)
-    g.add_argument("--loss-scaler", choices=["static", "backoff", "logmax"], default=d.loss_scaler)
+    g.add_argument("--loss-scaler", choices=SCALERS, default=d.loss_scaler)
     g.add_argument("--static-scale", type=float, default=d.static_scale)
     g.add_argument(
         "--optimizer",
-        choices=["sgd", "adam", "adagrad"],
+        choices=OPTIMIZERS,
         default=d.optimizer,
         help="dense optimizer",
     )

@@ -338,6 +338,7 @@ class LogMaxScaler(LossScaler):
 
 
 _SCALERS = {"static": StaticScaler, "backoff": BackoffScaler, "logmax": LogMaxScaler}
+SCALERS = tuple(_SCALERS)
 
 
 def make_scaler(kind: str, **kwargs) -> LossScaler:
@@ -353,6 +354,7 @@ def make_scaler(kind: str, **kwargs) -> LossScaler:
 
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}
+OPTIMIZERS = tuple(_OPTIMIZERS)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,13 @@ from dlrm import metrics
 from dlrm.data import batches as data_batches
 from dlrm.data.criteo import DataError
 from dlrm.data.synthetic import SyntheticCriteo
-from dlrm.mixed_precision import MixedPrecisionTrainer, StepRefusedError, make_scaler
+from dlrm.mixed_precision import (
+    OPTIMIZERS,
+    SCALERS,
+    MixedPrecisionTrainer,
+    StepRefusedError,
+    make_scaler,
+)
 from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
 from embcache.config import TableConfig
 
@@ -160,8 +166,8 @@ _CHOICES = {
     "preset": tuple(PRESETS),
     "embeddings": ("embcache", "torchrec"),
     "dense_precision": ("fp32", "fp16"),
-    "loss_scaler": ("static", "backoff", "logmax"),
-    "optimizer": ("sgd", "adam", "adagrad"),
+    "loss_scaler": SCALERS,
+    "optimizer": OPTIMIZERS,
 }
 # what --table may set for one table (the rest is fixed by the run or the collection)
 _TABLE_OPTIONS = {

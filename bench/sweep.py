@@ -103,7 +103,9 @@ def grid(precisions, roundings, caches, policies, ways, seeds) -> list[Run]:
     return list(dict.fromkeys(runs))
 
 
-def run_config(run: Run, base: dict, threads: int | None) -> RunConfig:
+def run_config(
+    run: Run, base: dict, threads: int | None, checkpoint_every: int = RunConfig.checkpoint_every
+) -> RunConfig:
     return RunConfig(
         **base,
         precision=run.precision,
@@ -115,15 +117,20 @@ def run_config(run: Run, base: dict, threads: int | None) -> RunConfig:
         eval_every=0,
         progress=False,
         threads=threads,
+        checkpoint_every=checkpoint_every,
     )
 
 
-def execute(run: Run, base: dict, run_dir: Path, threads: int | None) -> dict:
-    """Train (or finish) one run; its result row."""
+def execute(
+    run: Run, base: dict, run_dir: Path, threads: int | None, checkpoint_every: int
+) -> dict:
+    """Train (or finish) one run; its result row. The finished run's checkpoint is deleted
+    (at full cardinality it is 1-2.5 GB; the row and run_dir/report.json are the record)."""
     start = time.perf_counter()
-    report = train(
-        run_config(run, base, threads), run_dir, resume=(run_dir / "checkpoint.pt").exists()
-    )
+    checkpoint = run_dir / "checkpoint.pt"
+    cfg = run_config(run, base, threads, checkpoint_every)
+    report = train(cfg, run_dir, resume=checkpoint.exists())
+    checkpoint.unlink()
     emb = report["embeddings"]
     cached = (
         [t["hit_rate"] for t in emb["tables"].values() if t["precision"] != "fp32"]
@@ -143,17 +150,20 @@ def execute(run: Run, base: dict, run_dir: Path, threads: int | None) -> dict:
     }
 
 
-def run_all(todo: list[Run], base: dict, runs_dir: Path, jobs: int):
+def run_all(todo: list[Run], base: dict, runs_dir: Path, jobs: int, checkpoint_every: int):
     """Yields (run, row or None, error or None) as runs finish."""
     if jobs == 1:
         for run in todo:
             try:
-                yield run, execute(run, base, runs_dir / run.name, None), None
+                yield run, execute(run, base, runs_dir / run.name, None, checkpoint_every), None
             except Exception as e:  # one failed run must not stop the sweep
                 yield run, None, e
         return
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(execute, run, base, runs_dir / run.name, 1): run for run in todo}
+        futures = {
+            pool.submit(execute, run, base, runs_dir / run.name, 1, checkpoint_every): run
+            for run in todo
+        }
         for f in as_completed(futures):
             yield futures[f], (None if f.exception() else f.result()), f.exception()
 
@@ -491,6 +501,12 @@ def main(argv=None) -> int:
     g.add_argument("--batch-size", type=int, default=d.batch_size)
     g.add_argument("--preset", choices=["kaggle", "paper"], default=d.preset)
     p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=RunConfig.checkpoint_every,
+        help="steps between a run's checkpoints (an interrupted run resumes from its last)",
+    )
+    p.add_argument(
         "--jobs", type=int, default=1, help="runs trained at once, one process (1 thread) each"
     )
     p.add_argument(
@@ -538,7 +554,10 @@ def main(argv=None) -> int:
     failed = []
     with open(args.out / "runs.jsonl", "a") as log:
         for run, row, error in tqdm(
-            run_all(todo, base, args.runs, args.jobs), total=len(todo), desc="sweep", unit="run"
+            run_all(todo, base, args.runs, args.jobs, args.checkpoint_every),
+            total=len(todo),
+            desc="sweep",
+            unit="run",
         ):
             if error is not None:
                 failed.append(run.name)

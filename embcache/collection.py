@@ -44,8 +44,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
     ``defaults`` are table options (precision, rounding, cache_ratio, associativity, policy,
     optimizer, lr, qparams, seed, min_rows_for_low_precision, ...); ``per_table`` maps a table
-    name to options that override them. Table ``i`` gets ``table_id=i``, so tables sharing a
-    seed draw independent rounding streams. Tables below ``min_rows_for_low_precision`` rows
+    name to options that override them. Table ``i`` gets ``table_id=i`` unless its options
+    name one, so tables sharing a seed draw independent rounding streams. Tables below ``min_rows_for_low_precision`` rows
     (default 1000) stay FP32 without cache.
 
     The update is sparse and fused: after ``loss.backward()`` call :meth:`step` (or
@@ -85,13 +85,12 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 if f in seen:
                     raise ValueError(f"table '{t.name}': feature '{f}' is used by two tables")
                 seen.add(f)
-            options = {**defaults, **per_table.get(t.name, {})}
+            options = {"table_id": i, **defaults, **per_table.get(t.name, {})}
             self.embedding_bags[t.name] = CachedLowPrecisionEmbedding(
                 t.num_embeddings,
                 t.embedding_dim,
                 mode=_MODES[t.pooling],
                 name=t.name,
-                table_id=i,
                 include_last_offset=True,
                 **options,
             )

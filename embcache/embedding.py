@@ -474,6 +474,49 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self._counters[_COUNTER["flushed"]] += n
         return n
 
+    def copy_rows_from(self, source: CachedLowPrecisionEmbedding, start: int) -> None:
+        """Make this table rows ``[start, start + num_embeddings)`` of ``source``, as a
+        row-wise shard of it: their stored bytes, optimizer state and (LFU) counts, and
+        ``source``'s update count. This table's cache is emptied; ``source`` must have an empty
+        cache (call its :meth:`flush` first) and the same row format, optimizer and policy.
+        Raises ``ValueError`` naming both tables, having changed nothing, otherwise."""
+        mine, theirs = self.config, source.config
+        rows = mine.num_embeddings
+        why = None
+        if not 0 <= start <= theirs.num_embeddings - rows:
+            why = f"rows [{start}, {start + rows}) are not all in its {theirs.num_embeddings}"
+        elif (mine.row_bytes, mine.bits, mine.embedding_dim, mine.qparams) != (
+            theirs.row_bytes,
+            theirs.bits,
+            theirs.embedding_dim,
+            theirs.qparams,
+        ):
+            why = "its rows are stored in another format"
+        elif mine.optimizer_state_width != theirs.optimizer_state_width:
+            why = "its optimizer state has another width"
+        elif self._lfu != source._lfu:
+            why = "one of the two keeps LFU counts and the other does not"
+        elif bool((source.cache_tags >= 0).any()):
+            why = "it has cached rows (flush it first)"
+        if why is not None:
+            raise ValueError(
+                f"table '{mine.name}': cannot copy rows from table '{theirs.name}': {why}"
+            )
+        stop = start + rows
+        width = mine.optimizer_state_width
+        with torch.no_grad():
+            self.weights.copy_(source.weights[start:stop])
+            self.optimizer_state.copy_(source.optimizer_state[start * width : stop * width])
+            if self._lfu:
+                self.counts.copy_(source.counts[start:stop])
+            self.cache_tags.fill_(-1)
+            self.cache_rows.zero_()
+            self.cache_priority.zero_()
+            self.cache_set_floor.fill_(_NO_FLOOR)
+        self._counters[_COUNTER["steps"]] = source.step_count
+        self._pending.clear()
+        self._bump_cache_version()
+
     # ------------------------------------------------------------------ inspection
 
     def current_weight(self) -> torch.Tensor:

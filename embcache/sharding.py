@@ -1,0 +1,366 @@
+"""TorchRec model parallelism for :class:`CachedLowPrecisionEmbeddingBagCollection`.
+
+:class:`CachedEmbeddingBagCollectionSharder` lets ``DistributedModelParallel`` shard our
+collection as it shards its own ``EmbeddingBagCollection``: TorchRec's planner places the
+tables, TorchRec's table-wise and row-wise shardings move the data (a ``KeyedJaggedTensor``
+all-to-all in; a pooled-embedding all-to-all, or reduce-scatter for row-wise, out), and our
+kernels do the local lookup and the fused update. Each rank holds its shards as an ordinary
+:class:`CachedLowPrecisionEmbeddingBagCollection`, so every single-process contract (formats,
+rounding, cache rule, all-or-nothing update) holds per shard.
+
+Example (two processes; see ``tests/test_sharding.py``)::
+
+    sharder = CachedEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(
+        ebc, {"t_0": table_wise(rank=0), "t_1": row_wise()}, sharder=sharder,
+        local_size=2, world_size=2, device_type="cpu")
+    model = DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}), sharders=[sharder])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_sharding import (
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+    KJTListSplitsAwaitable,
+)
+from torchrec.distributed.embedding_types import (
+    BaseEmbeddingSharder,
+    EmbeddingComputeKernel,
+    KJTList,
+    ShardedEmbeddingModule,
+)
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionAwaitable,
+    EmbeddingBagCollectionContext,
+)
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.types import (
+    Awaitable,
+    EmbeddingModuleShardingPlan,
+    LazyAwaitable,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingTableConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+from embcache.embedding import CachedLowPrecisionEmbedding
+
+KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+_SHARDINGS = {
+    ShardingType.TABLE_WISE.value: TwPooledEmbeddingSharding,
+    ShardingType.ROW_WISE.value: RwPooledEmbeddingSharding,
+}
+
+
+class CachedEmbeddingBagCollectionSharder(
+    BaseEmbeddingSharder[CachedLowPrecisionEmbeddingBagCollection]
+):
+    """The ``ModuleSharder`` of :class:`CachedLowPrecisionEmbeddingBagCollection`: table-wise
+    and row-wise sharding, compute kernel ``customized_kernel`` (ours).
+
+    ``shardable_parameters`` gives the planner one meta tensor ``[rows, dim]`` per table, the
+    shape it divides into shards (the tables have no FP32 weight to show it)."""
+
+    def shard(
+        self,
+        module: CachedLowPrecisionEmbeddingBagCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedCachedEmbeddingBagCollection:
+        return ShardedCachedEmbeddingBagCollection(module, params, env, device)
+
+    def shardable_parameters(
+        self, module: CachedLowPrecisionEmbeddingBagCollection
+    ) -> dict[str, torch.Tensor]:
+        return {
+            c.name: torch.empty(c.num_embeddings, c.embedding_dim, device="meta")
+            for c in module.embedding_bag_configs()
+        }
+
+    @property
+    def module_type(self) -> type[CachedLowPrecisionEmbeddingBagCollection]:
+        return CachedLowPrecisionEmbeddingBagCollection
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return list(_SHARDINGS)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [KERNEL]
+
+
+class ShardedCachedEmbeddingBagCollection(
+    ShardedEmbeddingModule[KJTList, list[torch.Tensor], KeyedTensor, EmbeddingBagCollectionContext]
+):
+    """This rank's part of a sharded :class:`CachedLowPrecisionEmbeddingBagCollection`.
+
+    Invariants:
+
+    * A table sharded table-wise lives whole on one rank, with the state it had in the
+      unsharded collection (rows, cache, counts, optimizer state, update count): its lookups
+      and updates are those of the unsharded table on the same global batches.
+    * A table sharded row-wise becomes one table per rank holding the rows TorchRec's
+      row-wise sharding gives that rank (a contiguous block), with the unsharded rows,
+      optimizer state and counts, and its own cache of ``cache_ratio`` times its rows (the
+      unsharded table is flushed first). Stochastic rounding is keyed by the shard's row
+      index, so a shard's rounding draws differ from the unsharded table's.
+    * Input and output follow the unsharded collection: a ``KeyedJaggedTensor`` of this
+      rank's batch in, a ``KeyedTensor`` of its pooled embeddings in the unsharded feature
+      order out.
+    * It is a :class:`dlrm.mixed_precision.MixedPrecisionEmbedding` over this rank's shards:
+      ``has_nonfinite_grad``, ``unscale_grad_``, ``step`` and ``zero_grad`` act on local
+      shards only (the trainer makes the decision common to all ranks). Each shard's
+      gradient is that of the mean over the global batch when each rank's loss is the mean
+      over its own samples (as DDP expects of the dense part): TorchRec's output
+      communication divides the gradient by the world size on the way back
+      (``torchrec.distributed.comm_ops.set_gradient_division``, on by default).
+    """
+
+    def __init__(
+        self,
+        module: CachedLowPrecisionEmbeddingBagCollection,
+        table_name_to_parameter_sharding: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self._env = env
+        configs = module.embedding_bag_configs()
+        infos: dict[str, list[EmbeddingShardingInfo]] = {}
+        for config in configs:
+            ps = table_name_to_parameter_sharding.get(config.name)
+            if ps is None:
+                raise ValueError(f"table '{config.name}': the sharding plan does not place it")
+            if ps.sharding_type not in _SHARDINGS:
+                raise ValueError(
+                    f"table '{config.name}': sharding type {ps.sharding_type} is not supported "
+                    f"(choose from {', '.join(_SHARDINGS)})"
+                )
+            if ps.compute_kernel != KERNEL:
+                raise ValueError(
+                    f"table '{config.name}': compute kernel {ps.compute_kernel} is not ours "
+                    f"(use {KERNEL})"
+                )
+            if (
+                ps.sharding_type == ShardingType.ROW_WISE.value
+                and config.pooling != PoolingType.SUM
+            ):
+                raise ValueError(
+                    f"table '{config.name}': row-wise sharding needs sum pooling "
+                    f"(a mean over shards' partial bags is not their sum's mean)"
+                )
+            infos.setdefault(ps.sharding_type, []).append(_sharding_info(config, ps))
+        self._sharding_types = list(infos)
+        shardings = [_SHARDINGS[t](infos[t], env, device) for t in self._sharding_types]
+        # this rank's shards of every sharding, in one collection: one lookup, one update
+        self._local, self._local_dims, self._starts = _local_shards(shardings, module, env.rank)
+        self._input_dists = nn.ModuleList([s.create_input_dist() for s in shardings])
+        self._output_dists = nn.ModuleList([s.create_output_dist(device) for s in shardings])
+        self._sharding_features = [s.feature_names() for s in shardings]
+        self._embedding_names = [n for s in shardings for n in s.embedding_names()]
+        self._embedding_dims = [d for s in shardings for d in s.embedding_dims()]
+        self._feature_order: list[int] | None = None  # input key order -> sharding order
+        # the unsharded output order, and the columns that bring the shardings' output to it
+        self._output_names = [f for c in configs for f in c.feature_names]
+        self._output_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        starts, at = {}, 0
+        for name, dim in zip(self._embedding_names, self._embedding_dims):
+            starts[name] = at
+            at += dim
+        columns = [
+            i
+            for name, dim in zip(self._output_names, self._output_dims)
+            for i in range(starts[name], starts[name] + dim)
+        ]
+        self._output_columns = (
+            None if columns == list(range(at)) else torch.tensor(columns, dtype=torch.int64)
+        )
+
+    # ------------------------------------------------------------------ ShardedModule
+
+    def create_context(self) -> EmbeddingBagCollectionContext:
+        return EmbeddingBagCollectionContext()
+
+    def input_dist(
+        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KJTList]]:
+        wanted = [f for names in self._sharding_features for f in names]
+        if self._feature_order is None:
+            missing = [f for f in wanted if f not in features.keys()]
+            if missing:
+                raise ValueError(f"features {missing} are missing from the input")
+            self._feature_order = [features.keys().index(f) for f in wanted]
+        with torch.no_grad():
+            if features.keys() != wanted:
+                features = features.permute(self._feature_order)
+            parts = features.split([len(names) for names in self._sharding_features])
+            awaitables = []
+            for input_dist, part in zip(self._input_dists, parts):
+                awaitables.append(input_dist(part))
+                ctx.sharding_contexts.append(
+                    EmbeddingShardingContext(batch_size_per_feature_pre_a2a=part.stride_per_key())
+                )
+        return KJTListSplitsAwaitable(awaitables, ctx)
+
+    def compute(
+        self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList
+    ) -> list[torch.Tensor]:
+        """The pooled embeddings of each sharding's features on this rank's shards, one
+        collection forward for all of them."""
+        batch = dist_input[0].stride()
+        if self._local is None:
+            return [torch.zeros(batch, 0) for _ in self._local_dims]
+        present = [kjt for kjt, dim in zip(dist_input, self._local_dims) if dim]
+        features = present[0] if len(present) == 1 else KeyedJaggedTensor.concat(present)
+        pooled = self._local(features).values()
+        return [part.contiguous() for part in pooled.split(self._local_dims, dim=1)]
+
+    def output_dist(
+        self, ctx: EmbeddingBagCollectionContext, output: list[torch.Tensor]
+    ) -> LazyAwaitable[KeyedTensor]:
+        awaitable = EmbeddingBagCollectionAwaitable(
+            awaitables=[
+                dist_(emb, sctx)
+                for dist_, sctx, emb in zip(self._output_dists, ctx.sharding_contexts, output)
+            ],
+            embedding_dims=self._embedding_dims,
+            embedding_names=self._embedding_names,
+        )
+        awaitable.callbacks.append(self._unsharded_order)
+        return awaitable
+
+    def _unsharded_order(self, kt: KeyedTensor) -> KeyedTensor:
+        values = kt.values()
+        if self._output_columns is not None:
+            values = values.index_select(1, self._output_columns)
+        return KeyedTensor(keys=self._output_names, length_per_key=self._output_dims, values=values)
+
+    # ------------------------------------------------------------------ local shards
+
+    @property
+    def local_collection(self) -> CachedLowPrecisionEmbeddingBagCollection | None:
+        """The collection of this rank's shards (None if the plan gives the rank none)."""
+        return self._local
+
+    def local_tables(self) -> dict[str, CachedLowPrecisionEmbedding]:
+        """This rank's shards, by table name for a table-wise shard and
+        ``"<table>@<first row>"`` for a row-wise one."""
+        if self._local is None:
+            return {}
+        return {
+            (name if self._starts[name] is None else f"{name}@{self._starts[name]}"): t
+            for name, t in self._local.embedding_bags.items()
+        }
+
+    # the MixedPrecisionEmbedding protocol, over this rank's shards
+
+    def has_nonfinite_grad(self) -> bool:
+        return self._local is not None and self._local.has_nonfinite_grad()
+
+    def pending_grads(self) -> list[torch.Tensor]:
+        return [] if self._local is None else self._local.pending_grads()
+
+    def unscale_grad_(self, inv_scale: float) -> None:
+        if self._local is not None:
+            self._local.unscale_grad_(inv_scale)
+
+    def step(self) -> None:
+        if self._local is not None:
+            self._local.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._local is not None:
+            self._local.zero_grad()
+
+    def flush(self) -> int:
+        return 0 if self._local is None else self._local.flush()
+
+    def memory_bytes(self) -> dict[str, dict]:
+        return {name: t.memory_bytes() for name, t in self.local_tables().items()}
+
+    def stats(self) -> dict[str, dict]:
+        return {name: t.stats() for name, t in self.local_tables().items()}
+
+    @property
+    def unsharded_module_type(self) -> type[CachedLowPrecisionEmbeddingBagCollection]:
+        return CachedLowPrecisionEmbeddingBagCollection
+
+
+def _local_shards(
+    shardings: list, module: CachedLowPrecisionEmbeddingBagCollection, rank: int
+) -> tuple[CachedLowPrecisionEmbeddingBagCollection | None, list[int], dict[str, int | None]]:
+    """This rank's shards of ``shardings`` (as TorchRec's own ``create_lookup`` groups them)
+    in one collection, with the unsharded tables' state; the width of each sharding's pooled
+    output here; each shard's first row (None: table-wise)."""
+    configs, options, dims, starts, sources = [], {}, [], {}, []
+    full = dict(module.embedding_bags.items())
+    for sharding in shardings:
+        row_wise = isinstance(sharding, RwPooledEmbeddingSharding)
+        shards = [t for g in sharding._grouped_embedding_configs for t in g.embedding_tables]
+        dims.append(sum(t.local_cols * len(t.feature_names) for t in shards))
+        for t in shards:
+            if t.local_rows == 0:
+                raise ValueError(f"table '{t.name}': row-wise sharding leaves rank {rank} no rows")
+            cfg = full[t.name].config
+            opts = {
+                k: v
+                for k, v in cfg.to_dict().items()
+                if k not in ("num_embeddings", "embedding_dim", "name", "mode")
+            }
+            if row_wise:  # a shard keeps its table's format, whatever its own size
+                opts.update(
+                    precision=cfg.stored_precision,
+                    cache_ratio=cfg.cache_ratio if cfg.low_precision else 0.0,
+                    min_rows_for_low_precision=0,
+                )
+            options[t.name] = opts
+            starts[t.name] = t.local_metadata.shard_offsets[0] if row_wise else None
+            sources.append(full[t.name])
+            configs.append(
+                EmbeddingBagConfig(
+                    name=t.name,
+                    num_embeddings=t.local_rows,
+                    embedding_dim=t.local_cols,
+                    feature_names=list(t.feature_names),
+                    pooling=t.pooling,
+                )
+            )
+    if not configs:
+        return None, dims, starts
+    local = CachedLowPrecisionEmbeddingBagCollection(configs, per_table=options)
+    for source, shard in zip(sources, local.tables()):
+        start = starts[shard.config.name]
+        if start is None:
+            shard.load_state_dict(source.state_dict())
+        else:
+            source.flush()
+            shard.copy_rows_from(source, start)
+    return local, dims, starts
+
+
+def _sharding_info(config: EmbeddingBagConfig, ps) -> EmbeddingShardingInfo:
+    return EmbeddingShardingInfo(
+        embedding_config=EmbeddingTableConfig(
+            num_embeddings=config.num_embeddings,
+            embedding_dim=config.embedding_dim,
+            name=config.name,
+            data_type=config.data_type,
+            feature_names=list(config.feature_names),
+            pooling=config.pooling,
+            is_weighted=False,
+            has_feature_processor=False,
+            embedding_names=list(config.feature_names),
+        ),
+        param_sharding=ps,
+        param=torch.empty(config.num_embeddings, config.embedding_dim, device="meta"),
+        fused_params={},
+    )

@@ -1,0 +1,41 @@
+"""Run a test body in several processes joined by a gloo process group (CPU)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# A collective waiting on a dead or stuck rank raises after this long instead of hanging.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, body, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(body, world_size: int = 2, *args) -> None:
+    """Call ``body(rank, world_size, *args)`` in ``world_size`` spawned processes with the
+    default process group initialised; an exception in any rank fails the caller (with that
+    rank's traceback) and ends the others. ``body`` must be a module-level function."""
+    mp.spawn(_entry, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)

@@ -1,0 +1,220 @@
+"""Sharding our collection with TorchRec's DistributedModelParallel (2 processes, gloo, CPU).
+
+The oracle is the unsharded collection trained in one process on the same global batches,
+with the loss a fixed linear function of the pooled embeddings, so that each pooled
+gradient is exact and independent of how the ranks split the batch: each rank's loss is
+the mean over its own samples (as DDP expects), TorchRec's output communication divides the
+gradient by the world size on the way back (2: exact), and so the tables must end
+byte-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embcache import CachedLowPrecisionEmbeddingBagCollection
+from embcache.sharding import (
+    KERNEL,
+    CachedEmbeddingBagCollectionSharder,
+    ShardedCachedEmbeddingBagCollection,
+)
+from tests._distributed import run_ranks
+
+ROWS = [3000, 2000, 4001, 50]  # t_3 is below min_rows_for_low_precision: FP32, no cache
+DIM = 8
+BATCH = 32  # per rank
+STEPS = 6
+OPTIONS = dict(
+    precision="int8",
+    rounding="stochastic",
+    cache_ratio=0.05,
+    associativity=4,
+    policy="lfu",
+    optimizer="rowwise_adagrad",
+    lr=0.05,
+    seed=7,
+)
+# The row-wise table has no cache and rounds to nearest: its shards then hold exactly the
+# unsharded rows (a shard's own cache, and its rounding stream keyed by shard row, differ).
+PER_TABLE = {"t_2": dict(rounding="nearest", cache_ratio=0.0)}
+PLACEMENT = {
+    "t_0": table_wise(rank=0, compute_kernel=KERNEL),
+    "t_1": table_wise(rank=1, compute_kernel=KERNEL),
+    "t_2": row_wise(compute_kernel=KERNEL),
+    "t_3": table_wise(rank=0, compute_kernel=KERNEL),
+}
+
+
+def _collection() -> CachedLowPrecisionEmbeddingBagCollection:
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{i}", num_embeddings=n, embedding_dim=DIM, feature_names=[f"f_{i}"]
+        )
+        for i, n in enumerate(ROWS)
+    ]
+    return CachedLowPrecisionEmbeddingBagCollection(tables, per_table=PER_TABLE, **OPTIONS)
+
+
+def _global_batch(step: int, world_size: int):
+    """Per feature: lengths ``[samples]`` and ids, skewed so that the caches see hits."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    samples = BATCH * world_size
+    lengths = torch.randint(0, 4, (len(ROWS), samples), generator=gen)
+    ids = [
+        (torch.rand(int(lengths[f].sum()), generator=gen) ** 3 * n).long()
+        for f, n in enumerate(ROWS)
+    ]
+    weights = torch.randn(samples, DIM * len(ROWS), generator=gen)
+    return lengths, ids, weights
+
+
+def _kjt(lengths, ids, first: int, last: int) -> KeyedJaggedTensor:
+    """The KJT of samples ``[first, last)``."""
+    values = []
+    for f in range(len(ROWS)):
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[f].cumsum(0)])
+        values.append(ids[f][offsets[first] : offsets[last]])
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{f}" for f in range(len(ROWS))],
+        values=torch.cat(values),
+        lengths=lengths[:, first:last].reshape(-1),
+    )
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = _collection()
+
+    def forward(self, features: KeyedJaggedTensor):
+        return self.ebc(features)
+
+
+def _train_sharded_and_reference(rank: int, world_size: int) -> None:
+    sharder = CachedEmbeddingBagCollectionSharder()
+    model = _Model()
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        PLACEMENT,
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],
+    )
+    (sharded,) = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
+    reference = _collection()
+    first, last = rank * BATCH, (rank + 1) * BATCH
+    for step in range(STEPS):
+        lengths, ids, weights = _global_batch(step, world_size)
+        expected = reference(_kjt(lengths, ids, 0, BATCH * world_size))
+        ((expected.values() * weights).sum() / (BATCH * world_size)).backward()
+        reference.step()
+
+        out = dmp(_kjt(lengths, ids, first, last)).wait()
+        assert out.keys() == expected.keys()
+        mine, theirs = out.values(), expected.values()[first:last].detach()
+        # table-wise features: the unsharded lookup exactly; the row-wise one is a sum of
+        # per-shard partial sums, added in another order
+        tw = [c for c in range(4 * DIM) if not 2 * DIM <= c < 3 * DIM]
+        assert torch.equal(mine[:, tw].detach(), theirs[:, tw])
+        torch.testing.assert_close(
+            mine[:, 2 * DIM : 3 * DIM].detach(), theirs[:, 2 * DIM : 3 * DIM]
+        )
+        ((mine * weights[first:last]).sum() / BATCH).backward()
+        sharded.step()
+
+    local = sharded.local_tables()
+    owned = {"t_0", "t_3"} if rank == 0 else {"t_1"}
+    assert set(local) == owned | {f"t_2@{[0, 2001][rank]}"}
+    for name, shard in local.items():
+        table = reference.embedding_bags[name.split("@")[0]]
+        if "@" in name:  # the row-wise shard: the unsharded rows and their AdaGrad state
+            start = int(name.split("@")[1])
+            stop = start + shard.config.num_embeddings
+            assert torch.equal(shard.weights, table.weights[start:stop])
+            assert torch.equal(shard.optimizer_state, table.optimizer_state[start:stop])
+            assert shard.step_count == table.step_count == STEPS
+            continue
+        got, want = shard.state_dict(), table.state_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            if isinstance(want[key], torch.Tensor):
+                assert torch.equal(got[key], want[key]), f"{name}.{key}"
+            else:
+                assert got[key] == want[key], f"{name}.{key}"
+    if rank == 0:  # the cached table really used its cache
+        assert local["t_0"].stats()["hits"] > 0
+
+
+def test_sharded_training_equals_one_process():
+    run_ranks(_train_sharded_and_reference, 2)
+
+
+def test_copy_rows_from_refuses_and_changes_nothing():
+    from embcache import CachedLowPrecisionEmbedding
+
+    source = CachedLowPrecisionEmbedding(5000, DIM, name="big", cache_ratio=0.05, associativity=4)
+    shard = CachedLowPrecisionEmbedding(1000, DIM, name="shard", cache_ratio=0.05, associativity=4)
+    source(torch.arange(0, 5000, 7).view(-1, 1)).sum().backward()
+    source.step()  # rows now cached
+    before = {k: v.clone() for k, v in shard.state_dict().items() if isinstance(v, torch.Tensor)}
+    other = CachedLowPrecisionEmbedding(5000, DIM, name="int4", precision="int4")
+    for src, start, why in [
+        (source, 0, "has cached rows"),
+        (other, 0, "another format"),
+        (source, 4500, r"rows \[4500, 5500\)"),
+    ]:
+        with pytest.raises(ValueError, match=f"table 'shard': cannot copy rows from .*{why}"):
+            shard.copy_rows_from(src, start)
+    for k, v in before.items():
+        assert torch.equal(shard.state_dict()[k], v)
+    source.flush()
+    shard.copy_rows_from(source, 1000)
+    assert torch.equal(shard.weights, source.weights[1000:2000])
+    assert shard.step_count == source.step_count == 1
+    assert torch.equal(shard.current_weight(), source.current_weight()[1000:2000])
+
+
+@pytest.mark.parametrize(
+    "placement, message",
+    [
+        (
+            {"t_1": table_wise(rank=0, compute_kernel=KERNEL)},
+            "table 't_0': the sharding plan does not place it",
+        ),
+        (
+            dict.fromkeys(["t_0", "t_1"], table_wise(rank=0)),
+            "table 't_0': compute kernel .* is not ours",
+        ),
+    ],
+)
+def test_sharder_refuses_a_plan_it_cannot_run(placement, message):
+    sharder = CachedEmbeddingBagCollectionSharder()
+    ebc = _collection()
+    full = {f"t_{i}": table_wise(rank=0, compute_kernel=KERNEL) for i in range(len(ROWS))}
+    plan = construct_module_sharding_plan(
+        ebc, {**full, **placement}, sharder=sharder, local_size=1, world_size=1, device_type="cpu"
+    )
+    if "t_0" not in placement and "t_0" in plan:  # a plan that leaves t_0 out
+        del plan["t_0"]
+    with pytest.raises(ValueError, match=message):
+        sharder.shard(ebc, plan, ShardingEnv(world_size=1, rank=0, pg=None))

@@ -21,6 +21,8 @@ Example (two processes; see ``tests/test_sharding.py``)::
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import (
@@ -38,6 +40,13 @@ from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionAwaitable,
     EmbeddingBagCollectionContext,
 )
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.shard_estimators import (
+    EmbeddingPerfEstimator,
+    EmbeddingStorageEstimator,
+)
+from torchrec.distributed.planner.types import ParameterConstraints, ShardEstimator, Storage
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import (
@@ -51,7 +60,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingTabl
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding
+from embcache.memory import memory_breakdown
 
 KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 _SHARDINGS = {
@@ -96,6 +107,85 @@ class CachedEmbeddingBagCollectionSharder(
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [KERNEL]
+
+
+class CachedTableEstimator(ShardEstimator):
+    """Storage and speed of each planned shard, for TorchRec's planner.
+
+    A shard of our collection is given the bytes it will really allocate: the
+    :class:`~embcache.config.TableConfig` of its table with the shard's rows, through
+    :func:`~embcache.memory.memory_breakdown` (low-precision rows, qparams, cache rows, tags,
+    priorities and set floors, LFU counts, optimizer state), in device memory (``hbm``) on
+    CUDA and host memory (``ddr``) on CPU. Its speed is what TorchRec's perf estimator gives
+    FBGEMM's fused kernel for the same shard (it has no model of ours; the two step times are
+    within a factor of about 1.2 on CPU, ``bench/results/embedding_step``). Every other
+    module's shards get TorchRec's own estimates."""
+
+    def __init__(
+        self, topology: Topology, constraints: dict[str, ParameterConstraints] | None = None
+    ) -> None:
+        self._device = topology.compute_device
+        self._torchrec = [
+            EmbeddingPerfEstimator(topology, constraints),
+            EmbeddingStorageEstimator(topology, constraints),
+        ]
+
+    def estimate(self, sharding_options, sharder_data_map=None) -> None:
+        ours = [
+            o
+            for o in sharding_options
+            if isinstance(o.module[1], CachedLowPrecisionEmbeddingBagCollection)
+        ]
+        for o in ours:  # estimated as TorchRec's fused kernel, then given our bytes
+            o.compute_kernel = EmbeddingComputeKernel.FUSED.value
+        try:
+            for estimator in self._torchrec:
+                estimator.estimate(sharding_options, sharder_data_map)
+        finally:
+            for o in ours:
+                o.compute_kernel = KERNEL
+        for o in ours:
+            config = o.module[1].embedding_bags[o.name].config
+            for shard in o.shards:
+                rows, dim = shard.size
+                nbytes = shard_bytes(config, rows, dim)
+                on_device = self._device == "cuda"
+                shard.storage = Storage(
+                    hbm=nbytes if on_device else 0, ddr=0 if on_device else nbytes
+                )
+
+
+def shard_bytes(config: TableConfig, rows: int, dim: int) -> int:
+    """Bytes a shard of ``rows x dim`` of a table with ``config`` allocates (a row-wise shard
+    keeps its table's format and has a cache of ``cache_ratio`` times its own rows)."""
+    return memory_breakdown(
+        dataclasses.replace(
+            config,
+            num_embeddings=rows,
+            embedding_dim=dim,
+            precision=config.stored_precision,
+            cache_ratio=config.cache_ratio if config.low_precision else 0.0,
+            min_rows_for_low_precision=0,
+        )
+    )["total"]
+
+
+def planner(
+    topology: Topology,
+    batch_size: int = 512,
+    constraints: dict[str, ParameterConstraints] | None = None,
+) -> EmbeddingShardingPlanner:
+    """TorchRec's ``EmbeddingShardingPlanner`` with :class:`CachedTableEstimator`, so that it
+    places our tables by their real size."""
+    enumerator = EmbeddingEnumerator(
+        topology,
+        batch_size,
+        constraints,
+        estimator=CachedTableEstimator(topology, constraints),
+    )
+    return EmbeddingShardingPlanner(
+        topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=constraints
+    )
 
 
 class ShardedCachedEmbeddingBagCollection(

@@ -218,3 +218,56 @@ def test_sharder_refuses_a_plan_it_cannot_run(placement, message):
         del plan["t_0"]
     with pytest.raises(ValueError, match=message):
         sharder.shard(ebc, plan, ShardingEnv(world_size=1, rank=0, pg=None))
+
+
+def _planning_model(ebc: nn.Module) -> nn.Module:
+    model = nn.Module()
+    model.ebc = ebc
+    return model
+
+
+def test_planner_places_tables_by_their_real_bytes():
+    """FP32 tables that exceed the per-rank budget fit as INT8 behind a 5% cache, and the
+    planner's storage for a whole table is the bytes the table really allocates."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.types import PlannerError
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from embcache.sharding import CachedTableEstimator, planner, shard_bytes
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{i}", num_embeddings=200_000, embedding_dim=16, feature_names=[f"f_{i}"]
+        )
+        for i in range(4)
+    ]
+    budget = 20 << 20  # bytes of host memory per rank; FP32 needs 25.6 MiB a rank
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=budget)
+    fp32 = _planning_model(EmbeddingBagCollection(tables, device=torch.device("meta")))
+    with pytest.raises(PlannerError):
+        EmbeddingShardingPlanner(topology=topology).plan(fp32, [EmbeddingBagCollectionSharder()])
+
+    ebc = CachedLowPrecisionEmbeddingBagCollection(
+        tables, precision="int8", cache_ratio=0.05, optimizer="rowwise_adagrad"
+    )
+    sharder = CachedEmbeddingBagCollectionSharder()
+    plan = planner(topology).plan(_planning_model(ebc), [sharder])
+    per_rank = [0, 0]
+    for name, ps in plan.plan["ebc"].items():
+        config = ebc.embedding_bags[name].config
+        for shard in ps.sharding_spec.shards:
+            rank = int(str(shard.placement).split("rank:")[1].split("/")[0])
+            per_rank[rank] += shard_bytes(config, *shard.shard_sizes)
+    assert 0 < max(per_rank) <= budget
+
+    options = EmbeddingEnumerator(
+        topology, 512, estimator=CachedTableEstimator(topology)
+    ).enumerate(_planning_model(ebc), [sharder])
+    whole = [o for o in options if o.sharding_type == "table_wise"]
+    assert {o.name for o in whole} == set(ebc.embedding_bags)
+    for o in whole:
+        (shard,) = o.shards
+        assert shard.storage.ddr == ebc.embedding_bags[o.name].memory_bytes()["total"]
+        assert shard.storage.hbm == 0

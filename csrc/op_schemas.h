@@ -164,15 +164,16 @@ inline void define_cache_ops(torch::Library& m) {
   // Prepares every table's update, then commits all of them only if every table can take
   // its update: returns per table the smallest row it cannot store or -1; if any table has
   // such a row, no state is changed. Table t's update is step counters[t][kSteps] + 1; a
-  // commit adds to its counters.
+  // commit adds to its counters. With commit=false it only prepares and checks (a dry run:
+  // nothing is changed either way).
   m.def("multi_update(Tensor(a!)[] weights, Tensor(b!)[] cache_tags, Tensor(c!)[] cache_rows, "
         "Tensor(d!)[] cache_priority, Tensor(g!)[] cache_set_floor, Tensor(e!)[] counts, "
         "Tensor(f!)[] optimizer_state, "
         "Tensor unique_rows, Tensor grads, Tensor occurrences, Tensor slot_hints, "
         "int[] row_starts, float[] value_bounds, int[] dims, int[] bits, "
         "int[] qparams_fp16, int[] stochastic, int[] optimizer, float[] lr, float[] eps, "
-        "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, Tensor(h!)[] counters) "
-        "-> int[]");
+        "int[] lfu, int[] seed, int[] table, int[] num_sets, int[] ways, Tensor(h!)[] counters, "
+        "bool commit=True) -> int[]");
   m.def("cache_flush(Tensor(a!) weights, Tensor(b!) cache_tags, Tensor cache_rows, "
         "Tensor(c!) cache_priority, Tensor(d!) cache_set_floor, int bits, bool qparams_fp16, bool stochastic, "
         "int seed, int step, int table) -> int");

@@ -300,6 +300,14 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         """Apply every table's stored gradient in one table-batched call, all or nothing:
         if any table refuses its update (non-finite or unstorable values), no table is
         changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
+        self._update(commit=True)
+
+    def check_step(self) -> None:
+        """A dry run of :meth:`step`: raises the error it would raise, changes nothing (the
+        gradient stays pending). Lets several processes agree before any of them updates."""
+        self._update(commit=False)
+
+    def _update(self, commit: bool) -> None:
         tables = self._table_list
         if (
             self._stored
@@ -318,8 +326,9 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 s.bounds,
                 *self._all_update_settings,
                 self._counters_list,
+                commit,
             )
-            self._finish(tables, bad)
+            self._finish(tables, bad, commit)
             return
         # Otherwise each table's gradient, its parts merged, and no slot hints (the update
         # finds the slots in the sets).
@@ -351,16 +360,22 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             [-1.0] * len(tables),
             *settings,
             self._counters_list if every_table else [t._counters for t in tables],
+            commit,
         )
-        self._finish(tables, bad)
+        self._finish(tables, bad, commit)
 
-    def _finish(self, tables: list[CachedLowPrecisionEmbedding], bad: list[int]) -> None:
+    def _finish(
+        self, tables: list[CachedLowPrecisionEmbedding], bad: list[int], commit: bool
+    ) -> None:
         """After multi_update on ``tables``: raise for the first table that refused (nothing
-        was changed then), else the gradients are used and the caches may have changed."""
+        was changed then); else, if it committed, the gradients are used and the caches may
+        have changed."""
         if max(bad) >= 0:
             self._hand_over()  # the tables' parts name the row
             for t, b in zip(tables, bad):
                 t._raise_if_bad(b)
+        if not commit:
+            return
         self._stored.clear()
         for t in tables:
             t._finish_step()

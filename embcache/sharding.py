@@ -367,6 +367,10 @@ class ShardedCachedEmbeddingBagCollection(
         if self._local is not None:
             self._local.step()
 
+    def check_step(self) -> None:
+        if self._local is not None:
+            self._local.check_step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._local is not None:
             self._local.zero_grad()

@@ -189,7 +189,9 @@ def test_table_load_from_another_configuration_changes_nothing():
     _same(before, _module_state(table))
 
 
-def _collection(lr_of_last: float, data_seed: int) -> CachedLowPrecisionEmbeddingBagCollection:
+def _collection(
+    lr_of_last: float, data_seed: int, steps: int = 3
+) -> CachedLowPrecisionEmbeddingBagCollection:
     tables = [
         EmbeddingBagConfig(
             name=f"t_{i}", embedding_dim=4, num_embeddings=1500, feature_names=[f"f{i}"]
@@ -206,7 +208,7 @@ def _collection(lr_of_last: float, data_seed: int) -> CachedLowPrecisionEmbeddin
         lr=0.1,
     )
     gen = torch.Generator().manual_seed(data_seed)
-    for _ in range(3):
+    for _ in range(steps):
         values = (torch.rand(3 * 32, generator=gen) ** 3 * 1500).long()
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=["f0", "f1", "f2"], values=values, lengths=torch.ones(96, dtype=torch.int64)
@@ -241,3 +243,40 @@ def test_trainer_load_from_another_configuration_changes_nothing():
     with pytest.raises(ValueError, match=r"master of 'dense.weight'"):
         b.load_state_dict(saved)
     _same(before, _trainer_state(b))
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_collection_check_step_is_a_dry_run_of_step(refused):
+    """check_step raises what step would raise and changes nothing; the step after it is the
+    step of a twin that never ran the check."""
+    ebc, twin = (
+        _collection(lr_of_last=1e38, data_seed=3, steps=0)
+        if refused
+        else _collection(lr_of_last=0.3, data_seed=3)
+        for _ in range(2)
+    )
+    gen = torch.Generator().manual_seed(4)
+    values = (torch.rand(96, generator=gen) ** 3 * 1500).long()
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1", "f2"], values=values, lengths=torch.ones(96, dtype=torch.int64)
+    )
+    for m in (ebc, twin):
+        (m(kjt).values().square().sum() * 1e3).backward()
+    before = _module_state(ebc)
+    if refused:
+        with pytest.raises(ValueError, match="table 't_2'.*cannot store") as checked:
+            ebc.check_step()
+        _same(before, _module_state(ebc))
+        with pytest.raises(ValueError) as stepped:
+            ebc.step()
+        assert str(stepped.value) == str(checked.value)
+        _same(before, _module_state(ebc))
+        return
+    ebc.check_step()
+    _same(before, _module_state(ebc))
+    ebc.step()
+    twin.step()
+    _same(_module_state(twin), _module_state(ebc))
+    assert not torch.equal(
+        before["state"]["embedding_bags.t_0.weights"], ebc.embedding_bags.t_0.weights
+    )

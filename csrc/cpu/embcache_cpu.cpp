@@ -1506,7 +1506,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_ded
 /// multi_dedup_backward's layout (see gradient_blocks); slot_hints holds every row's slot as
 /// the forward found it, or is empty for none. Table t's update is step
 /// counters[t][kSteps] + 1; its commit adds to its counters. Returns per table the smallest
-/// row it cannot store, or -1.
+/// row it cannot store, or -1. With commit false it stops after the check (a dry run).
 std::vector<int64_t> multi_update(
     at::TensorList weights, at::TensorList cache_tags, at::TensorList cache_rows,
     at::TensorList cache_priority, at::TensorList cache_set_floor, at::TensorList counts,
@@ -1516,7 +1516,7 @@ std::vector<int64_t> multi_update(
     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic, at::IntArrayRef optimizer,
     at::ArrayRef<double> lr, at::ArrayRef<double> eps, at::IntArrayRef lfu,
     at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets, at::IntArrayRef ways,
-    at::TensorList counters) {
+    at::TensorList counters, bool commit) {
   const int64_t nt = (int64_t)weights.size();
   TORCH_CHECK((int64_t)value_bounds.size() == nt && (int64_t)dims.size() == nt,
               "embcache: one value bound and one dim per table");
@@ -1548,7 +1548,8 @@ std::vector<int64_t> multi_update(
     bad[t] = for_each_new_value(up, slots[t].data(), stochastic[t] != 0,
                                 [](int64_t, const float*, const float*) {});
   });
-  if (std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; })) return bad;
+  if (!commit || std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; }))
+    return bad;
   for_each_by_cost(cost, [&](int64_t t) {
     const RowUpdate& up = updates[t];
     at::Tensor w = weights[t], prio = cache_priority[t], floor = cache_set_floor[t],

@@ -386,7 +386,7 @@ inline std::vector<int64_t> multi_update(
     at::IntArrayRef qparams_fp16, at::IntArrayRef stochastic,
     at::IntArrayRef optimizer, at::ArrayRef<double> lr, at::ArrayRef<double> eps,
     at::IntArrayRef lfu, at::IntArrayRef seed, at::IntArrayRef table, at::IntArrayRef num_sets,
-    at::IntArrayRef ways, at::TensorList counters) {
+    at::IntArrayRef ways, at::TensorList counters, bool commit) {
   const int64_t nt = (int64_t)weights.size();
   TORCH_CHECK((int64_t)dims.size() == nt, "embcache: one dim per table");
   const std::vector<int64_t> block =
@@ -410,7 +410,7 @@ inline std::vector<int64_t> multi_update(
         num_sets[t], ways[t], c10::nullopt);
     any_bad = any_bad || bad[t] >= 0;
   }
-  if (any_bad) return bad;
+  if (any_bad || !commit) return bad;
   for (int64_t t = 0; t < nt; ++t) {
     at::Tensor w = weights[t], tags = cache_tags[t], rows = cache_rows[t],
                ts = cache_priority[t], floor = cache_set_floor[t], cnt = counts[t],

@@ -26,9 +26,12 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from embcache.embedding import check_state_dict
 
@@ -484,6 +487,18 @@ class MixedPrecisionTrainer:
       collection's state is not copied: it checks its update before changing anything). The
       FP32 parameters of a non-protocol collection are not checked.
 
+    Several processes: ``model`` may be a TorchRec ``DistributedModelParallel`` built with
+    ``init_data_parallel=False`` (its sharded embedding collection must follow the protocol,
+    as :class:`embcache.sharding.ShardedCachedEmbeddingBagCollection` does). The trainer
+    converts the dense part, broadcasts rank 0's masters, then lets DMP wrap the dense part in
+    DDP (which averages the dense gradients). Each rank's batch is its slice of the global
+    batch and its loss the mean over that slice. Per step, one all-reduce over the process
+    group decides for all ranks: whether any gradient anywhere is non-finite (the step is
+    skipped everywhere), whether any rank's embedding shards refuse their update (a dry run,
+    ``check_step``, before any state changes: refused everywhere), and the global largest and
+    smallest |gradient| (so every rank's scaler sees the same figures and keeps the same
+    scale). The dense update and its check are the same computation on every rank.
+
     One :meth:`train_step`: ``loss = BCEWithLogits(fp32(logits), labels)`` (mean over the
     batch) in FP32; ``backward(loss * S)`` (FP16 gradients inside the FP16 dense part); every
     gradient converted to FP32 and multiplied by ``1/S``; overflow decision; update or skip;
@@ -513,6 +528,15 @@ class MixedPrecisionTrainer:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(_OPTIMIZERS)}")
         self.model = model
         self.precision = precision
+        self.process_group: dist.ProcessGroup | None = None
+        if isinstance(model, DistributedModelParallel):
+            if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+                raise ValueError(
+                    "build DistributedModelParallel with init_data_parallel=False: the trainer "
+                    "makes the dense part FP16 before DDP wraps it"
+                )
+            self.process_group = model._env.process_group
+            model = model.module
         embeddings = model.embedding_collection
         self.protocol_embedding = (
             embeddings if isinstance(embeddings, MixedPrecisionEmbedding) else None
@@ -545,6 +569,14 @@ class MixedPrecisionTrainer:
             [m for _, m in pairs], lr=lr, **(optimizer_kwargs or {})
         )
         self._backup = _Backup(self.optimizer, self._dense_targets)
+        if self.process_group is not None:
+            with torch.no_grad():
+                for target in self._dense_targets:
+                    dist.broadcast(target, 0, group=self.process_group)
+                for param, target in pairs[:dense]:
+                    if param is not target:
+                        param.copy_(target)
+            self.model.init_data_parallel()
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.scaler = (
             scaler
@@ -574,10 +606,17 @@ class MixedPrecisionTrainer:
         found_inf = not math.isfinite(max_abs) or (
             self.protocol_embedding is not None and self.protocol_embedding.has_nonfinite_grad()
         )
+        refused = None
+        if self.process_group is not None:
+            found_inf, refused, max_abs, min_abs = self._decide_together(
+                found_inf, max_abs, min_abs
+            )
         try:
-            if found_inf:
+            if found_inf or refused is not None:
                 if self.protocol_embedding is not None:
                     self.protocol_embedding.zero_grad()
+                if refused is not None:
+                    raise StepRefusedError(self.report.steps + 1, refused)
             else:
                 self._apply_update(embedding_grads)
         finally:
@@ -591,6 +630,36 @@ class MixedPrecisionTrainer:
             "max_abs_grad": max_abs,
             "min_abs_nonzero_grad": min_abs,
         }
+
+    def _decide_together(
+        self, found_inf: bool, max_abs: float, min_abs: float
+    ) -> tuple[bool, str | None, float, float]:
+        """The step's decision over all ranks, in one all-reduce: (any gradient non-finite,
+        the reason an embedding shard refuses its update or None, global max |g|, global min
+        non-zero |g|). This rank's shards are dry-run first (nothing changes)."""
+        reason = None
+        if not found_inf and self.protocol_embedding is not None:
+            try:
+                self.protocol_embedding.check_step()
+            except ValueError as e:
+                reason = str(e)
+        flags = torch.tensor(
+            [
+                float(found_inf),
+                float(reason is not None),
+                max_abs if math.isfinite(max_abs) else math.inf,
+                -min_abs,
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        any_inf, any_refused, max_abs, neg_min = flags.tolist()
+        if any_inf:
+            return True, None, math.inf, -neg_min
+        if any_refused:
+            reason = reason or "an embedding shard on another rank refused its update"
+            return False, reason, max_abs, -neg_min
+        return False, None, max_abs, -neg_min
 
     def _unscale_grads(self, inv_scale: float) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
         """Every model gradient in FP32, multiplied by ``inv_scale``, taken off the model. The

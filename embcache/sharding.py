@@ -22,6 +22,7 @@ Example (two processes; see ``tests/test_sharding.py``)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -383,6 +384,14 @@ class ShardedCachedEmbeddingBagCollection(
 
     def stats(self) -> dict[str, dict]:
         return {name: t.stats() for name, t in self.local_tables().items()}
+
+    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        """Every tensor here is this rank's own (tables are buffers): DMP tells DDP to leave
+        all of them alone, neither broadcast at wrapping nor averaged."""
+        for name, _ in self.named_buffers(prefix):
+            yield name
+        for name, _ in self.named_parameters(prefix):
+            yield name
 
     @property
     def unsharded_module_type(self) -> type[CachedLowPrecisionEmbeddingBagCollection]:

@@ -253,7 +253,7 @@ class ShardedCachedEmbeddingBagCollection(
         self._sharding_types = list(infos)
         shardings = [_SHARDINGS[t](infos[t], env, device) for t in self._sharding_types]
         # this rank's shards of every sharding, in one collection: one lookup, one update
-        self._local, self._local_dims, self._starts = _local_shards(shardings, module, env.rank)
+        self._local, self._local_dims = _local_shards(shardings, module, env.rank)
         self._input_dists = nn.ModuleList([s.create_input_dist() for s in shardings])
         self._output_dists = nn.ModuleList([s.create_output_dist(device) for s in shardings])
         self._sharding_features = [s.feature_names() for s in shardings]
@@ -343,14 +343,10 @@ class ShardedCachedEmbeddingBagCollection(
         return self._local
 
     def local_tables(self) -> dict[str, CachedLowPrecisionEmbedding]:
-        """This rank's shards, by table name for a table-wise shard and
-        ``"<table>@<first row>"`` for a row-wise one."""
-        if self._local is None:
-            return {}
-        return {
-            (name if self._starts[name] is None else f"{name}@{self._starts[name]}"): t
-            for name, t in self._local.embedding_bags.items()
-        }
+        """This rank's shards by name: the table's for a table-wise shard,
+        ``"<table>@<first row>"`` for a row-wise one (so a checkpoint's keys differ between
+        the ranks)."""
+        return {} if self._local is None else dict(self._local.embedding_bags.items())
 
     # the MixedPrecisionEmbedding protocol, over this rank's shards
 
@@ -400,11 +396,12 @@ class ShardedCachedEmbeddingBagCollection(
 
 def _local_shards(
     shardings: list, module: CachedLowPrecisionEmbeddingBagCollection, rank: int
-) -> tuple[CachedLowPrecisionEmbeddingBagCollection | None, list[int], dict[str, int | None]]:
+) -> tuple[CachedLowPrecisionEmbeddingBagCollection | None, list[int]]:
     """This rank's shards of ``shardings`` (as TorchRec's own ``create_lookup`` groups them)
-    in one collection, with the unsharded tables' state; the width of each sharding's pooled
-    output here; each shard's first row (None: table-wise)."""
-    configs, options, dims, starts, sources = [], {}, [], {}, []
+    in one collection, with the unsharded tables' state (a row-wise shard of table ``t``
+    starting at row ``r`` is named ``t@r``); and the width of each sharding's pooled output
+    here."""
+    configs, options, dims, copies = [], {}, [], []
     full = dict(module.embedding_bags.items())
     for sharding in shardings:
         row_wise = isinstance(sharding, RwPooledEmbeddingSharding)
@@ -419,18 +416,20 @@ def _local_shards(
                 for k, v in cfg.to_dict().items()
                 if k not in ("num_embeddings", "embedding_dim", "name", "mode")
             }
+            name, start = t.name, None
             if row_wise:  # a shard keeps its table's format, whatever its own size
+                start = t.local_metadata.shard_offsets[0]
+                name = f"{t.name}@{start}"
                 opts.update(
                     precision=cfg.stored_precision,
                     cache_ratio=cfg.cache_ratio if cfg.low_precision else 0.0,
                     min_rows_for_low_precision=0,
                 )
-            options[t.name] = opts
-            starts[t.name] = t.local_metadata.shard_offsets[0] if row_wise else None
-            sources.append(full[t.name])
+            options[name] = opts
+            copies.append((full[t.name], start))
             configs.append(
                 EmbeddingBagConfig(
-                    name=t.name,
+                    name=name,
                     num_embeddings=t.local_rows,
                     embedding_dim=t.local_cols,
                     feature_names=list(t.feature_names),
@@ -438,16 +437,15 @@ def _local_shards(
                 )
             )
     if not configs:
-        return None, dims, starts
+        return None, dims
     local = CachedLowPrecisionEmbeddingBagCollection(configs, per_table=options)
-    for source, shard in zip(sources, local.tables()):
-        start = starts[shard.config.name]
+    for (source, start), shard in zip(copies, local.tables()):
         if start is None:
             shard.load_state_dict(source.state_dict())
         else:
             source.flush()
             shard.copy_rows_from(source, start)
-    return local, dims, starts
+    return local, dims
 
 
 def _sharding_info(config: EmbeddingBagConfig, ps) -> EmbeddingShardingInfo:

@@ -157,6 +157,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="also train the same run with FP32 tables (no cache) in OUT/fp32 and compare",
     )
     g.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("processes")
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=d.nproc_per_node,
+        help="train in this many processes (gloo): each takes an equal part of every batch, "
+        "the tables are sharded over them by TorchRec's planner",
+    )
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
@@ -192,6 +200,9 @@ def _summary(report: dict) -> str:
     if "hit_rate" in emb:
         line += f", cache hit rate {emb['hit_rate']:.3f} (tables with a cache)"
     lines.append(line + f"; peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB")
+    if report.get("world_size", 1) > 1:
+        per_rank = ", ".join(f"{b / 2**20:.1f}" for b in emb["memory_bytes_per_rank"])
+        lines.append(f"{report['world_size']} processes; embeddings per rank (MiB): {per_rank}")
     fp32 = report.get("compare_fp32")
     if fp32 and fp32["status"] == "completed":
         auc = fp32["test"]["auc"]

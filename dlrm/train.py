@@ -20,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from tqdm import tqdm
 
-from dlrm import metrics
+from dlrm import distributed, metrics
 from dlrm.data import batches as data_batches
 from dlrm.data.criteo import DataError
 from dlrm.data.synthetic import SyntheticCriteo
@@ -73,6 +75,8 @@ class RunConfig:
     eval_every: int = 100
     eval_batches: int = 20
     seed: int = 0
+    # processes on this machine, each with a part of every batch and a shard of the tables
+    nproc_per_node: int = 1
     # bookkeeping: may differ between a run and its resumption
     threads: int | None = None
     checkpoint_every: int = 500
@@ -118,6 +122,14 @@ class RunConfig:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise RunError(f"{_option(name)} must be one of {', '.join(choices)}")
+        if self.nproc_per_node > 1:
+            if self.batch_size % self.nproc_per_node:
+                raise RunError(
+                    f"--batch-size ({self.batch_size}) must be a multiple of --nproc-per-node "
+                    f"({self.nproc_per_node}): every process takes an equal part of a batch"
+                )
+            if self.embeddings != "embcache":
+                raise RunError("--nproc-per-node > 1 shards our tables: use --embeddings embcache")
         for option, (field, value) in _TABLE_DEFAULT_OPTIONS.items():
             try:
                 TableConfig(1, 1, **{field: getattr(self, value)})
@@ -160,6 +172,7 @@ _INT_FIELDS = {
     "checkpoint_every": (1, False),
     "stop_after": (1, True),
     "max_skipped_in_a_row": (1, False),
+    "nproc_per_node": (1, False),
 }
 _FLOAT_FIELDS = {"synthetic_scale": True, "static_scale": True, "lr": False}
 _CHOICES = {
@@ -262,15 +275,22 @@ def build_trainer(cfg: RunConfig, model: DLRM) -> MixedPrecisionTrainer:
 
 
 def evaluate(
-    model: DLRM, dataset, split: str, batch_size: int, max_batches: int | None = None
+    model: nn.Module,
+    dataset,
+    split: str,
+    batch_size: int,
+    max_batches: int | None = None,
+    ranks: distributed.Ranks = distributed.ONE_PROCESS,
 ) -> dict:
     """Metrics of ``model`` on ``split`` (all of it, or its first ``max_batches`` batches).
-    Changes no state: the model is put in eval mode and gradients are off."""
+    Changes no state: the model is put in eval mode and gradients are off. Over several
+    ranks each computes its part of every batch and all get the metrics of the whole."""
     was_training = model.training
     model.eval()
     labels, logits = [], []
+    batches = data_batches.iterate_batches(dataset, split, batch_size, part=ranks.part)
     with torch.no_grad():
-        for i, batch in enumerate(data_batches.iterate_batches(dataset, split, batch_size)):
+        for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
             logits.append(model(batch.dense, batch.sparse).float())
@@ -278,7 +298,10 @@ def evaluate(
     model.train(was_training)
     if not labels:
         raise RunError(f"the {split} split is empty: more rows are needed")
-    return metrics.evaluate(torch.cat(labels).numpy(), torch.cat(logits).numpy())
+    parts = ranks.gather((torch.cat(labels).numpy(), torch.cat(logits).numpy()))
+    return metrics.evaluate(
+        np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    )
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -324,6 +347,13 @@ def load_checkpoint(path: Path, cfg: RunConfig, data: dict | None = None) -> dic
         raise RunError(f"{path}: no checkpoint to resume from") from None
     except Exception as e:  # a truncated or foreign file
         raise RunError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    _check_checkpoint(state, path, cfg, data)
+    return state
+
+
+def _check_checkpoint(state, path: Path, cfg: RunConfig, data: dict | None) -> None:
+    """Raise RunError unless ``state`` (a checkpoint's config, data, ...) was written by this
+    configuration on this dataset (see :func:`load_checkpoint`)."""
     if not isinstance(state, dict) or "config" not in state:
         raise RunError(f"{path}: not a dlrm checkpoint")
     was = state.get("data") or {}
@@ -338,41 +368,63 @@ def load_checkpoint(path: Path, cfg: RunConfig, data: dict | None = None) -> dic
     if diff:
         fields = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         raise RunError(f"{path} was written by another configuration ({fields})")
-    return state
 
 
 # --------------------------------------------------------------------------- the run
 
 
-def _embedding_report(model: DLRM) -> dict:
-    collection = model.embedding_collection
+def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
+    """Memory, FP32 equivalent, hit rate and per-table figures of the embedding tables; over
+    several ranks, of every rank's shards, with the rank of each and the memory per rank."""
+    dmp = isinstance(model, DistributedModelParallel)
+    collection = (model.module if dmp else model).embedding_collection
     if not hasattr(collection, "stats"):
         fp32 = sum(p.nbytes for p in collection.parameters())
         return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
-    stats, memory = collection.stats(), collection.memory_bytes()
-    fp32 = sum(  # FP32 tables with the same optimizer state: the factor's denominator
-        t.config.num_embeddings * t.config.embedding_dim * 4 + memory[name]["optimizer_state"]
-        for name, t in collection.embedding_bags.items()
-    )
-    cached = [name for name, t in collection.embedding_bags.items() if t.config.num_slots > 0]
-    lookups = sum(stats[n]["lookups"] for n in cached)
-    return {
+    tables = collection.local_tables() if dmp else dict(collection.embedding_bags.items())
+    mine = {}
+    for name, t in tables.items():
+        memory, stats, c = t.memory_bytes(), t.stats(), t.config
+        mine[name] = {
+            "precision": c.stored_precision,
+            "rows": c.num_embeddings,
+            "cache_slots": c.num_slots,
+            "lookups": stats["lookups"],
+            "hits": stats["hits"],
+            "memory_bytes": memory["total"],
+            # FP32 rows with the same optimizer state: the compression factor's denominator
+            "fp32_bytes": c.num_embeddings * c.embedding_dim * 4 + memory["optimizer_state"],
+        }
+    parts = ranks.gather(mine)
+    entries = {name: (rank, e) for rank, part in enumerate(parts) for name, e in part.items()}
+    cached = [e for _, e in entries.values() if e["cache_slots"] > 0]
+    lookups = sum(e["lookups"] for e in cached)
+    memory = sum(e["memory_bytes"] for _, e in entries.values())
+    fp32 = sum(e["fp32_bytes"] for _, e in entries.values())
+    report = {
         # over the tables that have a cache (small tables stay FP32 without one)
-        "hit_rate": sum(stats[n]["hits"] for n in cached) / lookups if lookups else 0.0,
-        "memory_bytes": sum(m["total"] for m in memory.values()),
+        "hit_rate": sum(e["hits"] for e in cached) / lookups if lookups else 0.0,
+        "memory_bytes": memory,
         "fp32_bytes": fp32,
-        "compression_factor": collection.compression_factor(),
+        "compression_factor": memory / fp32,
         "tables": {
             name: {
-                "precision": t.config.stored_precision,
-                "rows": t.config.num_embeddings,
-                "cache_slots": t.config.num_slots,
-                "hit_rate": stats[name]["hit_rate"],
-                "memory_bytes": memory[name]["total"],
+                **({"rank": rank} if ranks.world_size > 1 else {}),
+                "precision": e["precision"],
+                "rows": e["rows"],
+                "cache_slots": e["cache_slots"],
+                "hit_rate": e["hits"] / e["lookups"] if e["lookups"] else 0.0,
+                "memory_bytes": e["memory_bytes"],
             }
-            for name, t in collection.embedding_bags.items()
+            for name, (rank, e) in entries.items()
         },
     }
+    if ranks.world_size > 1:
+        report["memory_bytes_per_rank"] = [
+            sum(e["memory_bytes"] for e in part.values()) for part in parts
+        ]
+        report["sharding"] = distributed.sharding_report(model)
+    return report
 
 
 def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
@@ -382,8 +434,13 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     ``max_skipped_in_a_row`` steps in a row skipped for non-finite gradients -- stops there:
     its report has ``status: "diverged"`` with the step and the reason, and its last
     checkpoint is kept (a checkpoint due while steps are being skipped waits for the next
-    applied step, so that a checkpoint never holds a model that is failing)."""
+    applied step, so that a checkpoint never holds a model that is failing).
+
+    With ``nproc_per_node > 1`` the data are made ready here, then ``nproc_per_node``
+    processes each run this function on a part of every batch and a shard of the tables
+    (:mod:`dlrm.distributed`); rank 0 writes the report, and it is returned."""
     cfg.validate()
+    ranks = distributed.Ranks.current()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -397,16 +454,22 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
         dataset = data_batches.load(data_dir)
     except DataError as e:
         raise RunError(str(e)) from None
+    if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
+        return distributed.launch(dataclasses.asdict(cfg), out_dir, resume, cfg.nproc_per_node)
+    if ranks.world_size != cfg.nproc_per_node:
+        raise RunError(
+            f"--nproc-per-node is {cfg.nproc_per_node} but {ranks.world_size} processes run"
+        )
     cards = list(dataset.meta["cardinalities"])
     model = build_model(cfg, cards)
+    if ranks.world_size > 1:
+        model = distributed.shard(model, ranks, cfg.batch_size)
     trainer = build_trainer(cfg, model)
-    ckpt_path = out_dir / "checkpoint.pt"
+    ckpt_path = out_dir / ("checkpoint" if ranks.world_size > 1 else "checkpoint.pt")
     progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}
     run_data = _run_data(data_dir, dataset)
     if resume:
-        state = load_checkpoint(ckpt_path, cfg, run_data)
-        trainer.load_state_dict(state["trainer"])
-        progress = state["progress"]
+        progress = _resume(ckpt_path, cfg, trainer, run_data, ranks)
 
     train_rows = dataset.split("train")[1] - dataset.split("train")[0]
     per_epoch = data_batches.num_batches(train_rows, cfg.batch_size, drop_last=True)
@@ -419,7 +482,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     diverged = None
     checkpoint_due = False
     bar = tqdm(
-        total=total, initial=progress["step"], desc="train", unit="step", disable=not cfg.progress
+        total=total,
+        initial=progress["step"],
+        desc="train",
+        unit="step",
+        disable=not (cfg.progress and ranks.main),
     )
     start = time.perf_counter()
     while progress["step"] < total:
@@ -432,6 +499,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
             epoch=progress["epoch"],
             drop_last=True,
             start_batch=progress["batch"],
+            part=ranks.part,
         )
         for batch in batches:
             try:
@@ -441,7 +509,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
                 break
             progress["step"] += 1
             progress["batch"] += 1
-            progress["samples"] += len(batch.labels)
+            progress["samples"] += cfg.batch_size
             in_a_row = progress.get("skipped_in_a_row", 0) + 1 if out["skipped"] else 0
             progress["skipped_in_a_row"] = in_a_row
             this_run += 1
@@ -456,16 +524,24 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
                 }
                 break
             if cfg.eval_every and step % cfg.eval_every == 0:
-                m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches)
+                m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches, ranks)
                 progress["evals"].append({"step": step, **m})
-                bar.write(f"step {step}: val {_metrics_line(m)}")
+                if ranks.main:
+                    bar.write(f"step {step}: val {_metrics_line(m)}")
             done = step >= total or (cfg.stop_after is not None and this_run >= cfg.stop_after)
             checkpoint_due = checkpoint_due or step % cfg.checkpoint_every == 0
             if done or (checkpoint_due and not in_a_row):
                 progress["train_seconds"] += time.perf_counter() - start
                 start = time.perf_counter()
                 progress["checkpoint_step"] = step
-                save_checkpoint(ckpt_path, cfg, trainer, progress, run_data)
+                if ranks.world_size > 1:
+                    state = trainer.state_dict()
+                    rest = {"config": cfg.identity(), "trainer": state, "progress": progress}
+                    distributed.save_checkpoint(
+                        ckpt_path, state.pop("model"), {**rest, "data": run_data}, ranks
+                    )
+                else:
+                    save_checkpoint(ckpt_path, cfg, trainer, progress, run_data)
                 checkpoint_due = False
             if done:
                 break
@@ -478,20 +554,38 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     if diverged:
         progress["train_seconds"] += time.perf_counter() - start
         diverged["last_checkpoint_step"] = progress.get("checkpoint_step")
-        report = _report(cfg, dataset, data_dir, trainer, progress, test=None)
+        report = _report(cfg, dataset, data_dir, trainer, progress, None, ranks)
         report["status"] = "diverged"
         report["diverged"] = diverged
         report["undefined"] = {"test": "the run diverged"}
     elif progress["step"] < total:
         return {"stopped_at_step": progress["step"]}
     else:
-        test = evaluate(model, dataset, "test", cfg.batch_size)
-        report = _report(cfg, dataset, data_dir, trainer, progress, test)
+        test = evaluate(model, dataset, "test", cfg.batch_size, ranks=ranks)
+        report = _report(cfg, dataset, data_dir, trainer, progress, test, ranks)
         if cfg.compare_fp32:
             report["compare_fp32"] = _compare_fp32(cfg, out_dir, data_dir, report, resume)
-    text = json.dumps(_strict_json(report), indent=2, allow_nan=False, default=_json_default)
-    _atomic_write(out_dir / "report.json", lambda p: p.write_text(text))
+    if ranks.main:
+        text = json.dumps(_strict_json(report), indent=2, allow_nan=False, default=_json_default)
+        _atomic_write(out_dir / "report.json", lambda p: p.write_text(text))
     return report
+
+
+def _resume(path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, data: dict, ranks) -> dict:
+    """Load the checkpoint at ``path`` (checked first) into ``trainer``; its progress."""
+    if ranks.world_size == 1:
+        state = load_checkpoint(path, cfg, data)
+        trainer.load_state_dict(state["trainer"])
+        return state["progress"]
+    found = distributed.checkpoint_path(path)
+    if found is None:
+        raise RunError(f"{path}: no checkpoint to resume from")
+    rest = distributed.load_rest(found, ranks)
+    _check_checkpoint(rest, found, cfg, data)
+    model_state = trainer.model.state_dict()
+    distributed.load_model_state(found, model_state, ranks)
+    trainer.load_state_dict({**rest["trainer"], "model": model_state})
+    return rest["progress"]
 
 
 def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, resume: bool):
@@ -536,9 +630,10 @@ def _metrics_line(m: dict) -> str:
     )
 
 
-def _report(cfg, dataset, data_dir, trainer, progress, test) -> dict:
+def _report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
     """The run's report (as report.json holds it, before :func:`_strict_json`)."""
     scaling = trainer.report
+    rss = ranks.gather(_peak_rss_bytes())
     min_grad = scaling.min_abs_grad
     return {
         "status": "completed",
@@ -566,8 +661,10 @@ def _report(cfg, dataset, data_dir, trainer, progress, test) -> dict:
             "max": scaling.max_abs_grad,
             **({} if math.isfinite(min_grad) else {"min_undefined": "no non-zero gradient"}),
         },
-        "embeddings": _embedding_report(trainer.model),
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "embeddings": _embedding_report(trainer.model, ranks),
+        "world_size": ranks.world_size,
+        "peak_rss_bytes": max(rss),
+        **({"peak_rss_bytes_per_rank": rss} if ranks.world_size > 1 else {}),
     }
 
 

@@ -52,6 +52,8 @@ def _strict_json(path):
         (["train", "--table", "t_99:precision=int4"], "--table t_99: no such table"),
         (["train", "--table", "t_2:associativity=3"], "--table t_2: associativity=3"),
         (["train", "--table", "t_2"], "--table"),
+        (["train", "--nproc-per-node", "0"], "--nproc-per-node"),
+        (["train", "--nproc-per-node", "2", "--batch-size", "255"], "--nproc-per-node (2)"),
         (["generate", "OUT", "--scale", "-1"], "--scale"),
         (["generate", "OUT", "--rows", "0"], "--rows"),
         (["preprocess", "SRC", "OUT", "--min-count", "0"], "--min-count"),

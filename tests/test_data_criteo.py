@@ -255,3 +255,22 @@ def test_batches(prepared):
         batches.iterate_batches(ds, "train", 100, shuffle=True, seed=1, epoch=0, start_batch=6)
     )
     assert [rows(b) for b in resumed] == [rows(b) for b in epoch0[6:]]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batch_parts_are_the_batch_in_order(prepared, shuffle):
+    """Three processes reading parts (i, 3) of each batch see the whole batch between them,
+    in order, in parts whose sizes differ by at most one."""
+    ds = batches.load(prepared[0])
+    kwargs = dict(shuffle=shuffle, seed=2)
+    whole = list(batches.iterate_batches(ds, "val", 32, **kwargs))
+    parts = [list(batches.iterate_batches(ds, "val", 32, part=(i, 3), **kwargs)) for i in range(3)]
+    for b, batch in enumerate(whole):
+        pieces = [p[b] for p in parts]
+        sizes = [len(p.labels) for p in pieces]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == len(batch.labels)
+        for field in ("dense", "labels"):
+            got = torch.cat([getattr(p, field) for p in pieces])
+            assert torch.equal(got, getattr(batch, field))
+        got = torch.cat([p.sparse.values().view(26, -1) for p in pieces], dim=1)
+        assert torch.equal(got, batch.sparse.values().view(26, -1))

@@ -145,12 +145,16 @@ def iterate_batches(
     epoch: int = 0,
     drop_last: bool = False,
     start_batch: int = 0,
+    part: tuple[int, int] = (0, 1),
 ) -> Iterator[Batch]:
     """The batches ``start_batch, start_batch + 1, ...`` of one epoch over ``split``.
 
     ``data``: a directory or a ``load``-ed ``Dataset``. ``drop_last`` drops a last batch of
     fewer than ``batch_size`` rows. The order is a function of (``seed``, ``epoch``) only, so
     a resumed run that passes the same values and ``start_batch`` continues exactly.
+    ``part=(i, n)``: only part ``i`` of ``n`` of every batch, its rows split in order into
+    ``n`` parts whose sizes differ by at most one (``numpy.array_split``), as ``n``
+    processes that share each batch read it.
     """
     ds = data if isinstance(data, Dataset) else load(data)
     start, stop = ds.split(split)
@@ -159,5 +163,8 @@ def iterate_batches(
     )
     for b in range(start_batch, num_batches(stop - start, batch_size, drop_last)):
         lo, hi = b * batch_size, min((b + 1) * batch_size, stop - start)
-        rows = slice(start + lo, start + hi) if order is None else np.sort(order[lo:hi])
+        rows = np.arange(start + lo, start + hi) if order is None else np.sort(order[lo:hi])
+        if part != (0, 1):
+            rows = np.array_split(rows, part[1])[part[0]]
+        rows = slice(rows[0], rows[-1] + 1) if order is None and len(rows) else rows
         yield make_batch(ds.dense[rows], ds.sparse[rows], ds.labels[rows])

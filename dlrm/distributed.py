@@ -1,0 +1,213 @@
+"""``dlrm train`` over several processes (docs/design.md, "Scale-out").
+
+The tables are sharded by TorchRec's ``DistributedModelParallel`` with our sharder and a plan
+from TorchRec's planner that knows our bytes (:mod:`embcache.sharding`); the dense part is
+data-parallel (DDP, as DMP wraps it); :class:`dlrm.mixed_precision.MixedPrecisionTrainer`
+makes one decision per step for all ranks. Every rank reads its part of each global batch
+from the memory-mapped dataset. Checkpoints are written with ``torch.distributed.checkpoint``:
+each rank writes its own shards, once, into one directory.
+
+:func:`launch` starts the processes with torch's elastic launcher; a rank that fails or dies
+makes the launcher end the others, and the launch raises one error naming the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.types import ShardingEnv
+
+from embcache.sharding import CachedEmbeddingBagCollectionSharder, planner
+
+# a collective that waits this long for a rank has lost it: it raises instead of hanging
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """The processes of a run: this one's ``rank`` of ``world_size``, and their group (None
+    for a run of one process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def current(cls) -> Ranks:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return cls()
+        return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def part(self) -> tuple[int, int]:
+        """This rank's part of every batch (``dlrm.data.batches.iterate_batches``)."""
+        return self.rank, self.world_size
+
+    def gather(self, obj) -> list:
+        """``obj`` of every rank, in rank order (every rank gets the list)."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+ONE_PROCESS = Ranks()
+
+
+def shard(model: torch.nn.Module, ranks: Ranks, batch_size: int) -> DistributedModelParallel:
+    """``model`` with its embedding collection sharded over ``ranks`` as TorchRec's planner
+    places it (by our tables' real bytes), the dense part left for the trainer to make
+    data-parallel (``init_data_parallel=False``)."""
+    sharder = CachedEmbeddingBagCollectionSharder()
+    topology = Topology(world_size=ranks.world_size, compute_device="cpu")
+    plan = planner(topology, batch_size=batch_size).collective_plan(model, [sharder], ranks.group)
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(ranks.group),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=[sharder],
+        init_data_parallel=False,
+    )
+
+
+def sharding_report(model: DistributedModelParallel) -> dict:
+    """Each table's sharding type and ranks, from the model's plan."""
+    out = {}
+    for module_plan in model.plan.plan.values():
+        for table, ps in module_plan.items():
+            out[table] = {"sharding": ps.sharding_type, "ranks": list(ps.ranks or [])}
+    return out
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path: Path, model_state: dict, rest, ranks: Ranks) -> None:
+    """Write ``model_state`` (each rank its own tensors) and ``rest`` (the same on every rank,
+    written once) into the directory ``path``, replacing it only once every rank's part is
+    written: the checkpoint goes to ``path.tmp`` and is renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    old = path.with_name(path.name + ".old")
+    if ranks.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ranks.barrier()
+    blob = io.BytesIO()  # one opaque item: DCP would otherwise split it into its leaves
+    torch.save(rest, blob)
+    blob.seek(0)
+    dcp.save({"model": model_state, "rest": blob}, checkpoint_id=tmp, process_group=ranks.group)
+    ranks.barrier()
+    if ranks.main:
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    ranks.barrier()
+
+
+def checkpoint_path(path: Path) -> Path | None:
+    """The complete checkpoint at ``path``, or the one a save interrupted between its two
+    renames left at ``path.old``; None if there is none."""
+    for p in (path, path.with_name(path.name + ".old")):
+        if (p / ".metadata").exists():
+            return p
+    return None
+
+
+def load_rest(path: Path, ranks: Ranks):
+    """The ``rest`` of the checkpoint at ``path`` (nothing else is read)."""
+    state = {"rest": io.BytesIO()}
+    dcp.load(state, checkpoint_id=path, process_group=ranks.group)
+    blob = state["rest"]  # DCP fills a BytesIO with the bytes saved
+    blob.seek(0)
+    return torch.load(blob, weights_only=False)
+
+
+def load_model_state(path: Path, model_state: dict, ranks: Ranks) -> None:
+    """Read each rank's tensors of the checkpoint at ``path`` into ``model_state`` (in place:
+    pass the model's own ``state_dict()``) and its other entries into the dict."""
+    state = {"model": model_state}
+    dcp.load(state, checkpoint_id=path, process_group=ranks.group)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def launch(cfg_fields: dict, out_dir: Path, resume: bool, nproc: int) -> dict:
+    """Run ``dlrm.train.train`` in ``nproc`` processes on this machine (torch's elastic
+    launcher, gloo); rank 0's report. A failed rank ends the others; the error names it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from dlrm.train import RunError
+
+    # the launcher's own log repeats a failed rank's traceback: the error below says it once
+    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"dlrm-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, _worker)(cfg_fields, str(out_dir), resume)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        raise RunError(f"rank {rank} failed: {_last_line(str(message))}") from None
+    return results[0]
+
+
+def _last_line(message: str) -> str:
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "exited without a message"
+
+
+def _worker(cfg_fields: dict, out_dir: str, resume: bool) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run)(cfg_fields, out_dir, resume)
+
+
+def _run(cfg_fields: dict, out_dir: str, resume: bool) -> dict:
+    from dlrm.train import RunConfig, train
+
+    # torch and torchrec deprecation notices, once per rank, say nothing to a user of dlrm
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    # the planner warns about how it was built and about sizes it guesses for dense tensors
+    logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        return train(RunConfig(**cfg_fields), Path(out_dir), resume=resume)
+    finally:
+        dist.destroy_process_group()

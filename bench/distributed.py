@@ -1,0 +1,266 @@
+"""DLRM training over 1 and 2 processes (gloo, CPU): samples/s and what each rank sends per
+step, ours against TorchRec's own sharded FP32 EmbeddingBagCollection, in one run.
+
+Both engines train the same DLRM (preset kaggle, FP32 dense: TorchRec has no FP16
+master-weight path; dense AdaGrad) on the same global batches, each rank reading its part of
+every batch from the same memory-mapped dataset:
+
+* ours: INT8 tables behind a 5% 32-way LFU cache, row-wise AdaGrad, sharded by our sharder
+  with the plan of TorchRec's planner fed our bytes (``dlrm.distributed.shard``), trained by
+  ``MixedPrecisionTrainer`` (one decision all-reduce per step);
+* TorchRec: FP32 tables, FBGEMM's fused row-wise AdaGrad (``EXACT_ROWWISE_ADAGRAD``),
+  sharded by TorchRec's ``EmbeddingBagCollectionSharder`` with its default planner.
+
+Per (engine, processes): --warmup untimed steps, then --steps timed steps; samples/s is the
+global batch times steps over the wall time of rank 0. Bytes sent per rank per step: the
+payload each rank hands to the Python collectives (KJT and pooled all-to-alls,
+reduce-scatter, all-gather, all-reduce; counted by wrapping ``torch.distributed``'s
+functions, so TorchRec's and ours alike) plus DDP's all-reduce of the dense gradients
+(computed: its bytes are the dense gradients'). Embedding memory per rank: ours measured
+(``memory_bytes`` of the rank's shards); TorchRec's from its shard sizes (FP32 rows plus one
+FP32 AdaGrad accumulator per row). On a 2-core machine two processes share the cores, so
+the 2-process figure measures the overheads of sharding, not a speed-up.
+
+    python bench/distributed.py --out bench/results/distributed
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _common import environment, environment_markdown, parser, write_text
+
+ENGINES = ("ours", "torchrec")
+
+
+def _count_collectives(counter: dict) -> None:
+    """Wrap torch.distributed's collectives to add each call's input bytes to ``counter``."""
+    for name, arg in (
+        ("all_to_all_single", "input"),
+        ("all_reduce", "tensor"),
+        ("reduce_scatter_tensor", "input"),
+        ("all_gather_into_tensor", "input_tensor"),
+    ):
+        original = getattr(dist, name)
+        signature = inspect.signature(original)
+
+        def counted(*args, _original=original, _sig=signature, _name=name, _arg=arg, **kwargs):
+            t = _sig.bind(*args, **kwargs).arguments[_arg]
+            counter[_name] = counter.get(_name, 0) + t.numel() * t.element_size()
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def _worker(rank: int, world: int, port: int, engine: str, args: dict, data: str, queue) -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    torch.set_num_threads(max(1, args["threads"] // world))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        queue.put((rank, _measure(rank, world, engine, args, data)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from dlrm import distributed
+    from dlrm.data import batches as data_batches
+    from dlrm.mixed_precision import MixedPrecisionTrainer
+    from dlrm.model import DLRM, make_torchrec_ebc
+    from dlrm.train import RunConfig, build_model
+
+    dataset = data_batches.load(data)
+    cards = list(dataset.meta["cardinalities"])
+    ranks = distributed.Ranks(rank, world, dist.group.WORLD)
+    cfg = RunConfig(
+        batch_size=args["batch_size"], dense_precision="fp32", optimizer="adagrad", lr=0.01
+    )
+    if engine == "ours":
+        model = distributed.shard(build_model(cfg, cards), ranks, cfg.batch_size)
+        trainer = MixedPrecisionTrainer(model, precision="fp32", optimizer="adagrad", lr=cfg.lr)
+        step = trainer.train_step
+        sharded = model.module.embedding_collection
+        memory = sum(t.memory_bytes()["total"] for t in sharded.local_tables().values())
+    else:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        torch.manual_seed(cfg.seed)
+        model = DLRM.from_preset(cfg.preset, make_torchrec_ebc(cards, 16))
+        sharder = EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+        )
+        # as ours: table-wise or row-wise, the fused kernel (not data-parallel tables)
+        constraints = {
+            f"t_{k}": ParameterConstraints(
+                sharding_types=["table_wise", "row_wise"], compute_kernels=["fused"]
+            )
+            for k in range(len(cards))
+        }
+        plan = EmbeddingShardingPlanner(
+            Topology(world_size=world, compute_device="cpu"), constraints=constraints
+        ).collective_plan(model, [sharder], dist.group.WORLD)
+        model = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
+            plan=plan,
+            sharders=[sharder],
+        )
+        dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+        optimizer = torch.optim.Adagrad(dense.values(), lr=cfg.lr)
+
+        def step(x, sparse, labels):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x, sparse), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        memory = 0
+        for shards in model.plan.plan["embedding_collection"].values():
+            for shard in shards.sharding_spec.shards:
+                if f"rank:{rank}/" in str(shard.placement):
+                    rows, dim = shard.shard_sizes
+                    memory += rows * dim * 4 + rows * 4
+    dense_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if "embedding_collection" not in n
+    )
+    batches = data_batches.iterate_batches(
+        dataset, "train", cfg.batch_size, shuffle=True, drop_last=True, part=ranks.part
+    )
+    for _ in range(args["warmup"]):
+        b = next(batches)
+        step(b.dense, b.sparse, b.labels)
+    counter: dict = {}
+    _count_collectives(counter)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args["steps"]):
+        b = next(batches)
+        step(b.dense, b.sparse, b.labels)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    sent = {k: v / args["steps"] for k, v in counter.items()}
+    if world > 1:
+        sent["ddp_all_reduce (dense gradients)"] = dense_bytes
+    return {
+        "samples_per_second": args["steps"] * cfg.batch_size / seconds,
+        "bytes_sent_per_step": sent,
+        "bytes_sent_per_step_total": sum(sent.values()),
+        "embedding_memory_bytes": memory,
+    }
+
+
+def run(engine: str, world: int, args: dict, data: str) -> list[dict]:
+    """Every rank's figures of ``engine`` trained by ``world`` processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(
+        _worker,
+        args=(world, port, engine, args, data, queue),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    out = dict(queue.get() for _ in range(world))
+    return [out[r] for r in range(world)]
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--scale", type=float, default=1.0, help="Kaggle cardinalities times this")
+    p.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows to generate")
+    p.add_argument("--batch-size", type=int, default=2048, help="global batch")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--data-root", type=Path, default=Path("runs/bench-distributed"))
+    p.add_argument("--out", type=Path, help="write distributed.md and distributed.json here")
+    args = p.parse_args()
+    from dlrm.data.synthetic import SyntheticCriteo
+
+    data = args.data_root / f"synthetic-scale{args.scale}-rows{args.rows}"
+    if not (data / "meta.json").exists():
+        SyntheticCriteo(scale=args.scale, seed=0).write(data, args.rows)
+    env = environment(__file__, threads=args.threads)
+    shared = {k: getattr(args, k) for k in ("batch_size", "steps", "warmup", "threads")}
+    results = {}
+    for engine in ENGINES:
+        for world in (1, 2):
+            ranks = run(engine, world, shared, str(data))
+            results[f"{engine}, {world} process{'es' if world > 1 else ''}"] = ranks
+            r0 = ranks[0]
+            print(
+                f"{engine} x{world}: {r0['samples_per_second']:,.0f} samples/s, sent per rank "
+                f"per step {[round(r['bytes_sent_per_step_total'] / 2**20, 2) for r in ranks]} "
+                f"MiB, embeddings per rank "
+                f"{[round(r['embedding_memory_bytes'] / 2**20, 1) for r in ranks]} MiB"
+            )
+    md = _markdown(env, args, data, results)
+    print("\n" + md)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_text(args.out / "distributed.md", md)
+        payload = {
+            "environment": env,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "results": results,
+        }
+        write_text(args.out / "distributed.json", json.dumps(payload, indent=2))
+        print(f"wrote {args.out}/distributed.md, distributed.json")
+
+
+def _markdown(env: dict, args, data: Path, results: dict) -> str:
+    meta = json.loads((data / "meta.json").read_text())
+    lines = [
+        "# Distributed DLRM training (gloo, CPU)",
+        "",
+        environment_markdown(env),
+        "",
+        f"Synthetic data at scale {args.scale} ({sum(meta['cardinalities']):,} rows in 26 "
+        f"tables, dim 16), global batch {args.batch_size}, {args.warmup} warm-up and "
+        f"{args.steps} timed steps, {args.threads} threads shared by the processes.",
+        "",
+        "| engine, processes | samples/s | sent per rank per step (MiB) | "
+        "embeddings per rank (MiB) |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, ranks in results.items():
+        sent = " / ".join(f"{r['bytes_sent_per_step_total'] / 2**20:.2f}" for r in ranks)
+        mem = " / ".join(f"{r['embedding_memory_bytes'] / 2**20:.1f}" for r in ranks)
+        lines.append(f"| {name} | {ranks[0]['samples_per_second']:,.0f} | {sent} | {mem} |")
+    lines += ["", "Bytes sent per step by collective, rank 0:", ""]
+    for name, ranks in results.items():
+        parts = ", ".join(
+            f"{k} {v / 2**20:.3f} MiB" for k, v in ranks[0]["bytes_sent_per_step"].items()
+        )
+        lines.append(f"* {name}: {parts or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

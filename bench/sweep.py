@@ -211,6 +211,42 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def rounding_effect(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per precision and cache configuration run with both roundings: the drop with nearest
+    minus the drop with stochastic rounding, paired by seed (same data, same FP32 reference),
+    its mean and std over seeds, in how many seeds stochastic was better, and a paired
+    t-test's two-sided p. "decided" needs p < 0.05: the difference stands out of the seeds'
+    spread."""
+    from scipy import stats
+
+    d = rows.assign(drop=relative_drop(rows))
+    d = d[d.precision != "fp32"].assign(
+        policy=d.policy.fillna("-"), ways=d.ways.astype("Int64").fillna(0)
+    )
+    key = ["precision", "cache", "policy", "ways"]
+    paired = d.pivot_table(index=[*key, "seed"], columns="rounding", values="drop").dropna()
+    if paired.empty or not {"nearest", "stochastic"} <= set(paired.columns):
+        return pd.DataFrame()
+    diff = (paired["nearest"] - paired["stochastic"]).rename("diff").reset_index()
+    out = []
+    for config, g in diff.groupby(key, sort=False):
+        n = len(g)
+        p = float(stats.ttest_1samp(g["diff"], 0.0).pvalue) if n >= 2 else float("nan")
+        better = "stochastic" if g["diff"].mean() > 0 else "nearest"
+        out.append(
+            {
+                **dict(zip(key, config)),
+                "seeds": n,
+                "mean": g["diff"].mean(),
+                "std": g["diff"].std(),
+                "stochastic_better": int((g["diff"] > 0).sum()),
+                "p": p,
+                "verdict": f"{better} better" if p < 0.05 else "not decided",
+            }
+        )
+    return pd.DataFrame(out)
+
+
 def cell(mean: float, std: float) -> str:
     if pd.isna(mean):
         return "–"
@@ -306,6 +342,31 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
             f"## {kind_label(policy, ways)} cache, nearest / stochastic{ref}",
             "",
             markdown_table(t),
+            "",
+        ]
+
+    effect = rounding_effect(rows)
+    if len(effect):
+        effect = effect.assign(
+            cache=[
+                cache_label(c, p, w) for c, p, w in zip(effect.cache, effect.policy, effect.ways)
+            ],
+            diff=[f"{m:+.3f} ± {sd:.3f}" for m, sd in zip(effect["mean"], effect["std"])],
+            better=[f"{b} of {n}" for b, n in zip(effect.stochastic_better, effect.seeds)],
+            p=effect.p.map("{:.3f}".format),
+        )[["precision", "cache", "diff", "better", "p", "verdict"]]
+        out += [
+            "## Stochastic against nearest rounding",
+            "",
+            "Drop with nearest minus drop with stochastic rounding (percentage points), paired "
+            "by seed; positive: stochastic is better. Decided where a paired t-test over the "
+            "seeds gives p < 0.05.",
+            "",
+            markdown_table(
+                effect.rename(
+                    columns={"diff": "nearest - stochastic", "better": "stochastic better in"}
+                ).set_index("precision")
+            ),
             "",
         ]
 

@@ -207,7 +207,10 @@ def _run(cfg_fields: dict, out_dir: str, resume: bool) -> dict:
     # the planner warns about how it was built and about sizes it guesses for dense tensors
     logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    cfg = RunConfig(**cfg_fields)
+    if not cfg.threads:  # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:
-        return train(RunConfig(**cfg_fields), Path(out_dir), resume=resume)
+        return train(cfg, Path(out_dir), resume=resume)
     finally:
         dist.destroy_process_group()

@@ -145,30 +145,34 @@ class CachedTableEstimator(ShardEstimator):
         finally:
             for o in ours:
                 o.compute_kernel = KERNEL
+        on_device = self._device == "cuda"
         for o in ours:
             config = o.module[1].embedding_bags[o.name].config
             for shard in o.shards:
-                rows, dim = shard.size
-                nbytes = shard_bytes(config, rows, dim)
-                on_device = self._device == "cuda"
+                nbytes = shard_bytes(config, shard.size[0])
                 shard.storage = Storage(
                     hbm=nbytes if on_device else 0, ddr=0 if on_device else nbytes
                 )
 
 
-def shard_bytes(config: TableConfig, rows: int, dim: int) -> int:
-    """Bytes a shard of ``rows x dim`` of a table with ``config`` allocates (a row-wise shard
-    keeps its table's format and has a cache of ``cache_ratio`` times its own rows)."""
-    return memory_breakdown(
-        dataclasses.replace(
-            config,
-            num_embeddings=rows,
-            embedding_dim=dim,
-            precision=config.stored_precision,
-            cache_ratio=config.cache_ratio if config.low_precision else 0.0,
-            min_rows_for_low_precision=0,
-        )
-    )["total"]
+def shard_config(config: TableConfig, rows: int) -> TableConfig:
+    """The configuration of a shard of ``rows`` rows of a table with ``config``: the table's
+    own for a whole table; for a row-wise shard, the table's format whatever the shard's size
+    (the small-table rule is the table's), with a cache of ``cache_ratio`` times its rows."""
+    if rows == config.num_embeddings:
+        return config
+    return dataclasses.replace(
+        config,
+        num_embeddings=rows,
+        precision=config.stored_precision,
+        cache_ratio=config.cache_ratio if config.low_precision else 0.0,
+        min_rows_for_low_precision=0,
+    )
+
+
+def shard_bytes(config: TableConfig, rows: int) -> int:
+    """Bytes a shard of ``rows`` rows of a table with ``config`` allocates."""
+    return memory_breakdown(shard_config(config, rows))["total"]
 
 
 def planner(
@@ -224,7 +228,6 @@ class ShardedCachedEmbeddingBagCollection(
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        self._env = env
         configs = module.embedding_bag_configs()
         infos: dict[str, list[EmbeddingShardingInfo]] = {}
         for config in configs:
@@ -250,13 +253,14 @@ class ShardedCachedEmbeddingBagCollection(
                     f"(a mean over shards' partial bags is not their sum's mean)"
                 )
             infos.setdefault(ps.sharding_type, []).append(_sharding_info(config, ps))
-        self._sharding_types = list(infos)
-        shardings = [_SHARDINGS[t](infos[t], env, device) for t in self._sharding_types]
+        shardings = [_SHARDINGS[t](infos[t], env, device) for t in infos]
         # this rank's shards of every sharding, in one collection: one lookup, one update
         self._local, self._local_dims = _local_shards(shardings, module, env.rank)
         self._input_dists = nn.ModuleList([s.create_input_dist() for s in shardings])
         self._output_dists = nn.ModuleList([s.create_output_dist(device) for s in shardings])
-        self._sharding_features = [s.feature_names() for s in shardings]
+        # the input's features in the shardings' order, and how many each sharding takes
+        self._features = [f for s in shardings for f in s.feature_names()]
+        self._feature_splits = [len(s.feature_names()) for s in shardings]
         self._embedding_names = [n for s in shardings for n in s.embedding_names()]
         self._embedding_dims = [d for s in shardings for d in s.embedding_dims()]
         self._feature_order: list[int] | None = None  # input key order -> sharding order
@@ -284,16 +288,15 @@ class ShardedCachedEmbeddingBagCollection(
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
-        wanted = [f for names in self._sharding_features for f in names]
         if self._feature_order is None:
-            missing = [f for f in wanted if f not in features.keys()]
+            missing = [f for f in self._features if f not in features.keys()]
             if missing:
                 raise ValueError(f"features {missing} are missing from the input")
-            self._feature_order = [features.keys().index(f) for f in wanted]
+            self._feature_order = [features.keys().index(f) for f in self._features]
         with torch.no_grad():
-            if features.keys() != wanted:
+            if features.keys() != self._features:
                 features = features.permute(self._feature_order)
-            parts = features.split([len(names) for names in self._sharding_features])
+            parts = features.split(self._feature_splits)
             awaitables = []
             for input_dist, part in zip(self._input_dists, parts):
                 awaitables.append(input_dist(part))
@@ -372,12 +375,6 @@ class ShardedCachedEmbeddingBagCollection(
         if self._local is not None:
             self._local.zero_grad()
 
-    def flush(self) -> int:
-        return 0 if self._local is None else self._local.flush()
-
-    def memory_bytes(self) -> dict[str, dict]:
-        return {name: t.memory_bytes() for name, t in self.local_tables().items()}
-
     def stats(self) -> dict[str, dict]:
         return {name: t.stats() for name, t in self.local_tables().items()}
 
@@ -410,22 +407,15 @@ def _local_shards(
         for t in shards:
             if t.local_rows == 0:
                 raise ValueError(f"table '{t.name}': row-wise sharding leaves rank {rank} no rows")
-            cfg = full[t.name].config
-            opts = {
+            cfg = shard_config(full[t.name].config, t.local_rows)
+            options_of_shard = {
                 k: v
                 for k, v in cfg.to_dict().items()
                 if k not in ("num_embeddings", "embedding_dim", "name", "mode")
             }
-            name, start = t.name, None
-            if row_wise:  # a shard keeps its table's format, whatever its own size
-                start = t.local_metadata.shard_offsets[0]
-                name = f"{t.name}@{start}"
-                opts.update(
-                    precision=cfg.stored_precision,
-                    cache_ratio=cfg.cache_ratio if cfg.low_precision else 0.0,
-                    min_rows_for_low_precision=0,
-                )
-            options[name] = opts
+            start = t.local_metadata.shard_offsets[0] if row_wise else None
+            name = t.name if start is None else f"{t.name}@{start}"
+            options[name] = options_of_shard
             copies.append((full[t.name], start))
             configs.append(
                 EmbeddingBagConfig(

@@ -8,6 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 # A collective waiting on a dead or stuck rank raises after this long instead of hanging.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -39,3 +40,27 @@ def run_ranks(body, world_size: int = 2, *args) -> None:
     default process group initialised; an exception in any rank fails the caller (with that
     rank's traceback) and ends the others. ``body`` must be a module-level function."""
     mp.spawn(_entry, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)
+
+
+def skewed_features(gen: torch.Generator, rows: list[int], samples: int):
+    """Feature ``f`` of ``samples`` samples: lengths ``[F, samples]`` of 0-3 ids, and the ids
+    of each feature, skewed towards small ids so that caches see hits."""
+    lengths = torch.randint(0, 4, (len(rows), samples), generator=gen)
+    ids = [
+        (torch.rand(int(lengths[f].sum()), generator=gen) ** 3 * n).long()
+        for f, n in enumerate(rows)
+    ]
+    return lengths, ids
+
+
+def features_of(lengths: torch.Tensor, ids: list, first: int, last: int) -> KeyedJaggedTensor:
+    """The KJT (keys ``f_0``, ``f_1``, ...) of samples ``[first, last)`` of ``skewed_features``."""
+    values = []
+    for f in range(len(ids)):
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[f].cumsum(0)])
+        values.append(ids[f][offsets[first] : offsets[last]])
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{f}" for f in range(len(ids))],
+        values=torch.cat(values),
+        lengths=lengths[:, first:last].reshape(-1),
+    )

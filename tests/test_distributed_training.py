@@ -24,7 +24,6 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrm.mixed_precision import BackoffScaler, MixedPrecisionTrainer, StepRefusedError
 from dlrm.model import DLRM
@@ -34,7 +33,7 @@ from embcache.sharding import (
     CachedEmbeddingBagCollectionSharder,
     ShardedCachedEmbeddingBagCollection,
 )
-from tests._distributed import run_ranks
+from tests._distributed import features_of, run_ranks, skewed_features
 
 ROWS = [3000, 2000, 4001, 50]
 DIM = 8
@@ -106,11 +105,7 @@ def _sharded_trainer(
 def _global_batch(step: int, world_size: int):
     gen = torch.Generator().manual_seed(500 + step)
     samples = BATCH * world_size
-    lengths = torch.randint(0, 4, (len(ROWS), samples), generator=gen)
-    ids = [
-        (torch.rand(int(lengths[f].sum()), generator=gen) ** 3 * n).long()
-        for f, n in enumerate(ROWS)
-    ]
+    lengths, ids = skewed_features(gen, ROWS, samples)
     dense = torch.randn(samples, 3, generator=gen)
     labels = torch.randint(0, 2, (samples,), generator=gen).float()
     return lengths, ids, dense, labels
@@ -118,16 +113,7 @@ def _global_batch(step: int, world_size: int):
 
 def _slice(batch, first: int, last: int):
     lengths, ids, dense, labels = batch
-    values = []
-    for f in range(len(ROWS)):
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[f].cumsum(0)])
-        values.append(ids[f][offsets[first] : offsets[last]])
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f_{f}" for f in range(len(ROWS))],
-        values=torch.cat(values),
-        lengths=lengths[:, first:last].reshape(-1),
-    )
-    return dense[first:last], kjt, labels[first:last]
+    return dense[first:last], features_of(lengths, ids, first, last), labels[first:last]
 
 
 def _train_like_one_process(rank: int, world_size: int) -> None:

@@ -30,7 +30,7 @@ from embcache.sharding import (
     CachedEmbeddingBagCollectionSharder,
     ShardedCachedEmbeddingBagCollection,
 )
-from tests._distributed import run_ranks
+from tests._distributed import features_of, run_ranks, skewed_features
 
 ROWS = [3000, 2000, 4001, 50]  # t_3 is below min_rows_for_low_precision: FP32, no cache
 DIM = 8
@@ -68,29 +68,12 @@ def _collection() -> CachedLowPrecisionEmbeddingBagCollection:
 
 
 def _global_batch(step: int, world_size: int):
-    """Per feature: lengths ``[samples]`` and ids, skewed so that the caches see hits."""
+    """Per feature: lengths ``[samples]`` and ids; the fixed weights of the linear loss."""
     gen = torch.Generator().manual_seed(1000 + step)
     samples = BATCH * world_size
-    lengths = torch.randint(0, 4, (len(ROWS), samples), generator=gen)
-    ids = [
-        (torch.rand(int(lengths[f].sum()), generator=gen) ** 3 * n).long()
-        for f, n in enumerate(ROWS)
-    ]
+    lengths, ids = skewed_features(gen, ROWS, samples)
     weights = torch.randn(samples, DIM * len(ROWS), generator=gen)
     return lengths, ids, weights
-
-
-def _kjt(lengths, ids, first: int, last: int) -> KeyedJaggedTensor:
-    """The KJT of samples ``[first, last)``."""
-    values = []
-    for f in range(len(ROWS)):
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[f].cumsum(0)])
-        values.append(ids[f][offsets[first] : offsets[last]])
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f_{f}" for f in range(len(ROWS))],
-        values=torch.cat(values),
-        lengths=lengths[:, first:last].reshape(-1),
-    )
 
 
 class _Model(nn.Module):
@@ -125,11 +108,11 @@ def _train_sharded_and_reference(rank: int, world_size: int) -> None:
     first, last = rank * BATCH, (rank + 1) * BATCH
     for step in range(STEPS):
         lengths, ids, weights = _global_batch(step, world_size)
-        expected = reference(_kjt(lengths, ids, 0, BATCH * world_size))
+        expected = reference(features_of(lengths, ids, 0, BATCH * world_size))
         ((expected.values() * weights).sum() / (BATCH * world_size)).backward()
         reference.step()
 
-        out = dmp(_kjt(lengths, ids, first, last)).wait()
+        out = dmp(features_of(lengths, ids, first, last)).wait()
         assert out.keys() == expected.keys()
         mine, theirs = out.values(), expected.values()[first:last].detach()
         # table-wise features: the unsharded lookup exactly; the row-wise one is a sum of
@@ -259,7 +242,7 @@ def test_planner_places_tables_by_their_real_bytes():
         config = ebc.embedding_bags[name].config
         for shard in ps.sharding_spec.shards:
             rank = int(str(shard.placement).split("rank:")[1].split("/")[0])
-            per_rank[rank] += shard_bytes(config, *shard.shard_sizes)
+            per_rank[rank] += shard_bytes(config, shard.shard_sizes[0])
     assert 0 < max(per_rank) <= budget
 
     options = EmbeddingEnumerator(

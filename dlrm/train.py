@@ -236,7 +236,8 @@ def resolve_data(cfg: RunConfig, root: Path) -> Path:
     return path
 
 
-def build_model(cfg: RunConfig, cardinalities: list[int]) -> DLRM:
+def build_model(cfg: RunConfig, cardinalities: list[int], device: str | None = None) -> DLRM:
+    """The run's DLRM; ``device="meta"`` builds its tables without memory, to be sharded."""
     torch.manual_seed(cfg.seed)
     dim = PRESETS[cfg.preset].embedding_dim
     if cfg.embeddings == "torchrec":
@@ -253,7 +254,7 @@ def build_model(cfg: RunConfig, cardinalities: list[int]) -> DLRM:
             for i, (n, key) in enumerate(zip(cardinalities, SPARSE_KEYS))
         ]
         collection = CachedLowPrecisionEmbeddingBagCollection(
-            tables, per_table=cfg.tables, **cfg._table_defaults()
+            tables, per_table=cfg.tables, device=device, **cfg._table_defaults()
         )
     else:
         raise RunError(f"--embeddings must be 'embcache' or 'torchrec', got {cfg.embeddings!r}")
@@ -461,9 +462,10 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
             f"--nproc-per-node is {cfg.nproc_per_node} but {ranks.world_size} processes run"
         )
     cards = list(dataset.meta["cardinalities"])
-    model = build_model(cfg, cards)
-    if ranks.world_size > 1:
-        model = distributed.shard(model, ranks, cfg.batch_size)
+    if ranks.world_size > 1:  # each rank allocates only its shards
+        model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
+    else:
+        model = build_model(cfg, cards)
     trainer = build_trainer(cfg, model)
     ckpt_path = out_dir / ("checkpoint" if ranks.world_size > 1 else "checkpoint.pt")
     progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}

@@ -11,6 +11,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from embcache.embedding import (
+    META_TABLE,
     CachedLowPrecisionEmbedding,
     PendingGradient,
     _ops,
@@ -45,8 +46,12 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
     ``defaults`` are table options (precision, rounding, cache_ratio, associativity, policy,
     optimizer, lr, qparams, seed, min_rows_for_low_precision, ...); ``per_table`` maps a table
     name to options that override them. Table ``i`` gets ``table_id=i`` unless its options
-    name one, so tables sharing a seed draw independent rounding streams. Tables below ``min_rows_for_low_precision`` rows
-    (default 1000) stay FP32 without cache.
+    name one, so tables sharing a seed draw independent rounding streams. Tables below
+    ``min_rows_for_low_precision`` rows (default 1000) stay FP32 without cache.
+
+    ``device="meta"`` builds the tables without memory or rows (as TorchRec's own collection
+    does), for ``DistributedModelParallel`` to shard: each rank then allocates and draws
+    only its shards (:mod:`embcache.sharding`), the rows the unsharded table would hold.
 
     The update is sparse and fused: after ``loss.backward()`` call :meth:`step` (or
     :meth:`zero_grad` to skip). ``has_nonfinite_grad`` / ``unscale_grad_`` let a mixed-
@@ -62,6 +67,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         tables: Sequence[EmbeddingBagConfig],
         *,
         per_table: Mapping[str, Mapping] | None = None,
+        device: torch.device | str | None = None,
         **defaults,
     ) -> None:
         super().__init__()
@@ -92,6 +98,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 mode=_MODES[t.pooling],
                 name=t.name,
                 include_last_offset=True,
+                device=device,
                 **options,
             )
         # Fixed once built, like the layout: the per-step paths read these lists.
@@ -188,6 +195,9 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
     def _check(self, features: KeyedJaggedTensor, names: list[str], table_of: list[int]) -> None:
         """Consistent lengths, every id in range for its table: else a ValueError naming the
         feature. (Run only when the C++ forward, which checks the same, has refused the input.)"""
+        for t in self._table_list:
+            if t.weights.is_meta:
+                raise ValueError(f"table '{t.config.name}': {META_TABLE}")
         per_key = self._check_lengths(features)
         values = features.values()
         if values.dtype not in (torch.int64, torch.int32):

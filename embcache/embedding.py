@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -87,35 +87,25 @@ class CachedLowPrecisionEmbedding(nn.Module):
         *,
         weight: torch.Tensor | None = None,
         include_last_offset: bool = False,
+        device: torch.device | str | None = None,
         **options,
     ) -> None:
         super().__init__()
         self.include_last_offset = include_last_offset
         self.config = TableConfig(num_embeddings, embedding_dim, **options)
         cfg = self.config
-        rows, dim = num_embeddings, embedding_dim
-        if weight is not None and tuple(weight.shape) != (rows, dim):
+        if weight is not None and tuple(weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(
                 f"table '{cfg.name}': initial weight has shape {tuple(weight.shape)}, "
-                f"expected {(rows, dim)}"
+                f"expected {(num_embeddings, embedding_dim)}"
             )
-        self.register_buffer("weights", self._quantize_initial(weight))
-        self.register_buffer("cache_tags", _state_tensor((cfg.num_slots,), torch.int32).fill_(-1))
-        self.register_buffer(
-            "cache_rows", _state_tensor((cfg.num_slots, dim), torch.float32).zero_()
-        )
-        self.register_buffer("cache_priority", _state_tensor((cfg.num_slots,), torch.int32).zero_())
-        self.register_buffer(
-            "cache_set_floor",
-            torch.full((cfg.num_sets,), _NO_FLOOR, dtype=torch.int32),
-            persistent=False,
-        )
-        counts_rows = rows if cfg.policy == "lfu" and cfg.num_slots > 0 else 0
-        self.register_buffer("counts", _state_tensor((counts_rows,), torch.int32).zero_())
-        width = cfg.optimizer_state_width
-        self.register_buffer(
-            "optimizer_state", _state_tensor((rows * width,), torch.float32).zero_()
-        )
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "meta" and weight is not None:
+            raise ValueError(f"table '{cfg.name}': a table on the meta device takes no weight")
+        self._allocate_state(torch.device("meta") if device.type == "meta" else None)
+        if device.type != "meta":
+            self._write_rows(0, _weight_blocks(weight) if weight is not None else None)
+            self._reset_state()
         self._counters = torch.zeros(
             len(_STAT_NAMES), dtype=torch.int64
         )  # CPU, wherever the table is
@@ -125,6 +115,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         # itself (one record for all its tables), and calling this hands every table its part.
         self._hand_over: Callable[[], None] | None = None
         self._cache_version = 0  # changes whenever the cache may have changed
+        if device.type not in ("cpu", "meta"):
+            self.to(device)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -160,33 +152,57 @@ class CachedLowPrecisionEmbedding(nn.Module):
     def _format_args(self) -> tuple[int, bool]:
         return self.config.bits, self.config.qparams_fp16
 
-    def _quantize_initial(self, weight: torch.Tensor | None) -> torch.Tensor:
-        """The initial rows in the stored format, rounded to nearest: ``weight``'s, or (None)
-        uniform in ``±sqrt(1 / rows)`` from a generator seeded by the table's seed and id. Made
-        2^16 rows at a time, so no FP32 copy of the whole table ever exists (the drawn values
-        are those of one draw for the whole table: the generator's stream is consumed in
-        order, in chunks whose sizes are multiples of 2^16 values)."""
+    def _allocate_state(self, device: torch.device | None) -> None:
+        """Register every state tensor, uninitialised: on the meta device, or (None) in host
+        memory on huge pages."""
         cfg = self.config
-        rows, dim = cfg.num_embeddings, cfg.embedding_dim
-        if weight is None:
-            bound = math.sqrt(1.0 / rows)
-            gen = torch.Generator().manual_seed(cfg.seed * 1000003 + cfg.table_id)
+
+        def state(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            if device is not None:
+                return torch.empty(shape, dtype=dtype, device=device)
+            return _state_tensor(shape, dtype)
+
+        slots = cfg.num_slots
+        self.register_buffer("weights", state((cfg.num_embeddings, cfg.row_bytes), torch.uint8))
+        self.register_buffer("cache_tags", state((slots,), torch.int32))
+        self.register_buffer("cache_rows", state((slots, cfg.embedding_dim), torch.float32))
+        self.register_buffer("cache_priority", state((slots,), torch.int32))
+        self.register_buffer(
+            "cache_set_floor", state((cfg.num_sets,), torch.int32), persistent=False
+        )
+        counts_rows = cfg.num_embeddings if cfg.policy == "lfu" and slots > 0 else 0
+        self.register_buffer("counts", state((counts_rows,), torch.int32))
+        width = cfg.optimizer_state_width
+        self.register_buffer("optimizer_state", state((cfg.num_embeddings * width,), torch.float32))
+
+    def _reset_state(self) -> None:
+        """Empty the cache; zero the LFU counts and the optimizer state."""
+        with torch.no_grad():
+            self.cache_tags.fill_(-1)
+            self.cache_rows.zero_()
+            self.cache_priority.zero_()
+            self.cache_set_floor.fill_(_NO_FLOOR)
+            self.counts.zero_()
+            self.optimizer_state.zero_()
+
+    def _write_rows(self, first: int, blocks: Iterator[tuple[int, torch.Tensor]] | None) -> None:
+        """Store FP32 rows, rounded to nearest, into this table from row 0 on: ``blocks`` of
+        (source row, rows) starting at source row ``first``, or (None) this table's initial
+        rows (:func:`_initial_blocks`). Blocks are at most 2^16 rows, so no FP32 copy of the
+        table exists at once."""
+        cfg = self.config
+        if blocks is None:
+            blocks = _initial_blocks(cfg, 0, cfg.num_embeddings)
         bits, qfp16 = self._format_args()
-        out = _state_tensor((rows, cfg.row_bytes), torch.uint8)
-        for start in range(0, rows, _INIT_CHUNK_ROWS):
-            n = min(_INIT_CHUNK_ROWS, rows - start)
-            if weight is None:
-                block = torch.empty(n, dim).uniform_(-bound, bound, generator=gen)
-            else:
-                block = weight[start : start + n].detach().float().contiguous()
-            ids = torch.arange(start, start + n, dtype=torch.int64)
+        for start, block in blocks:
+            at = start - first
+            ids = torch.arange(at, at + block.shape[0], dtype=torch.int64)
             try:
-                out[start : start + block.shape[0]] = _ops.quantize_rows(
+                self.weights[at : at + block.shape[0]] = _ops.quantize_rows(
                     block, ids, bits, qfp16, False, 0, 0, 0
                 )
             except RuntimeError as e:
-                raise ValueError(f"table '{self.config.name}': initial weight: {e}") from None
-        return out
+                raise ValueError(f"table '{cfg.name}': initial weight: {e}") from None
 
     # ------------------------------------------------------------------ input checking
 
@@ -202,6 +218,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         def bad(msg: str) -> ValueError:
             return ValueError(f"table '{name}': {msg}")
 
+        if self.weights.is_meta:
+            raise bad(META_TABLE)
         if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
             raise bad(
                 f"input must be an int64 or int32 tensor, got {getattr(input, 'dtype', type(input))}"
@@ -476,12 +494,19 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def copy_rows_from(self, source: CachedLowPrecisionEmbedding, start: int) -> None:
         """Make this table rows ``[start, start + num_embeddings)`` of ``source``, as a
-        row-wise shard of it: their stored bytes, optimizer state and (LFU) counts, and
-        ``source``'s update count. This table's cache is emptied; ``source`` must have an empty
-        cache (call its :meth:`flush` first) and the same row format, optimizer and policy.
-        Raises ``ValueError`` naming both tables, having changed nothing, otherwise."""
+        row-wise shard of it: their stored bytes, optimizer state and LFU counts (zero if
+        ``source`` keeps none; a shard too small for a cache keeps none), and ``source``'s
+        update count; this table's cache is emptied. ``source`` must have an empty cache (call
+        its :meth:`flush` first) and the same row format and optimizer.
+        Raises ``ValueError`` naming both tables, having changed nothing, otherwise.
+
+        A ``source`` on the meta device has its initial rows (those it would draw if built
+        in memory), zero optimizer state and counts. A table on the meta device is given its
+        memory here: so a shard of a table too large for one host is built without the
+        table or a second copy of the shard ever existing."""
         mine, theirs = self.config, source.config
         rows = mine.num_embeddings
+        initial = source.weights.is_meta
         why = None
         if not 0 <= start <= theirs.num_embeddings - rows:
             why = f"rows [{start}, {start + rows}) are not all in its {theirs.num_embeddings}"
@@ -494,25 +519,25 @@ class CachedLowPrecisionEmbedding(nn.Module):
             why = "its rows are stored in another format"
         elif mine.optimizer_state_width != theirs.optimizer_state_width:
             why = "its optimizer state has another width"
-        elif self._lfu != source._lfu:
-            why = "one of the two keeps LFU counts and the other does not"
-        elif bool((source.cache_tags >= 0).any()):
+        elif not initial and bool((source.cache_tags >= 0).any()):
             why = "it has cached rows (flush it first)"
         if why is not None:
             raise ValueError(
                 f"table '{mine.name}': cannot copy rows from table '{theirs.name}': {why}"
             )
+        if self.weights.is_meta:
+            self._allocate_state(None)
         stop = start + rows
-        width = mine.optimizer_state_width
-        with torch.no_grad():
-            self.weights.copy_(source.weights[start:stop])
-            self.optimizer_state.copy_(source.optimizer_state[start * width : stop * width])
-            if self._lfu:
-                self.counts.copy_(source.counts[start:stop])
-            self.cache_tags.fill_(-1)
-            self.cache_rows.zero_()
-            self.cache_priority.zero_()
-            self.cache_set_floor.fill_(_NO_FLOOR)
+        self._reset_state()
+        if initial:
+            self._write_rows(start, _initial_blocks(theirs, start, stop))
+        else:
+            width = mine.optimizer_state_width
+            with torch.no_grad():
+                self.weights.copy_(source.weights[start:stop])
+                self.optimizer_state.copy_(source.optimizer_state[start * width : stop * width])
+                if self._lfu and source._lfu:
+                    self.counts.copy_(source.counts[start:stop])
         self._counters[_COUNTER["steps"]] = source.step_count
         self._pending.clear()
         self._bump_cache_version()
@@ -649,6 +674,11 @@ def check_state_dict(module: nn.Module, state_dict, strict: bool = True) -> None
             )
 
 
+# why a table built with device="meta" cannot look up: it holds no rows yet
+META_TABLE = (
+    "it is on the meta device (no rows in memory): shard it with DistributedModelParallel, "
+    "or build it without device='meta'"
+)
 _HUGE_PAGE = 2 << 20
 _INIT_CHUNK_ROWS = 1 << 16
 _NO_FLOOR = torch.iinfo(torch.int32).min  # a set floor that every priority beats
@@ -662,6 +692,32 @@ def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     if t.nbytes >= _HUGE_PAGE and os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0":
         _ops.advise_huge_pages(t)
     return t
+
+
+def _initial_blocks(
+    config: TableConfig, start: int, stop: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Rows ``[start, stop)`` of the initial FP32 values of a table with ``config``, as
+    (first row, rows) blocks: uniform in ``±sqrt(1 / rows)``, the 2^16 rows from
+    ``c * 2^16`` on drawn by a generator seeded by (seed, table id, ``c``). So any row range
+    is drawn without drawing the rows before it, and a row-wise shard built on its own holds
+    the rows the whole table would."""
+    rows, dim = config.num_embeddings, config.embedding_dim
+    bound = math.sqrt(1.0 / rows)
+    for chunk in range(start // _INIT_CHUNK_ROWS, -(-stop // _INIT_CHUNK_ROWS)):
+        lo = chunk * _INIT_CHUNK_ROWS
+        hi = min(lo + _INIT_CHUNK_ROWS, rows)
+        seed = ((config.seed * 1_000_003 + config.table_id) * 1_000_003 + chunk) % (1 << 63)
+        gen = torch.Generator().manual_seed(seed)
+        block = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
+        a, b = max(lo, start), min(hi, stop)
+        yield a, block[a - lo : b - lo]
+
+
+def _weight_blocks(weight: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``weight``'s rows as FP32 (first row, rows) blocks of at most 2^16 rows."""
+    for start in range(0, weight.shape[0], _INIT_CHUNK_ROWS):
+        yield start, weight[start : start + _INIT_CHUNK_ROWS].detach().float().contiguous()
 
 
 def _with_total(parts: dict) -> dict:

@@ -208,6 +208,9 @@ class ShardedCachedEmbeddingBagCollection(
       optimizer state and counts, and its own cache of ``cache_ratio`` times its rows (the
       unsharded table is flushed first). Stochastic rounding is keyed by the shard's row
       index, so a shard's rounding draws differ from the unsharded table's.
+    * A collection built with ``device="meta"`` is sharded without ever being allocated:
+      each rank allocates only its shards and draws their initial rows, the rows the
+      unsharded table would draw (``CachedLowPrecisionEmbedding.copy_rows_from``).
     * Input and output follow the unsharded collection: a ``KeyedJaggedTensor`` of this
       rank's batch in, a ``KeyedTensor`` of its pooled embeddings in the unsharded feature
       order out.
@@ -395,9 +398,9 @@ def _local_shards(
     shardings: list, module: CachedLowPrecisionEmbeddingBagCollection, rank: int
 ) -> tuple[CachedLowPrecisionEmbeddingBagCollection | None, list[int]]:
     """This rank's shards of ``shardings`` (as TorchRec's own ``create_lookup`` groups them)
-    in one collection, with the unsharded tables' state (a row-wise shard of table ``t``
-    starting at row ``r`` is named ``t@r``); and the width of each sharding's pooled output
-    here."""
+    in one collection, with the unsharded tables' state, or their initial rows if they are on
+    the meta device (a row-wise shard of table ``t`` starting at row ``r`` is named ``t@r``);
+    and the width of each sharding's pooled output here."""
     configs, options, dims, copies = [], {}, [], []
     full = dict(module.embedding_bags.items())
     for sharding in shardings:
@@ -428,9 +431,19 @@ def _local_shards(
             )
     if not configs:
         return None, dims
-    local = CachedLowPrecisionEmbeddingBagCollection(configs, per_table=options)
+    # from tables on the meta device, shards are built on it too and given memory and their
+    # initial rows by copy_rows_from: nothing else is allocated or drawn
+    on_meta = [t.weights.is_meta for t in full.values()]
+    initial = any(on_meta)
+    if initial and not all(on_meta):
+        raise ValueError("some tables are on the meta device and some are not: build all on one")
+    local = CachedLowPrecisionEmbeddingBagCollection(
+        configs, per_table=options, device="meta" if initial else None
+    )
     for (source, start), shard in zip(copies, local.tables()):
-        if start is None:
+        if initial:
+            shard.copy_rows_from(source, start or 0)
+        elif start is None:
             shard.load_state_dict(source.state_dict())
         else:
             source.flush()

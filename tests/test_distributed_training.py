@@ -5,8 +5,10 @@ averages the ranks' FP16 dense gradients in FP16: each rank's half-batch sum is 
 FP16 before the two are added, where one process rounds the whole sum once. The masters
 then differ by about an FP16 rounding of a gradient times the learning rate (rtol 1e-3),
 and the tables, whose gradients depend on the dense weights, agree except for the rare
-element whose stochastic rounding such a difference flips (one quantization step). SGD
-everywhere, so that a gradient of the wrong scale shows.
+element whose stochastic rounding such a difference flips (one quantization step; a row's
+INT8 scale moves all its elements at once). 0.1-1.2% of elements differ over the initial
+tables tried; the test allows 2%. SGD everywhere, so that a gradient of the wrong scale
+shows.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def _train_like_one_process(rank: int, world_size: int) -> None:
             exact += int((mine == theirs).sum())
             total += mine.numel()
         assert shard.step_count == table.step_count == 6
-    assert exact >= 0.99 * total
+    assert exact >= 0.98 * total, (exact, total)
 
 
 def _one_rank_overflows_then_refuses(rank: int, world_size: int) -> None:

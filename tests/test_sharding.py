@@ -57,14 +57,16 @@ PLACEMENT = {
 }
 
 
-def _collection() -> CachedLowPrecisionEmbeddingBagCollection:
+def _collection(device: str | None = None) -> CachedLowPrecisionEmbeddingBagCollection:
     tables = [
         EmbeddingBagConfig(
             name=f"t_{i}", num_embeddings=n, embedding_dim=DIM, feature_names=[f"f_{i}"]
         )
         for i, n in enumerate(ROWS)
     ]
-    return CachedLowPrecisionEmbeddingBagCollection(tables, per_table=PER_TABLE, **OPTIONS)
+    return CachedLowPrecisionEmbeddingBagCollection(
+        tables, per_table=PER_TABLE, device=device, **OPTIONS
+    )
 
 
 def _global_batch(step: int, world_size: int):
@@ -77,17 +79,17 @@ def _global_batch(step: int, world_size: int):
 
 
 class _Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
         super().__init__()
-        self.ebc = _collection()
+        self.ebc = _collection(device)
 
     def forward(self, features: KeyedJaggedTensor):
         return self.ebc(features)
 
 
-def _train_sharded_and_reference(rank: int, world_size: int) -> None:
+def _train_sharded_and_reference(rank: int, world_size: int, device: str | None) -> None:
     sharder = CachedEmbeddingBagCollectionSharder()
-    model = _Model()
+    model = _Model(device)
     plan = construct_module_sharding_plan(
         model.ebc,
         PLACEMENT,
@@ -148,8 +150,58 @@ def _train_sharded_and_reference(rank: int, world_size: int) -> None:
         assert local["t_0"].stats()["hits"] > 0
 
 
-def test_sharded_training_equals_one_process():
-    run_ranks(_train_sharded_and_reference, 2)
+# "meta": the sharded model is built without memory, and each rank draws only its shards
+@pytest.mark.parametrize("device", [None, "meta"])
+def test_sharded_training_equals_one_process(device):
+    run_ranks(_train_sharded_and_reference, 2, device)
+
+
+BIG_ROWS = 3_000_000  # per table: about 110 MB in INT8 with LFU counts and AdaGrad state
+
+
+def _shard_big_tables_from_meta(rank: int, world_size: int, device: str | None) -> None:
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{i}", num_embeddings=BIG_ROWS, embedding_dim=16, feature_names=[f"f_{i}"]
+        )
+        for i in range(2)
+    ]
+    sharder = CachedEmbeddingBagCollectionSharder()
+    model = nn.ModuleDict()
+    open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
+    before = _peak_rss_kib()
+    model["ebc"] = CachedLowPrecisionEmbeddingBagCollection(tables, device=device, **OPTIONS)
+    plan = construct_module_sharding_plan(
+        model["ebc"],
+        {f"t_{i}": table_wise(rank=i, compute_kernel=KERNEL) for i in range(2)},
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],
+    )
+    growth = (_peak_rss_kib() - before) * 1024
+    (sharded,) = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
+    (shard,) = sharded.local_tables().values()
+    own = shard.memory_bytes()["total"]
+    # The rank's own table and DMP's working memory (measured 1.1-1.4x the table), less
+    # than one more table: neither unsharded table (each as large as the shard) was built.
+    assert own <= growth < 2 * own, (growth, own)
+
+
+def _peak_rss_kib() -> int:
+    status = open("/proc/self/status").read()
+    return int(status.split("VmHWM:")[1].split()[0])
+
+
+def test_sharding_from_meta_allocates_only_the_rank_s_shards():
+    run_ranks(_shard_big_tables_from_meta, 2, "meta")
 
 
 def test_copy_rows_from_refuses_and_changes_nothing():
@@ -175,6 +227,37 @@ def test_copy_rows_from_refuses_and_changes_nothing():
     assert torch.equal(shard.weights, source.weights[1000:2000])
     assert shard.step_count == source.step_count == 1
     assert torch.equal(shard.current_weight(), source.current_weight()[1000:2000])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_a_shard_of_a_meta_table_holds_the_rows_the_table_draws(precision):
+    from embcache import CachedLowPrecisionEmbedding
+
+    rows = 200_000  # chunks of 2^16 rows: shards start and end inside and across them
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    options = dict(
+        precision=precision,
+        cache_ratio=0.05,
+        policy="lfu",
+        seed=5,
+        table_id=3,
+        optimizer="rowwise_adagrad",
+        min_rows_for_low_precision=0,
+    )
+    whole = CachedLowPrecisionEmbedding(rows, DIM, **options)
+    meta = CachedLowPrecisionEmbedding(rows, DIM, device="meta", **options)
+    assert all(b.is_meta for b in meta.buffers())
+    start, size = sorted(torch.randint(0, rows, (2,), generator=gen).tolist())
+    for first, n in [(start, size - start + 1), (0, rows), (65_536, 65_536), (rows - 7, 7)]:
+        shard = CachedLowPrecisionEmbedding(n, DIM, device="meta", **options)
+        shard.copy_rows_from(meta, first)
+        assert torch.equal(shard.weights, whole.weights[first : first + n])
+        assert not shard.optimizer_state.any() and not shard.counts.any()
+        assert (shard.cache_tags == -1).all()
+    with pytest.raises(ValueError, match="table 'table': it is on the meta device"):
+        meta(torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="table 'table': a table on the meta device takes no"):
+        CachedLowPrecisionEmbedding(3, DIM, device="meta", weight=torch.zeros(3, DIM))
 
 
 @pytest.mark.parametrize(

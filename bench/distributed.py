@@ -96,7 +96,7 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
         batch_size=args["batch_size"], dense_precision="fp32", optimizer="adagrad", lr=0.01
     )
     if engine == "ours":
-        model = distributed.shard(build_model(cfg, cards), ranks, cfg.batch_size)
+        model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
         trainer = MixedPrecisionTrainer(model, precision="fp32", optimizer="adagrad", lr=cfg.lr)
         step = trainer.train_step
         sharded = model.module.embedding_collection

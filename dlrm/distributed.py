@@ -29,7 +29,11 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.types import ShardingEnv
 
-from embcache.sharding import CachedEmbeddingBagCollectionSharder, planner
+from embcache.sharding import (
+    CachedEmbeddingBagCollectionSharder,
+    default_constraints,
+    planner,
+)
 
 # a collective that waits this long for a rank has lost it: it raises instead of hanging
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -77,11 +81,15 @@ ONE_PROCESS = Ranks()
 
 def shard(model: torch.nn.Module, ranks: Ranks, batch_size: int) -> DistributedModelParallel:
     """``model`` with its embedding collection sharded over ``ranks`` as TorchRec's planner
-    places it (by our tables' real bytes), the dense part left for the trainer to make
-    data-parallel (``init_data_parallel=False``)."""
+    places it (by our tables' real bytes; table-wise but for a table larger than a rank's
+    share, ``embcache.sharding.default_constraints``), the dense part left for the trainer
+    to make data-parallel (``init_data_parallel=False``)."""
     sharder = CachedEmbeddingBagCollectionSharder()
     topology = Topology(world_size=ranks.world_size, compute_device="cpu")
-    plan = planner(topology, batch_size=batch_size).collective_plan(model, [sharder], ranks.group)
+    constraints = default_constraints(model.embedding_collection, ranks.world_size)
+    plan = planner(topology, batch_size, constraints).collective_plan(
+        model, [sharder], ranks.group
+    )
     return DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(ranks.group),

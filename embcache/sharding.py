@@ -175,6 +175,31 @@ def shard_bytes(config: TableConfig, rows: int) -> int:
     return memory_breakdown(shard_config(config, rows))["total"]
 
 
+def default_constraints(
+    collection: CachedLowPrecisionEmbeddingBagCollection, world_size: int
+) -> dict[str, ParameterConstraints]:
+    """Table-wise for every table of at most its rank's share of the collection's bytes (the
+    total over ``world_size``), row-wise for a larger one.
+
+    Why not the planner's own choice: TorchRec's speed model gives every table the same
+    lookup cost whatever its size and halves it per row-wise shard, so it shards every table
+    row-wise; but a row-wise table adds a reduce-scatter forward and an all-gather backward
+    to the all-to-all, and measured slower (``bench/results/distributed``). Table-wise sends
+    least; only a table too large to leave the ranks' memory balanced is split."""
+    tables = collection.tables()
+    share = sum(t.memory_bytes()["total"] for t in tables) / world_size
+    return {
+        t.config.name: ParameterConstraints(
+            sharding_types=[
+                ShardingType.TABLE_WISE.value
+                if t.memory_bytes()["total"] <= share
+                else ShardingType.ROW_WISE.value
+            ]
+        )
+        for t in tables
+    }
+
+
 def planner(
     topology: Topology,
     batch_size: int = 512,

@@ -337,3 +337,28 @@ def test_planner_places_tables_by_their_real_bytes():
         (shard,) = o.shards
         assert shard.storage.ddr == ebc.embedding_bags[o.name].memory_bytes()["total"]
         assert shard.storage.hbm == 0
+
+
+def test_default_constraints_split_only_tables_larger_than_a_rank_s_share():
+    from torchrec.distributed.planner import Topology
+
+    from embcache.sharding import default_constraints, planner
+
+    rows = [400_000, 100_000, 50_000, 30_000, 2_000, 50]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{i}", num_embeddings=n, embedding_dim=16, feature_names=[f"f_{i}"]
+        )
+        for i, n in enumerate(rows)
+    ]
+    ebc = CachedLowPrecisionEmbeddingBagCollection(tables, device="meta", **OPTIONS)
+    share = sum(t.memory_bytes()["total"] for t in ebc.tables()) / 4
+    constraints = default_constraints(ebc, world_size=4)
+    plan = planner(Topology(world_size=4, compute_device="cpu"), 512, constraints).plan(
+        _planning_model(ebc), [CachedEmbeddingBagCollectionSharder()]
+    )
+    for name, ps in plan.plan["ebc"].items():
+        large = ebc.embedding_bags[name].memory_bytes()["total"] > share
+        assert ps.sharding_type == ("row_wise" if large else "table_wise"), name
+        assert len(ps.ranks) == (4 if large else 1)
+    assert plan.plan["ebc"]["t_0"].sharding_type == "row_wise"

@@ -12,7 +12,9 @@ every batch from the same memory-mapped dataset:
   sharded by TorchRec's ``EmbeddingBagCollectionSharder`` with its default planner.
 
 Per (engine, processes): --warmup untimed steps, then --steps timed steps; samples/s is the
-global batch times steps over the wall time of rank 0. Bytes sent per rank per step: the
+global batch times steps over the wall time of rank 0. Each is run --repeats times, the
+engines interleaved; the table gives the median and range, and of ours against TorchRec
+the median and range of the per-round ratios. Bytes sent per rank per step: the
 payload each rank hands to the Python collectives (KJT and pooled all-to-alls,
 reduce-scatter, all-gather, all-reduce; counted by wrapping ``torch.distributed``'s
 functions, so TorchRec's and ours alike) plus DDP's all-reduce of the dense gradients
@@ -30,6 +32,7 @@ import inspect
 import json
 import logging
 import socket
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -197,6 +200,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=2048, help="global batch")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each; the median is shown")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--data-root", type=Path, default=Path("runs/bench-distributed"))
     p.add_argument("--out", type=Path, help="write distributed.md and distributed.json here")
@@ -208,18 +212,21 @@ def main() -> None:
         SyntheticCriteo(scale=args.scale, seed=0).write(data, args.rows)
     env = environment(__file__, threads=args.threads)
     shared = {k: getattr(args, k) for k in ("batch_size", "steps", "warmup", "threads")}
-    results = {}
-    for engine in ENGINES:
+    results: dict[str, list] = {}  # name -> one list of every rank's figures per repeat
+    for repeat in range(args.repeats):  # interleaved, so drift hits every engine alike
         for world in (1, 2):
-            ranks = run(engine, world, shared, str(data))
-            results[f"{engine}, {world} process{'es' if world > 1 else ''}"] = ranks
-            r0 = ranks[0]
-            print(
-                f"{engine} x{world}: {r0['samples_per_second']:,.0f} samples/s, sent per rank "
-                f"per step {[round(r['bytes_sent_per_step_total'] / 2**20, 2) for r in ranks]} "
-                f"MiB, embeddings per rank "
-                f"{[round(r['embedding_memory_bytes'] / 2**20, 1) for r in ranks]} MiB"
-            )
+            for engine in ENGINES:
+                ranks = run(engine, world, shared, str(data))
+                name = f"{engine}, {world} process{'es' if world > 1 else ''}"
+                results.setdefault(name, []).append(ranks)
+                r0 = ranks[0]
+                print(
+                    f"[{repeat + 1}/{args.repeats}] {engine} x{world}: "
+                    f"{r0['samples_per_second']:,.0f} samples/s, sent per rank per step "
+                    f"{[round(r['bytes_sent_per_step_total'] / 2**20, 2) for r in ranks]} MiB, "
+                    f"embeddings per rank "
+                    f"{[round(r['embedding_memory_bytes'] / 2**20, 1) for r in ranks]} MiB"
+                )
     md = _markdown(env, args, data, results)
     print("\n" + md)
     if args.out:
@@ -243,23 +250,36 @@ def _markdown(env: dict, args, data: Path, results: dict) -> str:
         "",
         f"Synthetic data at scale {args.scale} ({sum(meta['cardinalities']):,} rows in 26 "
         f"tables, dim 16), global batch {args.batch_size}, {args.warmup} warm-up and "
-        f"{args.steps} timed steps, {args.threads} threads shared by the processes.",
+        f"{args.steps} timed steps, {args.threads} threads shared by the processes; "
+        f"{args.repeats} runs of each, interleaved.",
         "",
-        "| engine, processes | samples/s | sent per rank per step (MiB) | "
-        "embeddings per rank (MiB) |",
-        "|---|---:|---:|---:|",
+        "| engine, processes | samples/s, median (range) | ours / TorchRec, median (range) | "
+        "sent per rank per step (MiB) | embeddings per rank (MiB) |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for name, ranks in results.items():
+    for name, runs in results.items():
+        speeds = [ranks[0]["samples_per_second"] for ranks in runs]
+        ratio = "–"
+        if name.startswith("ours"):
+            peer = results[name.replace("ours", "torchrec")]
+            ratios = [a / b[0]["samples_per_second"] for a, b in zip(speeds, peer)]
+            ratio = _median_range(ratios, "{:.2f}x")
+        ranks = runs[0]  # bytes and memory are the same in every run
         sent = " / ".join(f"{r['bytes_sent_per_step_total'] / 2**20:.2f}" for r in ranks)
         mem = " / ".join(f"{r['embedding_memory_bytes'] / 2**20:.1f}" for r in ranks)
-        lines.append(f"| {name} | {ranks[0]['samples_per_second']:,.0f} | {sent} | {mem} |")
+        lines.append(f"| {name} | {_median_range(speeds, '{:,.0f}')} | {ratio} | {sent} | {mem} |")
     lines += ["", "Bytes sent per step by collective, rank 0:", ""]
-    for name, ranks in results.items():
+    for name, runs in results.items():
         parts = ", ".join(
-            f"{k} {v / 2**20:.3f} MiB" for k, v in ranks[0]["bytes_sent_per_step"].items()
+            f"{k} {v / 2**20:.3f} MiB" for k, v in runs[0][0]["bytes_sent_per_step"].items()
         )
         lines.append(f"* {name}: {parts or 'none'}")
     return "\n".join(lines) + "\n"
+
+
+def _median_range(values: list[float], fmt: str) -> str:
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{fmt.format(mid)} ({fmt.format(lo)}–{fmt.format(hi)})"
 
 
 if __name__ == "__main__":

@@ -87,9 +87,7 @@ def shard(model: torch.nn.Module, ranks: Ranks, batch_size: int) -> DistributedM
     sharder = CachedEmbeddingBagCollectionSharder()
     topology = Topology(world_size=ranks.world_size, compute_device="cpu")
     constraints = default_constraints(model.embedding_collection, ranks.world_size)
-    plan = planner(topology, batch_size, constraints).collective_plan(
-        model, [sharder], ranks.group
-    )
+    plan = planner(topology, batch_size, constraints).collective_plan(model, [sharder], ranks.group)
     return DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(ranks.group),
@@ -163,9 +161,11 @@ def load_model_state(path: Path, model_state: dict, ranks: Ranks) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-def launch(cfg_fields: dict, out_dir: Path, resume: bool, nproc: int) -> dict:
-    """Run ``dlrm.train.train`` in ``nproc`` processes on this machine (torch's elastic
-    launcher, gloo); rank 0's report. A failed rank ends the others; the error names it."""
+def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
+    """Run ``task`` in ``nproc`` processes on this machine (torch's elastic launcher, gloo):
+    ``"train"`` is ``dlrm.train.train(cfg, out_dir, resume=arg)``, ``"evaluate"`` is
+    ``dlrm.train.evaluate_checkpoint(cfg, out_dir, split=arg)``; rank 0's result. A failed
+    rank ends the others; the error names it."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -186,7 +186,7 @@ def launch(cfg_fields: dict, out_dir: Path, resume: bool, nproc: int) -> dict:
         start_method="spawn",
     )
     try:
-        results = elastic_launch(config, _worker)(cfg_fields, str(out_dir), resume)
+        results = elastic_launch(config, _worker)(task, cfg_fields, str(out_dir), arg)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -201,14 +201,14 @@ def _last_line(message: str) -> str:
     return lines[-1] if lines else "exited without a message"
 
 
-def _worker(cfg_fields: dict, out_dir: str, resume: bool) -> dict:
+def _worker(task: str, cfg_fields: dict, out_dir: str, arg) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run)(cfg_fields, out_dir, resume)
+    return record(_run)(task, cfg_fields, out_dir, arg)
 
 
-def _run(cfg_fields: dict, out_dir: str, resume: bool) -> dict:
-    from dlrm.train import RunConfig, train
+def _run(task: str, cfg_fields: dict, out_dir: str, arg) -> dict:
+    from dlrm.train import RunConfig, evaluate_checkpoint, train
 
     # torch and torchrec deprecation notices, once per rank, say nothing to a user of dlrm
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -219,6 +219,8 @@ def _run(cfg_fields: dict, out_dir: str, resume: bool) -> dict:
     if not cfg.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:
-        return train(cfg, Path(out_dir), resume=resume)
+        if task == "train":
+            return train(cfg, Path(out_dir), resume=arg)
+        return evaluate_checkpoint(cfg, Path(out_dir), split=arg)
     finally:
         dist.destroy_process_group()

@@ -456,7 +456,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     except DataError as e:
         raise RunError(str(e)) from None
     if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
-        return distributed.launch(dataclasses.asdict(cfg), out_dir, resume, cfg.nproc_per_node)
+        return distributed.launch(
+            "train", cfg.nproc_per_node, dataclasses.asdict(cfg), out_dir, resume
+        )
     if ranks.world_size != cfg.nproc_per_node:
         raise RunError(
             f"--nproc-per-node is {cfg.nproc_per_node} but {ranks.world_size} processes run"
@@ -582,12 +584,18 @@ def _resume(path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, data: di
     found = distributed.checkpoint_path(path)
     if found is None:
         raise RunError(f"{path}: no checkpoint to resume from")
-    rest = distributed.load_rest(found, ranks)
-    _check_checkpoint(rest, found, cfg, data)
+    return _load_sharded(found, cfg, trainer, data, ranks)["progress"]
+
+
+def _load_sharded(path: Path, cfg: RunConfig, trainer, data: dict, ranks) -> dict:
+    """Load the sharded checkpoint at ``path`` (checked first) into ``trainer``, each rank
+    its shards; the checkpoint's other entries (config, progress, ...)."""
+    rest = distributed.load_rest(path, ranks)
+    _check_checkpoint(rest, path, cfg, data)
     model_state = trainer.model.state_dict()
-    distributed.load_model_state(found, model_state, ranks)
+    distributed.load_model_state(path, model_state, ranks)
     trainer.load_state_dict({**rest["trainer"], "model": model_state})
-    return rest["progress"]
+    return rest
 
 
 def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, resume: bool):
@@ -700,25 +708,42 @@ def _json_default(x):
 
 
 def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
-    """Metrics of the checkpoint in ``out_dir`` on ``split``, with the run's own config."""
-    state_path = out_dir / "checkpoint.pt"
+    """Metrics of the checkpoint in ``out_dir`` on ``split``, with the run's own config. A
+    sharded checkpoint (``--nproc-per-node N``) is evaluated by as many processes, each
+    loading its own shards."""
+    ranks = distributed.Ranks.current()
+    sharded = distributed.checkpoint_path(out_dir / "checkpoint")
+    state_path = sharded or out_dir / "checkpoint.pt"
     try:
-        saved = torch.load(state_path, weights_only=False)["config"]
+        if sharded is not None:
+            saved = distributed.load_rest(sharded, ranks)["config"]
+        else:
+            saved = torch.load(state_path, weights_only=False)["config"]
     except FileNotFoundError:
         raise RunError(f"{state_path}: no checkpoint") from None
     except Exception as e:
         raise RunError(f"{state_path}: not a readable checkpoint ({e})") from None
     cfg = dataclasses.replace(cfg, **saved)
+    if sharded is not None and ranks.world_size == 1:  # start the processes
+        return distributed.launch(
+            "evaluate", cfg.nproc_per_node, dataclasses.asdict(cfg), out_dir, split
+        )
     try:
         data_dir = resolve_data(cfg, out_dir.parent if out_dir.parent != out_dir else out_dir)
         dataset = data_batches.load(data_dir)
     except DataError as e:
         raise RunError(str(e)) from None
-    state = load_checkpoint(state_path, cfg, _run_data(data_dir, dataset))
-    model = build_model(cfg, list(dataset.meta["cardinalities"]))
-    trainer = build_trainer(cfg, model)
-    trainer.load_state_dict(state["trainer"])
-    return evaluate(model, dataset, split, cfg.batch_size)
+    cards = list(dataset.meta["cardinalities"])
+    if sharded is not None:
+        model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
+        trainer = build_trainer(cfg, model)
+        _load_sharded(sharded, cfg, trainer, _run_data(data_dir, dataset), ranks)
+    else:
+        state = load_checkpoint(state_path, cfg, _run_data(data_dir, dataset))
+        model = build_model(cfg, cards)
+        trainer = build_trainer(cfg, model)
+        trainer.load_state_dict(state["trainer"])
+    return evaluate(model, dataset, split, cfg.batch_size, ranks=ranks)
 
 
 def _run_data(data_dir: Path, dataset) -> dict:

@@ -2,7 +2,8 @@
 
 A rank killed with SIGKILL mid-run makes the launcher end the other and exit with one line
 naming the rank (no hang); ``--resume`` from the last sharded checkpoint then ends exactly
-like the uninterrupted run."""
+like the uninterrupted run. ``dlrm evaluate`` of a sharded checkpoint gives the run's test
+metrics."""
 
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def _workers(launcher: int) -> list[int]:
 def test_sigkill_of_one_rank_ends_the_run_and_resume_reproduces_it(tmp_path):
     whole = _train(tmp_path / "whole")
     assert _finish(whole)[0] == 0
+    # `dlrm evaluate` of the sharded checkpoint runs 2 processes and gets the run's metrics
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "dlrm.cli", "evaluate", "--out", str(tmp_path / "whole")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    report = json.loads((tmp_path / "whole" / "report.json").read_text())
+    assert json.loads(evaluated.stdout) == report["test"]
     out = tmp_path / "killed"
     proc = _train(out)
     deadline = time.time() + 240

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -492,23 +492,34 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self._counters[_COUNTER["flushed"]] += n
         return n
 
-    def copy_rows_from(self, source: CachedLowPrecisionEmbedding, start: int) -> None:
-        """Make this table rows ``[start, start + num_embeddings)`` of ``source``, as a
-        row-wise shard of it: their stored bytes, optimizer state and LFU counts (zero if
-        ``source`` keeps none; a shard too small for a cache keeps none), and ``source``'s
-        update count; this table's cache is emptied. ``source`` must have an empty cache (call
-        its :meth:`flush` first) and the same row format and optimizer.
-        Raises ``ValueError`` naming both tables, having changed nothing, otherwise.
+    def copy_rows_from(
+        self,
+        source: CachedLowPrecisionEmbedding,
+        start: int,
+        *,
+        into: int = 0,
+        rows: int | None = None,
+    ) -> None:
+        """Make rows ``[into, into + rows)`` of this table (all of it by default) rows
+        ``[start, start + rows)`` of ``source``, as a row-wise shard of it: their stored bytes,
+        optimizer state and LFU counts (zero if ``source`` keeps none; a shard too small for
+        a cache keeps none), and ``source``'s update count; its other rows are left as they
+        are. Both tables must have empty caches (call :meth:`flush` first) and the same row
+        format and optimizer. Raises ``ValueError`` naming both tables, having changed
+        nothing, otherwise.
 
         A ``source`` on the meta device has its initial rows (those it would draw if built
         in memory), zero optimizer state and counts. A table on the meta device is given its
-        memory here: so a shard of a table too large for one host is built without the
-        table or a second copy of the shard ever existing."""
+        memory here (rows outside the copied range zero): so a shard of a table too large
+        for one host is built without the table or a second copy of the shard ever
+        existing."""
         mine, theirs = self.config, source.config
-        rows = mine.num_embeddings
+        rows = mine.num_embeddings - into if rows is None else rows
         initial = source.weights.is_meta
         why = None
-        if not 0 <= start <= theirs.num_embeddings - rows:
+        if rows < 0 or not 0 <= into <= mine.num_embeddings - rows:
+            why = f"rows [{into}, {into + rows}) are not all in this table's {mine.num_embeddings}"
+        elif not 0 <= start <= theirs.num_embeddings - rows:
             why = f"rows [{start}, {start + rows}) are not all in its {theirs.num_embeddings}"
         elif (mine.row_bytes, mine.bits, mine.embedding_dim, mine.qparams) != (
             theirs.row_bytes,
@@ -521,26 +532,49 @@ class CachedLowPrecisionEmbedding(nn.Module):
             why = "its optimizer state has another width"
         elif not initial and bool((source.cache_tags >= 0).any()):
             why = "it has cached rows (flush it first)"
+        elif not self.weights.is_meta and bool((self.cache_tags >= 0).any()):
+            why = "this table has cached rows (flush it first)"
         if why is not None:
             raise ValueError(
                 f"table '{mine.name}': cannot copy rows from table '{theirs.name}': {why}"
             )
         if self.weights.is_meta:
             self._allocate_state(None)
-        stop = start + rows
-        self._reset_state()
-        if initial:
-            self._write_rows(start, _initial_blocks(theirs, start, stop))
-        else:
-            width = mine.optimizer_state_width
-            with torch.no_grad():
-                self.weights.copy_(source.weights[start:stop])
-                self.optimizer_state.copy_(source.optimizer_state[start * width : stop * width])
-                if self._lfu and source._lfu:
-                    self.counts.copy_(source.counts[start:stop])
+            self.weights.zero_()
+            self._reset_state()
+        width = mine.optimizer_state_width
+        stop, end = start + rows, into + rows
+        with torch.no_grad():
+            if initial:
+                self._write_rows(start - into, _initial_blocks(theirs, start, stop))
+            else:
+                self.weights[into:end] = source.weights[start:stop]
+            state = self.optimizer_state[into * width : end * width]
+            counts = self.counts[into:end] if self._lfu else None
+            if initial:
+                state.zero_()
+            else:
+                state.copy_(source.optimizer_state[start * width : stop * width])
+            if counts is not None and source._lfu and not initial:
+                counts.copy_(source.counts[start:stop])
+            elif counts is not None:
+                counts.zero_()
         self._counters[_COUNTER["steps"]] = source.step_count
         self._pending.clear()
         self._bump_cache_version()
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, object]) -> CachedLowPrecisionEmbedding:
+        """A table rebuilt from a ``state_dict()`` alone (its extra state holds the
+        configuration): no rows drawn, only the saved state's memory allocated."""
+        extra = state.get(_EXTRA_STATE)
+        if not isinstance(extra, dict) or not isinstance(extra.get("config"), dict):
+            raise ValueError("the saved state is not a table's (it has no configuration)")
+        options = dict(extra["config"])
+        rows, dim = options.pop("num_embeddings"), options.pop("embedding_dim")
+        table = cls(rows, dim, device="meta", **options)
+        table.load_state_dict(state)
+        return table
 
     # ------------------------------------------------------------------ inspection
 
@@ -632,6 +666,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         extra = state_dict.get(prefix + _EXTRA_STATE)
         if extra is not None:
             self._check_extra_state(extra)
+        if self.weights.is_meta:  # a table built without memory is given it now
+            self._allocate_state(None)
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:  # the cache may have been replaced: forget forward slots and set floors

@@ -31,7 +31,7 @@ train: install
 	$(VENV)/bin/dlrm train $(ARGS)
 
 test: install
-	$(PY) -m pytest -n 2 $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
 
 # ruff (configured in pyproject.toml): lint and formatting, checked, never rewritten here.
 lint: $(DEPS_STAMP)

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ from dlrm.mixed_precision import (
 )
 from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
 from embcache.config import TableConfig
+from embcache.resharding import SavedTables, load_tables
+from embcache.sharding import ShardedCachedEmbeddingBagCollection
 
 
 class RunError(Exception):
@@ -98,6 +101,7 @@ class RunConfig:
         "compare_fp32",
         "progress",
         "eval_every",
+        "nproc_per_node",  # a checkpoint resumes at any world size (embcache.resharding)
     )
 
     def identity(self) -> dict:
@@ -343,7 +347,7 @@ def load_checkpoint(path: Path, cfg: RunConfig, data: dict | None = None) -> dic
     at another directory is told both fingerprints. A checkpoint written before fingerprints
     were stored is checked by configuration only."""
     try:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, mmap=True)
     except FileNotFoundError:
         raise RunError(f"{path}: no checkpoint to resume from") from None
     except Exception as e:  # a truncated or foreign file
@@ -473,7 +477,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}
     run_data = _run_data(data_dir, dataset)
     if resume:
-        progress = _resume(ckpt_path, cfg, trainer, run_data, ranks)
+        progress = _resume(out_dir, cfg, trainer, run_data, ranks)
 
     train_rows = dataset.split("train")[1] - dataset.split("train")[0]
     per_epoch = data_batches.num_batches(train_rows, cfg.batch_size, drop_last=True)
@@ -541,11 +545,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
                 if ranks.world_size > 1:
                     state = trainer.state_dict()
                     rest = {"config": cfg.identity(), "trainer": state, "progress": progress}
-                    distributed.save_checkpoint(
-                        ckpt_path, state.pop("model"), {**rest, "data": run_data}, ranks
-                    )
+                    rest.update(data=run_data, world_size=ranks.world_size)
+                    distributed.save_checkpoint(ckpt_path, state.pop("model"), rest, ranks)
                 else:
                     save_checkpoint(ckpt_path, cfg, trainer, progress, run_data)
+                if ranks.main:  # a run resumed at another world size: the old kind is stale
+                    _remove_checkpoint(out_dir, keep=ckpt_path)
                 checkpoint_due = False
             if done:
                 break
@@ -575,27 +580,86 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     return report
 
 
-def _resume(path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, data: dict, ranks) -> dict:
-    """Load the checkpoint at ``path`` (checked first) into ``trainer``; its progress."""
-    if ranks.world_size == 1:
+_TABLES = "embedding_collection."  # the model's state entries of its tables start so
+
+
+def _latest_checkpoint(out_dir: Path) -> Path | None:
+    """The run's checkpoint: the sharded directory (``checkpoint``, or ``checkpoint.old``
+    left by an interrupted save) or the one-process file (``checkpoint.pt``), whichever
+    was written last; None if there is none."""
+    found = []
+    sharded = distributed.checkpoint_path(out_dir / "checkpoint")
+    if sharded is not None:
+        found.append(((sharded / ".metadata").stat().st_mtime_ns, sharded))
+    single = out_dir / "checkpoint.pt"
+    if single.exists():
+        found.append((single.stat().st_mtime_ns, single))
+    return max(found)[1] if found else None
+
+
+def _remove_checkpoint(out_dir: Path, keep: Path) -> None:
+    """Remove the run's checkpoints of the other kind than ``keep`` (just written)."""
+    for other in ("checkpoint", "checkpoint.old", "checkpoint.pt"):
+        path = out_dir / other
+        if path != keep and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path != keep and path.exists():
+            path.unlink()
+
+
+def _resume(out_dir: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, data: dict, ranks):
+    """Load the run's latest checkpoint (checked first) into ``trainer``, whatever number
+    of processes wrote it; its progress. At the world size that wrote it the state is the
+    saved one exactly; at another the tables are cut anew (:func:`_load_resharded`)."""
+    path = _latest_checkpoint(out_dir)
+    if path is None:
+        raise RunError(f"{out_dir}: no checkpoint to resume from")
+    return _load(path, cfg, trainer, data, ranks)["progress"]
+
+
+def _load(path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, data: dict, ranks) -> dict:
+    """Load the checkpoint at ``path`` (a file or a sharded directory; checked first) into
+    ``trainer``; the checkpoint's config, progress, ..."""
+    if path.suffix == ".pt":
         state = load_checkpoint(path, cfg, data)
-        trainer.load_state_dict(state["trainer"])
-        return state["progress"]
-    found = distributed.checkpoint_path(path)
-    if found is None:
-        raise RunError(f"{path}: no checkpoint to resume from")
-    return _load_sharded(found, cfg, trainer, data, ranks)["progress"]
-
-
-def _load_sharded(path: Path, cfg: RunConfig, trainer, data: dict, ranks) -> dict:
-    """Load the sharded checkpoint at ``path`` (checked first) into ``trainer``, each rank
-    its shards; the checkpoint's other entries (config, progress, ...)."""
+        if ranks.world_size == 1:
+            trainer.load_state_dict(state["trainer"])
+        else:
+            saved = state["trainer"]["model"]
+            tables = SavedTables.from_state_dict(saved, _TABLES + "embedding_bags.")
+            dense = {k: v for k, v in saved.items() if not k.startswith(_TABLES)}
+            _load_resharded(trainer, state["trainer"], dense, tables)
+        return state
     rest = distributed.load_rest(path, ranks)
     _check_checkpoint(rest, path, cfg, data)
     model_state = trainer.model.state_dict()
-    distributed.load_model_state(path, model_state, ranks)
-    trainer.load_state_dict({**rest["trainer"], "model": model_state})
+    if rest.get("world_size") == ranks.world_size:  # the same shards: exactly as saved
+        distributed.load_model_state(path, model_state, ranks)
+        trainer.load_state_dict({**rest["trainer"], "model": model_state})
+        return rest
+    dense = {k: v for k, v in model_state.items() if not k.startswith(_TABLES)}
+    distributed.load_model_state(path, dense, ranks)
+    tables = SavedTables.from_dcp(path, "model." + _TABLES + "_local.embedding_bags.")
+    _load_resharded(trainer, rest["trainer"], dense, tables)
     return rest
+
+
+def _load_resharded(trainer, trainer_state: dict, dense: dict, tables: SavedTables) -> None:
+    """Load a checkpoint written at another world size: this process's tables (or shards)
+    from ``tables`` (``embcache.resharding.load_tables``: rows re-cut, caches written back),
+    the dense entries from ``dense``, the rest of the trainer from ``trainer_state``."""
+    model = trainer.model
+    sharded = [m for m in model.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
+    if sharded:
+        local = sharded[0].local_tables()
+    else:
+        local = dict(model.embedding_collection.embedding_bags.items())
+    try:
+        load_tables(tables, local)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    model_state = {**model.state_dict(), **dense}
+    trainer.load_state_dict({**trainer_state, "model": model_state})
 
 
 def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, resume: bool):
@@ -708,23 +772,22 @@ def _json_default(x):
 
 
 def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
-    """Metrics of the checkpoint in ``out_dir`` on ``split``, with the run's own config. A
-    sharded checkpoint (``--nproc-per-node N``) is evaluated by as many processes, each
-    loading its own shards."""
+    """Metrics of the checkpoint in ``out_dir`` on ``split``, with the run's own config, in
+    ``cfg.nproc_per_node`` processes whatever number wrote it (each loads its own shards,
+    cut anew at another world size)."""
     ranks = distributed.Ranks.current()
-    sharded = distributed.checkpoint_path(out_dir / "checkpoint")
-    state_path = sharded or out_dir / "checkpoint.pt"
+    path = _latest_checkpoint(out_dir)
+    if path is None:
+        raise RunError(f"{out_dir}: no checkpoint")
     try:
-        if sharded is not None:
-            saved = distributed.load_rest(sharded, ranks)["config"]
+        if path.suffix == ".pt":
+            saved = torch.load(path, weights_only=False, mmap=True)["config"]
         else:
-            saved = torch.load(state_path, weights_only=False)["config"]
-    except FileNotFoundError:
-        raise RunError(f"{state_path}: no checkpoint") from None
+            saved = distributed.load_rest(path, ranks)["config"]
     except Exception as e:
-        raise RunError(f"{state_path}: not a readable checkpoint ({e})") from None
+        raise RunError(f"{path}: not a readable checkpoint ({e})") from None
     cfg = dataclasses.replace(cfg, **saved)
-    if sharded is not None and ranks.world_size == 1:  # start the processes
+    if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
         return distributed.launch(
             "evaluate", cfg.nproc_per_node, dataclasses.asdict(cfg), out_dir, split
         )
@@ -734,15 +797,11 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
     except DataError as e:
         raise RunError(str(e)) from None
     cards = list(dataset.meta["cardinalities"])
-    if sharded is not None:
+    if ranks.world_size > 1:
         model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
-        trainer = build_trainer(cfg, model)
-        _load_sharded(sharded, cfg, trainer, _run_data(data_dir, dataset), ranks)
     else:
-        state = load_checkpoint(state_path, cfg, _run_data(data_dir, dataset))
         model = build_model(cfg, cards)
-        trainer = build_trainer(cfg, model)
-        trainer.load_state_dict(state["trainer"])
+    _load(path, cfg, build_trainer(cfg, model), _run_data(data_dir, dataset), ranks)
     return evaluate(model, dataset, split, cfg.batch_size, ranks=ranks)
 
 

@@ -185,6 +185,13 @@ def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
         monitor_interval=0.5,
         start_method="spawn",
     )
+    # A killed rank cannot unregister its semaphores; multiprocessing's resource tracker
+    # (started by the launcher, reading this environment) frees them and would warn about
+    # it on stderr, after the one line below that already says the rank died.
+    warning_options = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        filter(None, [warning_options, "ignore:resource_tracker:UserWarning"])
+    )
     try:
         results = elastic_launch(config, _worker)(task, cfg_fields, str(out_dir), arg)
     except ChildFailedError as e:
@@ -193,6 +200,11 @@ def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
         if isinstance(message, dict):
             message = message.get("message", message)
         raise RunError(f"rank {rank} failed: {_last_line(str(message))}") from None
+    finally:
+        if warning_options is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = warning_options
     return results[0]
 
 

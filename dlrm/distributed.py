@@ -145,7 +145,7 @@ def checkpoint_path(path: Path) -> Path | None:
 def load_rest(path: Path, ranks: Ranks):
     """The ``rest`` of the checkpoint at ``path`` (nothing else is read)."""
     state = {"rest": io.BytesIO()}
-    dcp.load(state, checkpoint_id=path, process_group=ranks.group)
+    _load(state, path, ranks)
     blob = state["rest"]  # DCP fills a BytesIO with the bytes saved
     blob.seek(0)
     return torch.load(blob, weights_only=False)
@@ -154,8 +154,16 @@ def load_rest(path: Path, ranks: Ranks):
 def load_model_state(path: Path, model_state: dict, ranks: Ranks) -> None:
     """Read each rank's tensors of the checkpoint at ``path`` into ``model_state`` (in place:
     pass the model's own ``state_dict()``) and its other entries into the dict."""
-    state = {"model": model_state}
-    dcp.load(state, checkpoint_id=path, process_group=ranks.group)
+    _load({"model": model_state}, path, ranks)
+
+
+def _load(state: dict, path: Path, ranks: Ranks) -> None:
+    if ranks.group is not None:
+        dcp.load(state, checkpoint_id=path, process_group=ranks.group)
+        return
+    with warnings.catch_warnings():  # DCP warns of every read without a process group
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
 # --------------------------------------------------------------------------- processes

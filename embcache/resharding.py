@@ -24,6 +24,7 @@ Example (two ranks saved, one process loads)::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -163,5 +164,7 @@ def _read_dcp(path: str | Path, metadata: dict, key: str) -> dict:
     for part in parents:
         node = node.setdefault(part, {})
     node[last] = state
-    dcp.load(root, checkpoint_id=str(path), no_dist=True)  # fills ``state`` in place
+    with warnings.catch_warnings():  # DCP warns of every read without a process group
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(root, checkpoint_id=str(path), no_dist=True)  # fills ``state`` in place
     return state

@@ -8,7 +8,16 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embcache.sharding import (
+    CachedEmbeddingBagCollectionSharder,
+    ShardedCachedEmbeddingBagCollection,
+)
 
 # A collective waiting on a dead or stuck rank raises after this long instead of hanging.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -64,3 +73,30 @@ def features_of(lengths: torch.Tensor, ids: list, first: int, last: int) -> Keye
         values=torch.cat(values),
         lengths=lengths[:, first:last].reshape(-1),
     )
+
+
+def shard_placed(
+    model: nn.Module, name: str, placement: dict, world_size: int, **dmp_options
+) -> tuple[DistributedModelParallel, ShardedCachedEmbeddingBagCollection]:
+    """``model`` in TorchRec's DMP over the default group (CPU), its collection
+    ``model.<name>`` sharded by our sharder as ``placement`` (table -> parameter sharding)
+    says; and this rank's sharded collection."""
+    sharder = CachedEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(
+        getattr(model, name),
+        placement,
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({name: plan}),
+        sharders=[sharder],
+        **dmp_options,
+    )
+    (sharded,) = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
+    return dmp, sharded

@@ -17,14 +17,10 @@ import copy
 import math
 
 import torch
-import torch.distributed as dist
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
-    construct_module_sharding_plan,
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from dlrm.mixed_precision import BackoffScaler, MixedPrecisionTrainer, StepRefusedError
@@ -32,10 +28,9 @@ from dlrm.model import DLRM
 from embcache import CachedLowPrecisionEmbeddingBagCollection
 from embcache.sharding import (
     KERNEL,
-    CachedEmbeddingBagCollectionSharder,
     ShardedCachedEmbeddingBagCollection,
 )
-from tests._distributed import features_of, run_ranks, skewed_features
+from tests._distributed import features_of, run_ranks, shard_placed, skewed_features
 
 ROWS = [3000, 2000, 4001, 50]
 DIM = 8
@@ -81,26 +76,10 @@ def _trainer(model) -> MixedPrecisionTrainer:
 def _sharded_trainer(
     world_size: int,
 ) -> tuple[MixedPrecisionTrainer, ShardedCachedEmbeddingBagCollection]:
-    sharder = CachedEmbeddingBagCollectionSharder()
-    model = _model()
-    plan = construct_module_sharding_plan(
-        model.embedding_collection,
-        PLACEMENT,
-        sharder=sharder,
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"embedding_collection": plan}),
-        sharders=[sharder],
-        init_data_parallel=False,
+    dmp, sharded = shard_placed(
+        _model(), "embedding_collection", PLACEMENT, world_size, init_data_parallel=False
     )
     trainer = _trainer(dmp)
-    (sharded,) = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
     return trainer, sharded
 
 

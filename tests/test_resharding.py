@@ -94,7 +94,8 @@ def test_a_table_saved_whole_loads_exactly_and_splits_into_its_flushed_rows(tmp_
         stop = start + shard.config.num_embeddings
         assert torch.equal(shard.weights, flushed.weights[start:stop])
         assert torch.equal(shard.optimizer_state, flushed.optimizer_state[start:stop])
-        assert torch.equal(shard.counts, flushed.counts[start:stop])
+        if shard.config.num_slots:  # a shard too small for a cache keeps no LFU counts
+            assert torch.equal(shard.counts, flushed.counts[start:stop])
         assert shard.step_count == table.step_count == 4
         assert not (shard.cache_tags >= 0).any()
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -28,9 +26,8 @@ from embcache import CachedLowPrecisionEmbeddingBagCollection
 from embcache.sharding import (
     KERNEL,
     CachedEmbeddingBagCollectionSharder,
-    ShardedCachedEmbeddingBagCollection,
 )
-from tests._distributed import features_of, run_ranks, skewed_features
+from tests._distributed import features_of, run_ranks, shard_placed, skewed_features
 
 ROWS = [3000, 2000, 4001, 50]  # t_3 is below min_rows_for_low_precision: FP32, no cache
 DIM = 8
@@ -88,24 +85,7 @@ class _Model(nn.Module):
 
 
 def _train_sharded_and_reference(rank: int, world_size: int, device: str | None) -> None:
-    sharder = CachedEmbeddingBagCollectionSharder()
-    model = _Model(device)
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        PLACEMENT,
-        sharder=sharder,
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=[sharder],
-    )
-    (sharded,) = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
+    dmp, sharded = shard_placed(_Model(device), "ebc", PLACEMENT, world_size)
     reference = _collection()
     first, last = rank * BATCH, (rank + 1) * BATCH
     for step in range(STEPS):
@@ -166,28 +146,13 @@ def _shard_big_tables_from_meta(rank: int, world_size: int, device: str | None) 
         )
         for i in range(2)
     ]
-    sharder = CachedEmbeddingBagCollectionSharder()
     model = nn.ModuleDict()
     open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
     before = _peak_rss_kib()
     model["ebc"] = CachedLowPrecisionEmbeddingBagCollection(tables, device=device, **OPTIONS)
-    plan = construct_module_sharding_plan(
-        model["ebc"],
-        {f"t_{i}": table_wise(rank=i, compute_kernel=KERNEL) for i in range(2)},
-        sharder=sharder,
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=[sharder],
-    )
+    placement = {f"t_{i}": table_wise(rank=i, compute_kernel=KERNEL) for i in range(2)}
+    _, sharded = shard_placed(model, "ebc", placement, world_size)
     growth = (_peak_rss_kib() - before) * 1024
-    (sharded,) = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
     (shard,) = sharded.local_tables().values()
     own = shard.memory_bytes()["total"]
     # The rank's own table and DMP's working memory (measured 1.1-1.4x the table), less

@@ -265,6 +265,16 @@ def build_model(cfg: RunConfig, cardinalities: list[int], device: str | None = N
     return DLRM.from_preset(cfg.preset, collection)
 
 
+def _process_model(cfg: RunConfig, cardinalities: list[int], ranks, loading: bool) -> nn.Module:
+    """This process's model: over several ranks DMP's, with only the rank's shards (built
+    from the meta device); in one process the whole model, its tables left without memory
+    when a checkpoint is about to fill them (``loading``), so none is drawn in vain."""
+    if ranks.world_size > 1:
+        model = build_model(cfg, cardinalities, device="meta")
+        return distributed.shard(model, ranks, cfg.batch_size)
+    return build_model(cfg, cardinalities, device="meta" if loading else None)
+
+
 def build_trainer(cfg: RunConfig, model: DLRM) -> MixedPrecisionTrainer:
     kwargs = {"scale": cfg.static_scale} if cfg.loss_scaler == "static" else {}
     return MixedPrecisionTrainer(
@@ -467,11 +477,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
         raise RunError(
             f"--nproc-per-node is {cfg.nproc_per_node} but {ranks.world_size} processes run"
         )
-    cards = list(dataset.meta["cardinalities"])
-    if ranks.world_size > 1:  # each rank allocates only its shards
-        model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
-    else:
-        model = build_model(cfg, cards)
+    model = _process_model(cfg, list(dataset.meta["cardinalities"]), ranks, loading=resume)
     trainer = build_trainer(cfg, model)
     ckpt_path = out_dir / ("checkpoint" if ranks.world_size > 1 else "checkpoint.pt")
     progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}
@@ -796,11 +802,7 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
         dataset = data_batches.load(data_dir)
     except DataError as e:
         raise RunError(str(e)) from None
-    cards = list(dataset.meta["cardinalities"])
-    if ranks.world_size > 1:
-        model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
-    else:
-        model = build_model(cfg, cards)
+    model = _process_model(cfg, list(dataset.meta["cardinalities"]), ranks, loading=True)
     _load(path, cfg, build_trainer(cfg, model), _run_data(data_dir, dataset), ranks)
     return evaluate(model, dataset, split, cfg.batch_size, ranks=ranks)
 

@@ -283,7 +283,7 @@ class ShardedCachedEmbeddingBagCollection(
             infos.setdefault(ps.sharding_type, []).append(_sharding_info(config, ps))
         shardings = [_SHARDINGS[t](infos[t], env, device) for t in infos]
         # this rank's shards of every sharding, in one collection: one lookup, one update
-        self._local, self._local_dims = _local_shards(shardings, module, env.rank)
+        self._local, self._local_dims = _local_shards(shardings, module, env.rank, device)
         self._input_dists = nn.ModuleList([s.create_input_dist() for s in shardings])
         self._output_dists = nn.ModuleList([s.create_output_dist(device) for s in shardings])
         # the input's features in the shardings' order, and how many each sharding takes
@@ -305,7 +305,9 @@ class ShardedCachedEmbeddingBagCollection(
             for i in range(starts[name], starts[name] + dim)
         ]
         self._output_columns = (
-            None if columns == list(range(at)) else torch.tensor(columns, dtype=torch.int64)
+            None
+            if columns == list(range(at))
+            else torch.tensor(columns, dtype=torch.int64, device=device)
         )
 
     # ------------------------------------------------------------------ ShardedModule
@@ -340,7 +342,7 @@ class ShardedCachedEmbeddingBagCollection(
         collection forward for all of them."""
         batch = dist_input[0].stride()
         if self._local is None:
-            return [torch.zeros(batch, 0) for _ in self._local_dims]
+            return [torch.zeros(batch, 0, device=dist_input[0].device()) for _ in self._local_dims]
         present = [kjt for kjt, dim in zip(dist_input, self._local_dims) if dim]
         features = present[0] if len(present) == 1 else KeyedJaggedTensor.concat(present)
         pooled = self._local(features).values()
@@ -420,12 +422,15 @@ class ShardedCachedEmbeddingBagCollection(
 
 
 def _local_shards(
-    shardings: list, module: CachedLowPrecisionEmbeddingBagCollection, rank: int
+    shardings: list,
+    module: CachedLowPrecisionEmbeddingBagCollection,
+    rank: int,
+    device: torch.device | None,
 ) -> tuple[CachedLowPrecisionEmbeddingBagCollection | None, list[int]]:
     """This rank's shards of ``shardings`` (as TorchRec's own ``create_lookup`` groups them)
-    in one collection, with the unsharded tables' state, or their initial rows if they are on
-    the meta device (a row-wise shard of table ``t`` starting at row ``r`` is named ``t@r``);
-    and the width of each sharding's pooled output here."""
+    in one collection on ``device``, with the unsharded tables' state, or their initial rows
+    if they are on the meta device (a row-wise shard of table ``t`` starting at row ``r`` is
+    named ``t@r``); and the width of each sharding's pooled output here."""
     configs, options, dims, copies = [], {}, [], []
     full = dict(module.embedding_bags.items())
     for sharding in shardings:
@@ -473,6 +478,8 @@ def _local_shards(
         else:
             source.flush()
             shard.copy_rows_from(source, start)
+    if device is not None and device.type != "cpu":  # built in host memory, then moved
+        local.to(device)
     return local, dims
 
 

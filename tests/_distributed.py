@@ -21,6 +21,7 @@ from embcache.sharding import (
 
 # A collective waiting on a dead or stuck rank raises after this long instead of hanging.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+CPU = torch.device("cpu")
 
 
 def _free_port() -> int:
@@ -29,10 +30,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, body, args) -> None:
+def _entry(rank: int, world_size: int, port: int, backend: str, body, args) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -44,11 +47,17 @@ def _entry(rank: int, world_size: int, port: int, body, args) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(body, world_size: int = 2, *args) -> None:
+def run_ranks(body, world_size: int = 2, *args, backend: str = "gloo") -> None:
     """Call ``body(rank, world_size, *args)`` in ``world_size`` spawned processes with the
-    default process group initialised; an exception in any rank fails the caller (with that
-    rank's traceback) and ends the others. ``body`` must be a module-level function."""
-    mp.spawn(_entry, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)
+    default process group initialised (``nccl``: rank ``r`` on GPU ``r``); an exception in
+    any rank fails the caller (with that rank's traceback) and ends the others. ``body``
+    must be a module-level function."""
+    mp.spawn(
+        _entry,
+        args=(world_size, _free_port(), backend, body, args),
+        nprocs=world_size,
+        join=True,
+    )
 
 
 def skewed_features(gen: torch.Generator, rows: list[int], samples: int):
@@ -76,9 +85,14 @@ def features_of(lengths: torch.Tensor, ids: list, first: int, last: int) -> Keye
 
 
 def shard_placed(
-    model: nn.Module, name: str, placement: dict, world_size: int, **dmp_options
+    model: nn.Module,
+    name: str,
+    placement: dict,
+    world_size: int,
+    device: torch.device = CPU,
+    **dmp_options,
 ) -> tuple[DistributedModelParallel, ShardedCachedEmbeddingBagCollection]:
-    """``model`` in TorchRec's DMP over the default group (CPU), its collection
+    """``model`` in TorchRec's DMP over the default group on ``device``, its collection
     ``model.<name>`` sharded by our sharder as ``placement`` (table -> parameter sharding)
     says; and this rank's sharded collection."""
     sharder = CachedEmbeddingBagCollectionSharder()
@@ -88,12 +102,12 @@ def shard_placed(
         sharder=sharder,
         local_size=world_size,
         world_size=world_size,
-        device_type="cpu",
+        device_type=device.type,
     )
     dmp = DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
+        device=device,
         plan=ShardingPlan({name: plan}),
         sharders=[sharder],
         **dmp_options,

@@ -46,12 +46,16 @@ OPTIONS = dict(
 # The row-wise table has no cache and rounds to nearest: its shards then hold exactly the
 # unsharded rows (a shard's own cache, and its rounding stream keyed by shard row, differ).
 PER_TABLE = {"t_2": dict(rounding="nearest", cache_ratio=0.0)}
-PLACEMENT = {
-    "t_0": table_wise(rank=0, compute_kernel=KERNEL),
-    "t_1": table_wise(rank=1, compute_kernel=KERNEL),
-    "t_2": row_wise(compute_kernel=KERNEL),
-    "t_3": table_wise(rank=0, compute_kernel=KERNEL),
-}
+
+
+OWNER = {"t_0": 0, "t_1": 1, "t_3": 0}  # the rank of each table-wise table (modulo ranks)
+
+
+def _placement(world_size: int) -> dict:
+    placement = {
+        t: table_wise(rank=rank % world_size, compute_kernel=KERNEL) for t, rank in OWNER.items()
+    }
+    return {**placement, "t_2": row_wise(compute_kernel=KERNEL)}
 
 
 def _collection(device: str | None = None) -> CachedLowPrecisionEmbeddingBagCollection:
@@ -84,8 +88,13 @@ class _Model(nn.Module):
         return self.ebc(features)
 
 
-def _train_sharded_and_reference(rank: int, world_size: int, device: str | None) -> None:
-    dmp, sharded = shard_placed(_Model(device), "ebc", PLACEMENT, world_size)
+def _train_sharded_and_reference(rank: int, world_size: int, build: str | None) -> None:
+    """``build``: None (the model in memory), "meta" (built on the meta device), "cuda"
+    (built on the meta device, sharded onto this rank's GPU)."""
+    on = torch.device("cuda", rank) if build == "cuda" else torch.device("cpu")
+    placement = _placement(world_size)
+    model = _Model("meta" if build in ("meta", "cuda") else None)
+    dmp, sharded = shard_placed(model, "ebc", placement, world_size, device=on)
     reference = _collection()
     first, last = rank * BATCH, (rank + 1) * BATCH
     for step in range(STEPS):
@@ -94,9 +103,9 @@ def _train_sharded_and_reference(rank: int, world_size: int, device: str | None)
         ((expected.values() * weights).sum() / (BATCH * world_size)).backward()
         reference.step()
 
-        out = dmp(features_of(lengths, ids, first, last)).wait()
+        out = dmp(features_of(lengths, ids, first, last).to(on)).wait()
         assert out.keys() == expected.keys()
-        mine, theirs = out.values(), expected.values()[first:last].detach()
+        mine, theirs = out.values().cpu(), expected.values()[first:last].detach()
         # table-wise features: the unsharded lookup exactly; the row-wise one is a sum of
         # per-shard partial sums, added in another order
         tw = [c for c in range(4 * DIM) if not 2 * DIM <= c < 3 * DIM]
@@ -104,26 +113,27 @@ def _train_sharded_and_reference(rank: int, world_size: int, device: str | None)
         torch.testing.assert_close(
             mine[:, 2 * DIM : 3 * DIM].detach(), theirs[:, 2 * DIM : 3 * DIM]
         )
-        ((mine * weights[first:last]).sum() / BATCH).backward()
+        ((out.values() * weights[first:last].to(on)).sum() / BATCH).backward()
         sharded.step()
 
     local = sharded.local_tables()
-    owned = {"t_0", "t_3"} if rank == 0 else {"t_1"}
-    assert set(local) == owned | {f"t_2@{[0, 2001][rank]}"}
+    row_wise_shards = [name for name in local if name.startswith("t_2@")]
+    owned = {t for t, owner in OWNER.items() if owner % world_size == rank}
+    assert len(row_wise_shards) == 1 and set(local) == owned | set(row_wise_shards)
     for name, shard in local.items():
         table = reference.embedding_bags[name.split("@")[0]]
         if "@" in name:  # the row-wise shard: the unsharded rows and their AdaGrad state
             start = int(name.split("@")[1])
             stop = start + shard.config.num_embeddings
-            assert torch.equal(shard.weights, table.weights[start:stop])
-            assert torch.equal(shard.optimizer_state, table.optimizer_state[start:stop])
+            assert torch.equal(shard.weights.cpu(), table.weights[start:stop])
+            assert torch.equal(shard.optimizer_state.cpu(), table.optimizer_state[start:stop])
             assert shard.step_count == table.step_count == STEPS
             continue
         got, want = shard.state_dict(), table.state_dict()
         assert got.keys() == want.keys()
         for key in want:
             if isinstance(want[key], torch.Tensor):
-                assert torch.equal(got[key], want[key]), f"{name}.{key}"
+                assert torch.equal(got[key].cpu(), want[key]), f"{name}.{key}"
             else:
                 assert got[key] == want[key], f"{name}.{key}"
     if rank == 0:  # the cached table really used its cache
@@ -131,9 +141,19 @@ def _train_sharded_and_reference(rank: int, world_size: int, device: str | None)
 
 
 # "meta": the sharded model is built without memory, and each rank draws only its shards
-@pytest.mark.parametrize("device", [None, "meta"])
-def test_sharded_training_equals_one_process(device):
-    run_ranks(_train_sharded_and_reference, 2, device)
+@pytest.mark.parametrize("build", [None, "meta"])
+def test_sharded_training_equals_one_process(build):
+    run_ranks(_train_sharded_and_reference, 2, build)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not hasattr(torch.ops.embcache, "lookup_forward"),
+    reason="needs a CUDA GPU and a CUDA build of the kernels",
+)
+def test_sharded_training_on_cuda_equals_one_process_on_the_cpu():
+    """Table-wise and row-wise shards on GPUs (NCCL; one rank on a machine of one GPU)."""
+    world_size = min(2, torch.cuda.device_count())
+    run_ranks(_train_sharded_and_reference, world_size, "cuda", backend="nccl")
 
 
 BIG_ROWS = 3_000_000  # per table: about 110 MB in INT8 with LFU counts and AdaGrad state

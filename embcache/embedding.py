@@ -186,8 +186,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
             self.optimizer_state.zero_()
 
     def _write_rows(self, first: int, blocks: Iterator[tuple[int, torch.Tensor]] | None) -> None:
-        """Store FP32 rows, rounded to nearest, into this table from row 0 on: ``blocks`` of
-        (source row, rows) starting at source row ``first``, or (None) this table's initial
+        """Store FP32 rows, rounded to nearest: each block (source row ``r``, rows) goes to
+        this table's rows from ``r - first`` on; ``blocks=None`` stores this table's initial
         rows (:func:`_initial_blocks`). Blocks are at most 2^16 rows, so no FP32 copy of the
         table exists at once."""
         cfg = self.config

@@ -29,6 +29,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.types import ShardingEnv
 
+from embcache.resharding import load_alone
 from embcache.sharding import (
     CachedEmbeddingBagCollectionSharder,
     default_constraints,
@@ -158,12 +159,10 @@ def load_model_state(path: Path, model_state: dict, ranks: Ranks) -> None:
 
 
 def _load(state: dict, path: Path, ranks: Ranks) -> None:
-    if ranks.group is not None:
+    if ranks.group is None:
+        load_alone(state, path)
+    else:
         dcp.load(state, checkpoint_id=path, process_group=ranks.group)
-        return
-    with warnings.catch_warnings():  # DCP warns of every read without a process group
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
 # --------------------------------------------------------------------------- processes

@@ -39,7 +39,6 @@ from dlrm.mixed_precision import (
 from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
 from embcache.config import TableConfig
 from embcache.resharding import SavedTables, load_tables
-from embcache.sharding import ShardedCachedEmbeddingBagCollection
 
 
 class RunError(Exception):
@@ -396,7 +395,7 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
     if not hasattr(collection, "stats"):
         fp32 = sum(p.nbytes for p in collection.parameters())
         return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
-    tables = collection.local_tables() if dmp else dict(collection.embedding_bags.items())
+    tables = _process_tables(model)
     mine = {}
     for name, t in tables.items():
         memory, stats, c = t.memory_bytes(), t.stats(), t.config
@@ -654,18 +653,20 @@ def _load_resharded(trainer, trainer_state: dict, dense: dict, tables: SavedTabl
     """Load a checkpoint written at another world size: this process's tables (or shards)
     from ``tables`` (``embcache.resharding.load_tables``: rows re-cut, caches written back),
     the dense entries from ``dense``, the rest of the trainer from ``trainer_state``."""
-    model = trainer.model
-    sharded = [m for m in model.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
-    if sharded:
-        local = sharded[0].local_tables()
-    else:
-        local = dict(model.embedding_collection.embedding_bags.items())
     try:
-        load_tables(tables, local)
+        load_tables(tables, _process_tables(trainer.model))
     except ValueError as e:
         raise RunError(str(e)) from None
-    model_state = {**model.state_dict(), **dense}
+    model_state = {**trainer.model.state_dict(), **dense}
     trainer.load_state_dict({**trainer_state, "model": model_state})
+
+
+def _process_tables(model: nn.Module) -> dict:
+    """This process's tables by name: over several ranks its shards (``t``, or ``t@r`` for
+    a row-wise shard from row ``r``), in one process the collection's tables."""
+    if isinstance(model, DistributedModelParallel):
+        return model.module.embedding_collection.local_tables()
+    return dict(model.embedding_collection.embedding_bags.items())
 
 
 def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, resume: bool):

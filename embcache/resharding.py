@@ -66,7 +66,7 @@ class SavedTables:
         self.shards: dict[str, list[SavedShard]] = {}
         for shard in sorted(shards, key=lambda s: s.start):
             self.shards.setdefault(shard.table, []).append(shard)
-        self._read = read
+        self.read = read  # shard name -> its saved state_dict()
         self.where = where
 
     @classmethod
@@ -88,10 +88,6 @@ class SavedTables:
             return {k[len(key) :]: v for k, v in state.items() if k.startswith(key)}
 
         return cls(_shards(sizes, prefix), read, "the saved state")
-
-    def read(self, name: str) -> dict:
-        """The saved ``state_dict()`` of shard ``name``."""
-        return self._read(name)
 
 
 def load_tables(saved: SavedTables, tables: Mapping[str, CachedLowPrecisionEmbedding]) -> None:
@@ -142,29 +138,32 @@ def _shards(sizes: Mapping[str, Sequence[int]], prefix: str) -> list[SavedShard]
     return out
 
 
+def load_alone(state: dict, path: str | Path) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` by this process alone (no
+    collective, whatever process group exists)."""
+    with warnings.catch_warnings():  # DCP warns of every read without a process group
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+
+
 def _read_dcp(path: str | Path, metadata: dict, key: str) -> dict:
     """The saved ``state_dict()`` of the module at ``key``, read by this process alone."""
     state: dict = {}
     for full, meta in metadata.items():
-        if not full.startswith(key + "."):
-            continue
-        # DCP addresses an entry by its dotted path through nested dicts
-        *parents, last = full[len(key) + 1 :].split(".")
-        node = state
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = (
-            torch.empty(meta.size, dtype=meta.properties.dtype)
-            if isinstance(meta, TensorStorageMetadata)
-            else None
-        )
+        if full.startswith(key + "."):
+            tensor = isinstance(meta, TensorStorageMetadata)
+            empty = torch.empty(meta.size, dtype=meta.properties.dtype) if tensor else None
+            _nest(state, full[len(key) + 1 :], empty)
     root: dict = {}
-    node = root
-    *parents, last = key.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = state
-    with warnings.catch_warnings():  # DCP warns of every read without a process group
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(root, checkpoint_id=str(path), no_dist=True)  # fills ``state`` in place
+    _nest(root, key, state)
+    load_alone(root, path)  # fills ``state`` in place
     return state
+
+
+def _nest(root: dict, dotted: str, value) -> None:
+    """Put ``value`` at the dotted path ``dotted`` of nested dicts under ``root`` (as DCP
+    addresses a state_dict's entries)."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        root = root.setdefault(part, {})
+    root[last] = value

@@ -59,6 +59,7 @@ from _common import (
 )
 from tqdm import tqdm
 
+from dlrm.run_dir import latest_checkpoint, remove_checkpoints
 from dlrm.train import RunConfig, resolve_data, train
 from embcache import TableConfig, compression_factor
 
@@ -127,10 +128,9 @@ def execute(
     """Train (or finish) one run; its result row. The finished run's checkpoint is deleted
     (at full cardinality it is 1-2.5 GB; the row and run_dir/report.json are the record)."""
     start = time.perf_counter()
-    checkpoint = run_dir / "checkpoint.pt"
     cfg = run_config(run, base, threads, checkpoint_every)
-    report = train(cfg, run_dir, resume=checkpoint.exists())
-    checkpoint.unlink()
+    report = train(cfg, run_dir, resume=latest_checkpoint(run_dir) is not None)
+    remove_checkpoints(run_dir)
     emb = report["embeddings"]
     cached = (
         [t["hit_rate"] for t in emb["tables"].values() if t["precision"] != "fp32"]

@@ -1,9 +1,12 @@
 """The ``dlrm`` command: ``train``, ``evaluate``, ``preprocess``, ``generate``.
 
-User errors (missing or corrupt data, a checkpoint from another configuration, an
-unwritable output, an invalid option) print one line on stderr and exit with status 2, before
-any work. A training run that diverges prints one line naming the step and exits with
-status 1 (its report is written, its last checkpoint kept).
+User errors (missing or corrupt data, a damaged checkpoint or one from another
+configuration, an unwritable output or one in use by another run, an invalid option) print
+one line on stderr and exit with status 2, before any work. A training run that diverges
+prints one line naming the step and its last checkpoint and exits with status 1 (its report
+is written). SIGINT or SIGTERM stops any command with one line; a training run stops after
+the step in progress, keeps a checkpoint there and exits with status 128 + the signal's
+number (130, 143).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import dataclasses
 import json
 import logging
 import math
+import signal
 import sys
 from pathlib import Path
 
 # torch.fx warns at import time about an API change that concerns neither us nor the user.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
+from dlrm.errors import Stopped  # noqa: E402
 from dlrm.mixed_precision import OPTIMIZERS, SCALERS  # noqa: E402
 from dlrm.train import RunConfig, RunError  # noqa: E402
 
@@ -233,7 +238,7 @@ def main(argv=None) -> int:
         "--out",
         type=Path,
         default=Path("runs/train"),
-        help="run directory (checkpoint.pt, report.json)",
+        help="run directory (checkpoint/, report.json)",
     )
     p.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its checkpoint"
@@ -271,14 +276,28 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=_int_at_least(0), default=0)
 
     args = parser.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         return _dispatch(args)
     except (RunError, ValueError, OSError) as e:
         print(f"dlrm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"dlrm {args.command}: stopped by {e}", file=sys.stderr)
+        return 128 + signal.Signals[str(e)]
     except KeyboardInterrupt:
         print(f"dlrm {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _checkpoint_line(out: Path, step: int | None) -> str:
+    return "last checkpoint: " + ("none" if step is None else f"step {step} ({out / 'checkpoint'})")
 
 
 def _dispatch(args) -> int:
@@ -290,20 +309,25 @@ def _dispatch(args) -> int:
 
             report = train(_run_config(args), args.out, resume=args.resume)
             if "stopped_at_step" in report:
-                print(f"stopped at step {report['stopped_at_step']}; continue with --resume")
-            elif report["status"] == "diverged":
+                step, by = report["stopped_at_step"], report["signal"]
+                at = "" if step is None else f" at step {step}"
+                line = f"{_checkpoint_line(args.out, report['checkpoint_step'])}; continue with --resume"
+                if by is None:
+                    print(f"stopped{at}; {line}")
+                    return 0
+                print(f"dlrm train: stopped by {by}{at}; {line}", file=sys.stderr)
+                return 128 + signal.Signals[by]
+            if report["status"] == "diverged":
                 d = report["diverged"]
-                kept = d["last_checkpoint_step"]
                 print(
                     f"dlrm train: diverged at step {d['step']}: {d['reason']}; report: "
-                    f"{args.out / 'report.json'}; last checkpoint: "
-                    + ("none" if kept is None else f"step {kept}"),
+                    f"{args.out / 'report.json'}; "
+                    + _checkpoint_line(args.out, d["last_checkpoint_step"]),
                     file=sys.stderr,
                 )
                 return 1
-            else:
-                print(_summary(report))
-                print(f"report: {args.out / 'report.json'}")
+            print(_summary(report))
+            print(f"report: {args.out / 'report.json'}")
         elif args.command == "evaluate":
             from dlrm.train import evaluate_checkpoint
 

@@ -18,7 +18,7 @@ import datetime
 import io
 import logging
 import os
-import shutil
+import signal
 import warnings
 from pathlib import Path
 
@@ -29,7 +29,8 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.types import ShardingEnv
 
-from embcache.resharding import load_alone
+from dlrm.errors import RunError, Stopped
+from embcache.serialization import load, load_dcp, read_metadata
 from embcache.sharding import (
     CachedEmbeddingBagCollectionSharder,
     default_constraints,
@@ -72,6 +73,14 @@ class Ranks:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank (every rank gets the answer)."""
+        if self.group is None:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
@@ -99,6 +108,14 @@ def shard(model: torch.nn.Module, ranks: Ranks, batch_size: int) -> DistributedM
     )
 
 
+def process_tables(model: torch.nn.Module) -> dict:
+    """This process's tables by name: over several ranks its shards (``t``, or ``t@r`` for
+    a row-wise shard from row ``r``), in one process the collection's tables."""
+    if isinstance(model, DistributedModelParallel):
+        return model.module.embedding_collection.local_tables()
+    return dict(model.embedding_collection.embedding_bags.items())
+
+
 def sharding_report(model: DistributedModelParallel) -> dict:
     """Each table's sharding type and ranks, from the model's plan."""
     out = {}
@@ -110,46 +127,28 @@ def sharding_report(model: DistributedModelParallel) -> dict:
 
 # --------------------------------------------------------------------------- checkpoints
 
+_REST = "rest"  # the entry that holds everything but the model's tensors
 
-def save_checkpoint(path: Path, model_state: dict, rest, ranks: Ranks) -> None:
+
+def write_checkpoint_files(directory: Path, model_state: dict, rest: dict, ranks: Ranks) -> None:
     """Write ``model_state`` (each rank its own tensors) and ``rest`` (the same on every rank,
-    written once) into the directory ``path``, replacing it only once every rank's part is
-    written: the checkpoint goes to ``path.tmp`` and is renamed."""
-    tmp = path.with_name(path.name + ".tmp")
-    old = path.with_name(path.name + ".old")
-    if ranks.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-    ranks.barrier()
-    blob = io.BytesIO()  # one opaque item: DCP would otherwise split it into its leaves
+    written once) into ``directory`` as a ``torch.distributed.checkpoint``. ``rest`` is stored
+    as the bytes of ``torch.save`` in a uint8 tensor: one opaque item (DCP would otherwise
+    split it into its leaves) that loads without unpickling anything but plain data."""
+    blob = io.BytesIO()
     torch.save(rest, blob)
-    blob.seek(0)
-    dcp.save({"model": model_state, "rest": blob}, checkpoint_id=tmp, process_group=ranks.group)
-    ranks.barrier()
-    if ranks.main:
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    ranks.barrier()
+    rest_bytes = torch.frombuffer(bytearray(blob.getbuffer()), dtype=torch.uint8)
+    state = {"model": model_state, _REST: rest_bytes}
+    dcp.save(state, checkpoint_id=directory, process_group=ranks.group)
 
 
-def checkpoint_path(path: Path) -> Path | None:
-    """The complete checkpoint at ``path``, or the one a save interrupted between its two
-    renames left at ``path.old``; None if there is none."""
-    for p in (path, path.with_name(path.name + ".old")):
-        if (p / ".metadata").exists():
-            return p
-    return None
-
-
-def load_rest(path: Path, ranks: Ranks):
-    """The ``rest`` of the checkpoint at ``path`` (nothing else is read)."""
-    state = {"rest": io.BytesIO()}
+def load_rest(path: Path, ranks: Ranks) -> dict:
+    """The ``rest`` of the checkpoint at ``path`` (nothing else is read), loaded as plain
+    data only (``embcache.serialization``)."""
+    size = read_metadata(path).state_dict_metadata[_REST].size
+    state = {_REST: torch.empty(size, dtype=torch.uint8)}
     _load(state, path, ranks)
-    blob = state["rest"]  # DCP fills a BytesIO with the bytes saved
-    blob.seek(0)
-    return torch.load(blob, weights_only=False)
+    return load(io.BytesIO(state[_REST].numpy().tobytes()), what=f"{path} ({_REST})")
 
 
 def load_model_state(path: Path, model_state: dict, ranks: Ranks) -> None:
@@ -159,10 +158,7 @@ def load_model_state(path: Path, model_state: dict, ranks: Ranks) -> None:
 
 
 def _load(state: dict, path: Path, ranks: Ranks) -> None:
-    if ranks.group is None:
-        load_alone(state, path)
-    else:
-        dcp.load(state, checkpoint_id=path, process_group=ranks.group)
+    load_dcp(state, path, process_group=ranks.group, no_dist=ranks.group is None)
 
 
 # --------------------------------------------------------------------------- processes
@@ -172,11 +168,12 @@ def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
     """Run ``task`` in ``nproc`` processes on this machine (torch's elastic launcher, gloo):
     ``"train"`` is ``dlrm.train.train(cfg, out_dir, resume=arg)``, ``"evaluate"`` is
     ``dlrm.train.evaluate_checkpoint(cfg, out_dir, split=arg)``; rank 0's result. A failed
-    rank ends the others; the error names it."""
+    rank ends the others; the error names it. A SIGINT or SIGTERM to this process reaches the
+    ranks too (from the terminal, or forwarded by the launcher, which waits 30 s for them to
+    end): once they have, it raises :class:`dlrm.errors.Stopped`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from dlrm.train import RunError
 
     # the launcher's own log repeats a failed rank's traceback: the error below says it once
     for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
@@ -207,6 +204,8 @@ def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
         if isinstance(message, dict):
             message = message.get("message", message)
         raise RunError(f"rank {rank} failed: {_last_line(str(message))}") from None
+    except SignalException as e:
+        raise Stopped(signal.Signals(e.sigval).name) from None
     finally:
         if warning_options is None:
             del os.environ["PYTHONWARNINGS"]

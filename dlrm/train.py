@@ -1,8 +1,9 @@
 """Training and evaluation runs of DLRM: model construction, the training loop, evaluation,
 checkpoints that resume bit-identically, and the JSON report (docs/contract.md §6-7).
 
-A run lives in one directory: ``checkpoint.pt`` (written atomically every
-``checkpoint_every`` steps and at the end) and ``report.json``. A run is described by a
+A run lives in one directory (:mod:`dlrm.run_dir`): its checkpoints (written every
+``checkpoint_every`` steps and at the end, :mod:`dlrm.checkpoint`) and ``report.json``. A
+run is described by a
 :class:`RunConfig`; resuming checks that the checkpoint was made by the same configuration
 (everything but the step budget and the bookkeeping fields may not change).
 """
@@ -14,8 +15,10 @@ import json
 import math
 import os
 import resource
-import shutil
+import secrets
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,10 +28,11 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from tqdm import tqdm
 
-from dlrm import distributed, metrics
+from dlrm import checkpoint, distributed, metrics, run_dir
 from dlrm.data import batches as data_batches
 from dlrm.data.criteo import DataError
-from dlrm.data.synthetic import SyntheticCriteo
+from dlrm.data.synthetic import SyntheticCriteo, scaled_cardinalities
+from dlrm.errors import RunError, Stopped
 from dlrm.mixed_precision import (
     OPTIMIZERS,
     SCALERS,
@@ -38,11 +42,6 @@ from dlrm.mixed_precision import (
 )
 from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
 from embcache.config import TableConfig
-from embcache.resharding import SavedTables, load_tables
-
-
-class RunError(Exception):
-    """A user error (bad data, checkpoint, configuration or output): one clear message."""
 
 
 @dataclasses.dataclass
@@ -138,6 +137,16 @@ class RunConfig:
                 TableConfig(1, 1, **{field: getattr(self, value)})
             except (TypeError, ValueError) as e:
                 raise RunError(f"{option}: {str(e).split(': ', 1)[-1]}") from None
+        if self.data == "synthetic":  # refused here, not after the data are generated
+            rows = max(scaled_cardinalities(self.synthetic_scale))
+            try:
+                TableConfig(rows, 1)
+            except ValueError as e:
+                rule = str(e).split(" must ", 1)[-1]
+                raise RunError(
+                    f"--synthetic-scale {self.synthetic_scale:g}: the largest table would have "
+                    f"{rows:,} rows, and a table's rows must be {rule}"
+                ) from None
         tables = [f"t_{i}" for i in range(len(SPARSE_KEYS))]
         for table, options in self.tables.items():
             if table not in tables:
@@ -318,72 +327,6 @@ def evaluate(
     )
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise RunError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def save_checkpoint(
-    path: Path,
-    cfg: RunConfig,
-    trainer: MixedPrecisionTrainer,
-    progress: dict,
-    data: dict | None = None,
-) -> None:
-    """``data``: the run's dataset, ``{"dir", "fingerprint"}`` (checked by ``load_checkpoint``)."""
-    state = {
-        "config": cfg.identity(),
-        "trainer": trainer.state_dict(),
-        "progress": progress,
-        "data": data,
-    }
-    _atomic_write(path, lambda p: torch.save(state, p))
-
-
-def load_checkpoint(path: Path, cfg: RunConfig, data: dict | None = None) -> dict:
-    """The checkpoint ``path``, refused (``RunError``) unless written by the same configuration
-    and, given ``data`` (as ``save_checkpoint``), on a dataset of the same fingerprint (the
-    configuration names the data by path only, and the same path may hold another dataset by
-    now: regenerated with another seed or rows). The data are checked first, so a run pointed
-    at another directory is told both fingerprints. A checkpoint written before fingerprints
-    were stored is checked by configuration only."""
-    try:
-        state = torch.load(path, weights_only=False, mmap=True)
-    except FileNotFoundError:
-        raise RunError(f"{path}: no checkpoint to resume from") from None
-    except Exception as e:  # a truncated or foreign file
-        raise RunError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-    _check_checkpoint(state, path, cfg, data)
-    return state
-
-
-def _check_checkpoint(state, path: Path, cfg: RunConfig, data: dict | None) -> None:
-    """Raise RunError unless ``state`` (a checkpoint's config, data, ...) was written by this
-    configuration on this dataset (see :func:`load_checkpoint`)."""
-    if not isinstance(state, dict) or "config" not in state:
-        raise RunError(f"{path}: not a dlrm checkpoint")
-    was = state.get("data") or {}
-    if data and was.get("fingerprint") and was["fingerprint"] != data["fingerprint"]:
-        raise RunError(
-            f"{path}: the run started on the dataset {was.get('dir')} (fingerprint "
-            f"{was['fingerprint'][:23]}), now {data['dir']} (fingerprint "
-            f"{data['fingerprint'][:23]}) holds other data: resume on the run's own dataset"
-        )
-    saved, mine = state["config"], cfg.identity()
-    diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
-    if diff:
-        fields = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-        raise RunError(f"{path} was written by another configuration ({fields})")
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -395,7 +338,7 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
     if not hasattr(collection, "stats"):
         fp32 = sum(p.nbytes for p in collection.parameters())
         return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
-    tables = _process_tables(model)
+    tables = distributed.process_tables(model)
     mine = {}
     for name, t in tables.items():
         memory, stats, c = t.memory_bytes(), t.stats(), t.config
@@ -444,45 +387,106 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
 def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     """Train (or resume) a run in ``out_dir``; returns the report (also in report.json).
 
+    Everything that can be refused without work is refused first (RunError), before any
+    directory is made or any data generated: an invalid option, an ``out_dir`` that is a
+    file, missing data, ``resume`` with nothing to resume. The run then holds ``out_dir``
+    for its whole life (:func:`dlrm.run_dir.lock`: a second writer is refused at once).
+
     A run that diverges -- a step refused because its new values cannot be stored, or
     ``max_skipped_in_a_row`` steps in a row skipped for non-finite gradients -- stops there:
     its report has ``status: "diverged"`` with the step and the reason, and its last
-    checkpoint is kept (a checkpoint due while steps are being skipped waits for the next
-    applied step, so that a checkpoint never holds a model that is failing).
+    checkpoint is kept. A checkpoint is written only from a model whose outputs are finite
+    (on a fixed batch and on the step's own), and one due while steps are being skipped
+    waits for the next applied step, so the last checkpoint holds a usable model.
+
+    SIGINT or SIGTERM stops a run after the step in progress, with a checkpoint at that step
+    if the model is good; the result is then ``{"stopped_at_step", "signal",
+    "checkpoint_step"}``, as for a run stopped by ``stop_after`` (``signal`` None).
 
     With ``nproc_per_node > 1`` the data are made ready here, then ``nproc_per_node``
     processes each run this function on a part of every batch and a shard of the tables
     (:mod:`dlrm.distributed`); rank 0 writes the report, and it is returned."""
     cfg.validate()
     ranks = distributed.Ranks.current()
+    if ranks.world_size > 1:  # a rank of a launched run: the launcher holds out_dir
+        return _train_here(cfg, out_dir, resume, ranks)
+    _refuse_early(cfg, out_dir, resume)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunError(f"cannot create the output directory {out_dir}: {e.strerror}") from None
     if not os.access(out_dir, os.W_OK):
         raise RunError(f"the output directory {out_dir} is not writable")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    with run_dir.lock(out_dir):
+        if cfg.nproc_per_node == 1:
+            return _train_here(cfg, out_dir, resume, ranks)
+        _resolve_dataset(cfg, out_dir)  # once, before the processes start
+        try:
+            return distributed.launch(
+                "train", cfg.nproc_per_node, dataclasses.asdict(cfg), out_dir, resume
+            )
+        except Stopped as e:
+            path = run_dir.latest_checkpoint(out_dir)
+            step = run_dir.read_manifest(path)["step"] if path else None
+            return {"stopped_at_step": None, "signal": str(e), "checkpoint_step": step}
+
+
+def _refuse_early(cfg: RunConfig, out_dir: Path, resume: bool) -> None:
+    """Raise RunError for what can be refused without work (see :func:`train`)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunError(f"--out {out_dir}: is a file, not a directory")
+    if cfg.data != "synthetic":
+        try:
+            data_batches.read_meta(Path(cfg.data))
+        except DataError as e:
+            raise RunError(str(e)) from None
+    if resume and run_dir.latest_checkpoint(out_dir) is None:
+        raise RunError(f"{out_dir}: no checkpoint to resume from")
+
+
+def _resolve_dataset(cfg: RunConfig, out_dir: Path):
+    """(directory, dataset) of the run's data (generated once if synthetic)."""
     try:
         data_dir = resolve_data(cfg, out_dir.parent if out_dir.parent != out_dir else out_dir)
-        dataset = data_batches.load(data_dir)
+        return data_dir, data_batches.load(data_dir)
     except DataError as e:
         raise RunError(str(e)) from None
-    if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
-        return distributed.launch(
-            "train", cfg.nproc_per_node, dataclasses.asdict(cfg), out_dir, resume
-        )
+
+
+def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
+    """This process's part of :func:`train`: all of it in one process, one rank's part
+    (its part of every batch, its shards) of a launched run."""
     if ranks.world_size != cfg.nproc_per_node:
         raise RunError(
             f"--nproc-per-node is {cfg.nproc_per_node} but {ranks.world_size} processes run"
         )
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if resume:  # its configuration is checked before the data are made
+        path = run_dir.latest_checkpoint(out_dir)
+        if path is None:
+            raise RunError(f"{out_dir}: no checkpoint to resume from")
+        saved = checkpoint.open_checkpoint(path, ranks)
+        checkpoint.check(saved, path, cfg, None)
+    data_dir, dataset = _resolve_dataset(cfg, out_dir)
+    run_data = _run_data(data_dir, dataset)
     model = _process_model(cfg, list(dataset.meta["cardinalities"]), ranks, loading=resume)
     trainer = build_trainer(cfg, model)
-    ckpt_path = out_dir / ("checkpoint" if ranks.world_size > 1 else "checkpoint.pt")
-    progress = {"step": 0, "epoch": 0, "batch": 0, "evals": [], "train_seconds": 0.0, "samples": 0}
-    run_data = _run_data(data_dir, dataset)
     if resume:
-        progress = _resume(out_dir, cfg, trainer, run_data, ranks)
+        checkpoint.check(saved, path, cfg, run_data)
+        checkpoint.load_into(trainer, path, saved, ranks)
+        progress = saved["progress"]
+        del saved
+    else:
+        progress = {
+            "step": 0,
+            "epoch": 0,
+            "batch": 0,
+            "evals": [],
+            "train_seconds": 0.0,
+            "samples": 0,
+            "run": ranks.gather(secrets.token_hex(8))[0],  # names the run's checkpoints
+        }
 
     train_rows = dataset.split("train")[1] - dataset.split("train")[0]
     per_epoch = data_batches.num_batches(train_rows, cfg.batch_size, drop_last=True)
@@ -490,6 +494,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
         raise RunError(
             f"the train split has {train_rows} rows, fewer than one batch of {cfg.batch_size}"
         )
+    probe = next(
+        iter(data_batches.iterate_batches(dataset, "train", cfg.batch_size, part=ranks.part))
+    )
     total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
     this_run = 0
     diverged = None
@@ -502,68 +509,68 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
         disable=not (cfg.progress and ranks.main),
     )
     start = time.perf_counter()
-    while progress["step"] < total:
-        batches = data_batches.iterate_batches(
-            dataset,
-            "train",
-            cfg.batch_size,
-            shuffle=True,
-            seed=cfg.seed,
-            epoch=progress["epoch"],
-            drop_last=True,
-            start_batch=progress["batch"],
-            part=ranks.part,
-        )
-        for batch in batches:
-            try:
-                out = trainer.train_step(batch.dense, batch.sparse, batch.labels)
-            except StepRefusedError as e:
-                diverged = {"step": e.step, "reason": str(e)}
-                break
-            progress["step"] += 1
-            progress["batch"] += 1
-            progress["samples"] += cfg.batch_size
-            in_a_row = progress.get("skipped_in_a_row", 0) + 1 if out["skipped"] else 0
-            progress["skipped_in_a_row"] = in_a_row
-            this_run += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{out['loss']:.4f}", scale=f"{out['scale']:g}")
-            step = progress["step"]
-            if in_a_row >= cfg.max_skipped_in_a_row:
-                diverged = {
-                    "step": step,
-                    "reason": f"steps {step - in_a_row + 1} to {step} were all skipped "
-                    f"(non-finite loss or gradients; loss scale now {trainer.scaler.scale:g})",
-                }
-                break
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches, ranks)
-                progress["evals"].append({"step": step, **m})
-                if ranks.main:
-                    bar.write(f"step {step}: val {_metrics_line(m)}")
-            done = step >= total or (cfg.stop_after is not None and this_run >= cfg.stop_after)
-            checkpoint_due = checkpoint_due or step % cfg.checkpoint_every == 0
-            if done or (checkpoint_due and not in_a_row):
-                progress["train_seconds"] += time.perf_counter() - start
-                start = time.perf_counter()
-                progress["checkpoint_step"] = step
-                if ranks.world_size > 1:
-                    state = trainer.state_dict()
-                    rest = {"config": cfg.identity(), "trainer": state, "progress": progress}
-                    rest.update(data=run_data, world_size=ranks.world_size)
-                    distributed.save_checkpoint(ckpt_path, state.pop("model"), rest, ranks)
-                else:
-                    save_checkpoint(ckpt_path, cfg, trainer, progress, run_data)
-                if ranks.main:  # a run resumed at another world size: the old kind is stale
-                    _remove_checkpoint(out_dir, keep=ckpt_path)
-                checkpoint_due = False
-            if done:
-                break
-        else:  # the epoch's batches are used up: on to the next epoch
-            progress["epoch"] += 1
-            progress["batch"] = 0
-            continue
-        break  # done, or diverged
+    with _StopRequests(interrupt_twice=ranks.world_size == 1) as stop:
+        while progress["step"] < total:
+            batches = data_batches.iterate_batches(
+                dataset,
+                "train",
+                cfg.batch_size,
+                shuffle=True,
+                seed=cfg.seed,
+                epoch=progress["epoch"],
+                drop_last=True,
+                start_batch=progress["batch"],
+                part=ranks.part,
+            )
+            for batch in batches:
+                try:
+                    out = trainer.train_step(batch.dense, batch.sparse, batch.labels)
+                except StepRefusedError as e:
+                    diverged = {"step": e.step, "reason": str(e)}
+                    break
+                progress["step"] += 1
+                progress["batch"] += 1
+                progress["samples"] += cfg.batch_size
+                in_a_row = progress.get("skipped_in_a_row", 0) + 1 if out["skipped"] else 0
+                progress["skipped_in_a_row"] = in_a_row
+                this_run += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{out['loss']:.4f}", scale=f"{out['scale']:g}")
+                step = progress["step"]
+                if in_a_row >= cfg.max_skipped_in_a_row:
+                    diverged = {
+                        "step": step,
+                        "reason": f"steps {step - in_a_row + 1} to {step} were all skipped "
+                        f"(non-finite loss or gradients; loss scale now {trainer.scaler.scale:g})",
+                    }
+                    break
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches, ranks)
+                    progress["evals"].append({"step": step, **m})
+                    if ranks.main:
+                        bar.write(f"step {step}: val {_metrics_line(m)}")
+                done = (
+                    step >= total
+                    or (cfg.stop_after is not None and this_run >= cfg.stop_after)
+                    or ranks.any(stop.signal is not None)
+                )
+                checkpoint_due = checkpoint_due or step % cfg.checkpoint_every == 0
+                # mid-run, not while steps are being skipped (the model may be failing);
+                # never from a model whose outputs are not finite
+                due = done or (checkpoint_due and not in_a_row)
+                if due and _predicts_finite(model, [probe, batch], ranks):
+                    progress["train_seconds"] += time.perf_counter() - start
+                    start = time.perf_counter()
+                    progress["checkpoint_step"] = step
+                    checkpoint.save(out_dir, cfg, trainer, progress, run_data, ranks)
+                    checkpoint_due = False
+                if done:
+                    break
+            else:  # the epoch's batches are used up: on to the next epoch
+                progress["epoch"] += 1
+                progress["batch"] = 0
+                continue
+            break  # done, or diverged
     bar.close()
     if diverged:
         progress["train_seconds"] += time.perf_counter() - start
@@ -573,7 +580,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
         report["diverged"] = diverged
         report["undefined"] = {"test": "the run diverged"}
     elif progress["step"] < total:
-        return {"stopped_at_step": progress["step"]}
+        return {
+            "stopped_at_step": progress["step"],
+            "signal": stop.signal,
+            "checkpoint_step": progress.get("checkpoint_step"),
+        }
     else:
         test = evaluate(model, dataset, "test", cfg.batch_size, ranks=ranks)
         report = _report(cfg, dataset, data_dir, trainer, progress, test, ranks)
@@ -581,92 +592,47 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
             report["compare_fp32"] = _compare_fp32(cfg, out_dir, data_dir, report, resume)
     if ranks.main:
         text = json.dumps(_strict_json(report), indent=2, allow_nan=False, default=_json_default)
-        _atomic_write(out_dir / "report.json", lambda p: p.write_text(text))
+        run_dir.write_atomically(out_dir / "report.json", lambda p: p.write_text(text))
     return report
 
 
-_TABLES = "embedding_collection."  # the model's state entries of its tables start so
+def _predicts_finite(model: nn.Module, batches: list, ranks) -> bool:
+    """Whether ``model`` gives a finite logit for every example of ``batches`` on every
+    rank (in eval mode: no state changes): the test of a state worth a checkpoint."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        finite = all(bool(torch.isfinite(model(b.dense, b.sparse)).all()) for b in batches)
+    model.train(was_training)
+    return not ranks.any(not finite)
 
 
-def _latest_checkpoint(out_dir: Path) -> Path | None:
-    """The run's checkpoint: the sharded directory (``checkpoint``, or ``checkpoint.old``
-    left by an interrupted save) or the one-process file (``checkpoint.pt``), whichever
-    was written last; None if there is none."""
-    found = []
-    sharded = distributed.checkpoint_path(out_dir / "checkpoint")
-    if sharded is not None:
-        found.append(((sharded / ".metadata").stat().st_mtime_ns, sharded))
-    single = out_dir / "checkpoint.pt"
-    if single.exists():
-        found.append((single.stat().st_mtime_ns, single))
-    return max(found)[1] if found else None
+class _StopRequests:
+    """SIGINT and SIGTERM while a run trains: the first asks the loop to stop after the step
+    in progress (``signal`` names it). A second one interrupts at once (KeyboardInterrupt)
+    if ``interrupt_twice``; the ranks of a launched run ignore it, since the launcher
+    forwards the signal it got and waits for them. Installed from the main thread only."""
 
+    def __init__(self, interrupt_twice: bool):
+        self.signal: str | None = None
+        self._interrupt_twice = interrupt_twice
+        self._previous: dict = {}
 
-def _remove_checkpoint(out_dir: Path, keep: Path) -> None:
-    """Remove the run's checkpoints of the other kind than ``keep`` (just written)."""
-    for other in ("checkpoint", "checkpoint.old", "checkpoint.pt"):
-        path = out_dir / other
-        if path != keep and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        elif path != keep and path.exists():
-            path.unlink()
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None and self._interrupt_twice:
+            raise KeyboardInterrupt
+        self.signal = self.signal or signal.Signals(signum).name
 
+    def __enter__(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {
+                s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
+            }
+        return self
 
-def _resume(out_dir: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, data: dict, ranks):
-    """Load the run's latest checkpoint (checked first) into ``trainer``, whatever number
-    of processes wrote it; its progress. At the world size that wrote it the state is the
-    saved one exactly; at another the tables are cut anew (:func:`_load_resharded`)."""
-    path = _latest_checkpoint(out_dir)
-    if path is None:
-        raise RunError(f"{out_dir}: no checkpoint to resume from")
-    return _load(path, cfg, trainer, data, ranks)["progress"]
-
-
-def _load(path: Path, cfg: RunConfig, trainer: MixedPrecisionTrainer, data: dict, ranks) -> dict:
-    """Load the checkpoint at ``path`` (a file or a sharded directory; checked first) into
-    ``trainer``; the checkpoint's config, progress, ..."""
-    if path.suffix == ".pt":
-        state = load_checkpoint(path, cfg, data)
-        if ranks.world_size == 1:
-            trainer.load_state_dict(state["trainer"])
-        else:
-            saved = state["trainer"]["model"]
-            tables = SavedTables.from_state_dict(saved, _TABLES + "embedding_bags.")
-            dense = {k: v for k, v in saved.items() if not k.startswith(_TABLES)}
-            _load_resharded(trainer, state["trainer"], dense, tables)
-        return state
-    rest = distributed.load_rest(path, ranks)
-    _check_checkpoint(rest, path, cfg, data)
-    model_state = trainer.model.state_dict()
-    if rest.get("world_size") == ranks.world_size:  # the same shards: exactly as saved
-        distributed.load_model_state(path, model_state, ranks)
-        trainer.load_state_dict({**rest["trainer"], "model": model_state})
-        return rest
-    dense = {k: v for k, v in model_state.items() if not k.startswith(_TABLES)}
-    distributed.load_model_state(path, dense, ranks)
-    tables = SavedTables.from_dcp(path, "model." + _TABLES + "_local.embedding_bags.")
-    _load_resharded(trainer, rest["trainer"], dense, tables)
-    return rest
-
-
-def _load_resharded(trainer, trainer_state: dict, dense: dict, tables: SavedTables) -> None:
-    """Load a checkpoint written at another world size: this process's tables (or shards)
-    from ``tables`` (``embcache.resharding.load_tables``: rows re-cut, caches written back),
-    the dense entries from ``dense``, the rest of the trainer from ``trainer_state``."""
-    try:
-        load_tables(tables, _process_tables(trainer.model))
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    model_state = {**trainer.model.state_dict(), **dense}
-    trainer.load_state_dict({**trainer_state, "model": model_state})
-
-
-def _process_tables(model: nn.Module) -> dict:
-    """This process's tables by name: over several ranks its shards (``t``, or ``t@r`` for
-    a row-wise shard from row ``r``), in one process the collection's tables."""
-    if isinstance(model, DistributedModelParallel):
-        return model.module.embedding_collection.local_tables()
-    return dict(model.embedding_collection.embedding_bags.items())
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, resume: bool):
@@ -676,7 +642,8 @@ def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, r
         cfg, data=str(data_dir), precision="fp32", cache_ratio=0.0, tables={}, compare_fp32=False
     )
     fp32_dir = out_dir / "fp32"
-    fp32 = train(fp32_cfg, fp32_dir, resume=resume and (fp32_dir / "checkpoint.pt").exists())
+    fp32_resume = resume and run_dir.latest_checkpoint(fp32_dir) is not None
+    fp32 = train(fp32_cfg, fp32_dir, resume=fp32_resume)
     if fp32.get("status") != "completed":
         return {"dir": str(fp32_dir), "status": fp32.get("status", "stopped")}
     ours, theirs = report["test"], fp32["test"]
@@ -779,35 +746,31 @@ def _json_default(x):
 
 
 def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
-    """Metrics of the checkpoint in ``out_dir`` on ``split``, with the run's own config, in
-    ``cfg.nproc_per_node`` processes whatever number wrote it (each loads its own shards,
-    cut anew at another world size)."""
+    """Metrics of the latest checkpoint in ``out_dir`` on ``split``, with the run's own
+    config, in ``cfg.nproc_per_node`` processes whatever number wrote it (each loads its
+    own shards, cut anew at another world size). Reads ``out_dir`` only: it may run while
+    the run trains."""
     ranks = distributed.Ranks.current()
-    path = _latest_checkpoint(out_dir)
+    path = run_dir.latest_checkpoint(out_dir)
     if path is None:
         raise RunError(f"{out_dir}: no checkpoint")
-    try:
-        if path.suffix == ".pt":
-            saved = torch.load(path, weights_only=False, mmap=True)["config"]
-        else:
-            saved = distributed.load_rest(path, ranks)["config"]
-    except Exception as e:
-        raise RunError(f"{path}: not a readable checkpoint ({e})") from None
-    cfg = dataclasses.replace(cfg, **saved)
     if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
         return distributed.launch(
             "evaluate", cfg.nproc_per_node, dataclasses.asdict(cfg), out_dir, split
         )
+    saved = checkpoint.open_checkpoint(path, ranks)
     try:
-        data_dir = resolve_data(cfg, out_dir.parent if out_dir.parent != out_dir else out_dir)
-        dataset = data_batches.load(data_dir)
-    except DataError as e:
-        raise RunError(str(e)) from None
+        cfg = dataclasses.replace(cfg, **saved["config"])
+        cfg.validate()
+    except (TypeError, RunError) as e:
+        raise RunError(f"{path}: the configuration it holds is not valid ({e})") from None
+    data_dir, dataset = _resolve_dataset(cfg, out_dir)
     model = _process_model(cfg, list(dataset.meta["cardinalities"]), ranks, loading=True)
-    _load(path, cfg, build_trainer(cfg, model), _run_data(data_dir, dataset), ranks)
+    checkpoint.check(saved, path, cfg, _run_data(data_dir, dataset))
+    checkpoint.load_into(build_trainer(cfg, model), path, saved, ranks)
     return evaluate(model, dataset, split, cfg.batch_size, ranks=ranks)
 
 
 def _run_data(data_dir: Path, dataset) -> dict:
-    """What a checkpoint records of its dataset (see :func:`load_checkpoint`)."""
+    """What a checkpoint records of its dataset (see :func:`dlrm.checkpoint.check`)."""
     return {"dir": str(Path(data_dir).resolve()), "fingerprint": dataset.meta["fingerprint"]}

@@ -24,15 +24,14 @@ Example (two ranks saved, one process loads)::
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from embcache.embedding import CachedLowPrecisionEmbedding
+from embcache.serialization import load_dcp, read_metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +70,7 @@ class SavedTables:
 
     @classmethod
     def from_dcp(cls, path: str | Path, prefix: str) -> SavedTables:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = read_metadata(path).state_dict_metadata
         sizes = {k: m.size for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)}
         return cls(
             _shards(sizes, prefix),
@@ -140,10 +139,9 @@ def _shards(sizes: Mapping[str, Sequence[int]], prefix: str) -> list[SavedShard]
 
 def load_alone(state: dict, path: str | Path) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` by this process alone (no
-    collective, whatever process group exists)."""
-    with warnings.catch_warnings():  # DCP warns of every read without a process group
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    collective, whatever process group exists), reading data only
+    (``embcache.serialization.load_dcp``)."""
+    load_dcp(state, path, no_dist=True)
 
 
 def _read_dcp(path: str | Path, metadata: dict, key: str) -> dict:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from dlrm.cli import main
+from dlrm.run_dir import latest_checkpoint
 
 SMALL = [
     "--synthetic-scale",
@@ -85,7 +86,7 @@ def test_dense_divergence_stops_at_step_1_with_a_strict_report(tmp_path, capsys)
     assert report["test"] is None and report["undefined"]["test"]
     # no step was applied: no gradient statistics, null with the reason (not Infinity)
     assert report["grad_abs"]["min"] is None and report["grad_abs"]["min_undefined"]
-    assert not (out / "checkpoint.pt").exists()
+    assert latest_checkpoint(out) is None
 
 
 def test_run_that_only_skips_is_diverged_and_writes_no_checkpoint_of_it(tmp_path, capsys):
@@ -99,7 +100,7 @@ def test_run_that_only_skips_is_diverged_and_writes_no_checkpoint_of_it(tmp_path
     assert report["status"] == "diverged" and report["skipped_steps"] == 3
     # the checkpoint due at step 2 fell among skipped steps: it was never written
     assert report["diverged"]["last_checkpoint_step"] is None
-    assert not (out / "checkpoint.pt").exists()
+    assert latest_checkpoint(out) is None
 
 
 def _criteo_tsv(path, rows: int, no_click_from: int, no_click_to: int) -> None:

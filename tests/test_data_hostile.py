@@ -291,7 +291,7 @@ def test_resume_refuses_another_dataset(tmp_path, capsys):
     _generate(other, seed=1)
     run = ["train", "--out", str(tmp_path / "run"), *TRAIN]
     assert main([*run, "--data", str(data), "--stop-after", "2"]) == 0
-    checkpoint = (tmp_path / "run/checkpoint.pt").read_bytes()
+    checkpoint = (tmp_path / "run/checkpoint/state.pt").read_bytes()
     first = json.loads((data / "meta.json").read_text())["fingerprint"]
     second = json.loads((other / "meta.json").read_text())["fingerprint"]
 
@@ -305,7 +305,7 @@ def test_resume_refuses_another_dataset(tmp_path, capsys):
         err = _refused(capsys, [*run, "--data", str(data), "--resume"], first[:23], now[:23])
         assert str(data.resolve()) in err and "other data" in err
     assert not (tmp_path / "run/report.json").exists()
-    assert (tmp_path / "run/checkpoint.pt").read_bytes() == checkpoint  # nothing touched
+    assert (tmp_path / "run/checkpoint/state.pt").read_bytes() == checkpoint  # nothing touched
 
     # The original data again (same bytes, same fingerprint): the run resumes and ends.
     _generate(data, seed=0)

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+from dlrm.run_dir import read_manifest
 
 # one worker runs this file's tests, so that they share one uninterrupted run
 pytestmark = pytest.mark.xdist_group("distributed_cli")
@@ -75,6 +76,14 @@ def _workers(launcher: int) -> list[int]:
     return sorted(pids)
 
 
+def _wait_for_checkpoint(out: Path, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 240
+    while not (out / "checkpoint" / ".metadata").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory) -> Path:
     """An uninterrupted run of 60 steps in 2 processes."""
@@ -90,10 +99,7 @@ def test_sigkill_of_one_rank_ends_the_run_and_resume_reproduces_it(tmp_path, who
     assert _evaluate(whole, "--nproc-per-node", "2") == report["test"]
     out = tmp_path / "killed"
     proc = _train(out)
-    deadline = time.time() + 240
-    while not (out / "checkpoint" / ".metadata").exists() and time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    _wait_for_checkpoint(out, proc)
     workers = _workers(proc.pid)
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGKILL)
@@ -114,6 +120,27 @@ def test_sigkill_of_one_rank_ends_the_run_and_resume_reproduces_it(tmp_path, who
     assert len(a["embeddings"]["memory_bytes_per_rank"]) == 2
 
 
+def test_sigterm_stops_every_rank_at_one_step_and_resume_reproduces_the_run(tmp_path, whole):
+    out = tmp_path / "stopped"
+    proc = _train(out)
+    _wait_for_checkpoint(out, proc)
+    workers = _workers(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    code, err = _finish(proc)
+    (line,) = err.splitlines()  # one line, and nothing else
+    step = read_manifest(out / "checkpoint")["step"]
+    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in line, err
+    assert f"last checkpoint: step {step} ({out / 'checkpoint'})" in line, err
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+    assert not list(out.glob(".*.tmp"))
+    code, err = _finish(_train(out, "--resume"))
+    assert code == 0, err
+    a = json.loads((whole / "report.json").read_text())
+    b = json.loads((out / "report.json").read_text())
+    for key in ("steps", "test", "skipped_steps", "loss_scale"):
+        assert a[key] == b[key], key
+
+
 def test_a_checkpoint_resumes_and_evaluates_at_another_world_size(tmp_path, whole):
     """2 processes -> 1 -> 2: each resume re-cuts the tables from the other's checkpoint.
     The run is not the uninterrupted one bit for bit (one process adds the dense gradient
@@ -130,11 +157,11 @@ def test_a_checkpoint_resumes_and_evaluates_at_another_world_size(tmp_path, whol
 
     code, err = _finish(_train(out, "--resume", "--stop-after", "20", "--nproc-per-node", "1"))
     assert code == 0, err
-    assert (out / "checkpoint.pt").exists() and not (out / "checkpoint").exists()
-    assert torch.load(out / "checkpoint.pt", weights_only=False)["progress"]["step"] == 40
+    assert read_manifest(out / "checkpoint")["step"] == 40
+    assert (out / "checkpoint" / "state.pt").exists()  # one process: one file
     code, err = _finish(_train(out, "--resume"))  # back to 2 processes, to the end
     assert code == 0, err
-    assert (out / "checkpoint").exists() and not (out / "checkpoint.pt").exists()
+    assert (out / "checkpoint" / ".metadata").exists()
     report = json.loads((out / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps"] == 60
     uninterrupted = json.loads((whole / "report.json").read_text())["test"]

@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
+from dlrm.checkpoint import open_checkpoint
 from dlrm.cli import main
+from dlrm.distributed import ONE_PROCESS
+from dlrm.run_dir import latest_checkpoint
 
 SMALL = [
     "--synthetic-scale",
@@ -80,11 +83,17 @@ def test_interrupted_run_resumes_to_the_same_result(workdir):
     cut = json.loads((workdir / "cut" / "report.json").read_text())
     assert full["test"] == cut["test"]
     assert full["evals"] == cut["evals"]
-    a = torch.load(workdir / "full" / "checkpoint.pt", weights_only=False)["trainer"]["model"]
-    b = torch.load(workdir / "cut" / "checkpoint.pt", weights_only=False)["trainer"]["model"]
+    a = _saved_model(workdir / "full")
+    b = _saved_model(workdir / "cut")
     for k, v in a.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(v, b[k]), k
+
+
+def _saved_model(out):
+    """The model state of the run in ``out``'s latest checkpoint."""
+    path = latest_checkpoint(out)
+    return open_checkpoint(path, ONE_PROCESS)["trainer"]["model"]
 
 
 def test_evaluate_checkpoint(workdir, capsys):
@@ -117,12 +126,12 @@ def test_user_errors_are_one_line(workdir, tmp_path, capsys):
         ["train", "--out", str(workdir / "cfg"), "--resume", "--precision", "int4", *SMALL],
         "precision",
     )
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "bad" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "bad" / "checkpoint" / "state.pt").write_bytes(b"not a checkpoint")
     _fails(
         capsys,
         ["train", "--out", str(tmp_path / "bad"), "--resume", *SMALL],
-        "not a readable checkpoint",
+        "not a complete checkpoint",
     )
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -152,11 +161,11 @@ def test_killed_process_resumes_to_the_same_result(workdir):
     cmd = [sys.executable, "-m", "dlrm.cli", "train", "--out", str(out), *SMALL, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not (out / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
+    while latest_checkpoint(out) is None and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert (out / "checkpoint.pt").exists()
+    assert latest_checkpoint(out) is not None
     assert _train(out, *args, "--resume") == 0
     whole = json.loads((workdir / "whole" / "report.json").read_text())
     resumed = json.loads((out / "report.json").read_text())

@@ -175,9 +175,11 @@ def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # the launcher's own log repeats a failed rank's traceback: the error below says it once
-    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # The launcher's own log repeats a failed rank's traceback or a signal it got: the line
+    # this raises says it once. Its modules' loggers each set their own level (WARNING).
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -585,11 +585,13 @@ class MixedPrecisionTrainer:
         )
         self.report = ScalingReport(scale_trace=[(0, self.scaler.scale)])
 
-    def train_step(self, dense: Tensor, sparse, labels: Tensor) -> dict:
+    def train_step(self, dense: Tensor, sparse, labels: Tensor, stop: bool = False) -> dict:
         """One training step. Returns ``loss`` (the unscaled FP32 loss), ``skipped``, ``scale``
         (the S this step used), ``max_abs_grad`` and ``min_abs_nonzero_grad`` (over the unscaled
         dense and FP32-embedding gradients; ``inf`` when none is non-zero, and on a skipped step
-        possibly inf or NaN). Raises :class:`StepRefusedError`, having changed nothing, if the
+        possibly inf or NaN), and ``stop``: whether any rank passed ``stop`` (this process's
+        wish to end after this step), the same on every rank, carried by the step's one
+        decision all-reduce. Raises :class:`StepRefusedError`, having changed nothing, if the
         step's new values cannot be stored."""
         scale = self.scaler.scale
         logits = self.model(dense, sparse)
@@ -608,8 +610,8 @@ class MixedPrecisionTrainer:
         )
         refused = None
         if self.process_group is not None:
-            found_inf, refused, max_abs, min_abs = self._decide_together(
-                found_inf, max_abs, min_abs
+            found_inf, refused, max_abs, min_abs, stop = self._decide_together(
+                found_inf, max_abs, min_abs, stop
             )
         try:
             if found_inf or refused is not None:
@@ -629,14 +631,16 @@ class MixedPrecisionTrainer:
             "scale": scale,
             "max_abs_grad": max_abs,
             "min_abs_nonzero_grad": min_abs,
+            "stop": stop,
         }
 
     def _decide_together(
-        self, found_inf: bool, max_abs: float, min_abs: float
-    ) -> tuple[bool, str | None, float, float]:
+        self, found_inf: bool, max_abs: float, min_abs: float, stop: bool
+    ) -> tuple[bool, str | None, float, float, bool]:
         """The step's decision over all ranks, in one all-reduce: (any gradient non-finite,
         the reason an embedding shard refuses its update or None, global max |g|, global min
-        non-zero |g|). This rank's shards are dry-run first (nothing changes)."""
+        non-zero |g|, any rank's ``stop``). This rank's shards are dry-run first (nothing
+        changes)."""
         reason = None
         if not found_inf and self.protocol_embedding is not None:
             try:
@@ -649,17 +653,18 @@ class MixedPrecisionTrainer:
                 float(reason is not None),
                 max_abs if math.isfinite(max_abs) else math.inf,
                 -min_abs,
+                float(stop),
             ],
             dtype=torch.float64,
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        any_inf, any_refused, max_abs, neg_min = flags.tolist()
+        any_inf, any_refused, max_abs, neg_min, any_stop = flags.tolist()
         if any_inf:
-            return True, None, math.inf, -neg_min
+            return True, None, math.inf, -neg_min, bool(any_stop)
         if any_refused:
             reason = reason or "an embedding shard on another rank refused its update"
-            return False, reason, max_abs, -neg_min
-        return False, None, max_abs, -neg_min
+            return False, reason, max_abs, -neg_min, bool(any_stop)
+        return False, None, max_abs, -neg_min, bool(any_stop)
 
     def _unscale_grads(self, inv_scale: float) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
         """Every model gradient in FP32, multiplied by ``inv_scale``, taken off the model. The

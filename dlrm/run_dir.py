@@ -33,6 +33,8 @@ from dlrm.errors import RunError
 CHECKPOINT = "checkpoint"
 PREVIOUS = "checkpoint.prev"
 MANIFEST = "MANIFEST.json"
+FORMAT = 1  # of a checkpoint directory; a manifest names it
+_FORMAT_0 = "checkpoint.pt"  # the one file that earlier versions wrote, without checksums
 LOCK = ".lock"
 _TMP_SUFFIX = ".tmp"
 
@@ -106,7 +108,8 @@ def write_checkpoint(out_dir: Path, write: Callable[[Path], None], info: dict, r
         mine = _hash_files(tmp, names[ranks.rank :: ranks.world_size], sync=True)
         files = {name: entry for part in ranks.gather(mine) for name, entry in part.items()}
         if ranks.main:
-            manifest = json.dumps({**info, "files": files}, indent=1, sort_keys=True)
+            manifest = {**info, "format": FORMAT, "files": files}
+            manifest = json.dumps(manifest, indent=1, sort_keys=True)
             (tmp / MANIFEST).write_text(manifest)
             _make_latest(out_dir, tmp, info["run"])
         ranks.barrier()
@@ -126,6 +129,19 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
         if (out_dir / name).is_dir():
             return out_dir / name
     return None
+
+
+def require_checkpoint(out_dir: Path) -> Path:
+    """:func:`latest_checkpoint`, or RunError saying there is none (and naming a checkpoint
+    of the format before checksums, which is not loaded)."""
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        old = out_dir / _FORMAT_0
+        raise RunError(
+            f"{out_dir}: no checkpoint"
+            + (f" ({old} is of format 0, without checksums: not loaded)" if old.exists() else "")
+        )
+    return path
 
 
 def remove_checkpoints(out_dir: Path) -> None:
@@ -151,6 +167,10 @@ def read_manifest(path: Path) -> dict:
         raise RunError(f"{file}: not a checkpoint manifest ({type(e).__name__})") from None
     if not ok:
         raise RunError(f"{file}: not a checkpoint manifest (malformed entries)")
+    if manifest.get("format") != FORMAT:
+        raise RunError(
+            f"{file}: checkpoint format {manifest.get('format')!r}; this version reads {FORMAT}"
+        )
     return manifest
 
 

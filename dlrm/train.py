@@ -440,8 +440,8 @@ def _refuse_early(cfg: RunConfig, out_dir: Path, resume: bool) -> None:
             data_batches.read_meta(Path(cfg.data))
         except DataError as e:
             raise RunError(str(e)) from None
-    if resume and run_dir.latest_checkpoint(out_dir) is None:
-        raise RunError(f"{out_dir}: no checkpoint to resume from")
+    if resume:
+        run_dir.require_checkpoint(out_dir)
 
 
 def _resolve_dataset(cfg: RunConfig, out_dir: Path):
@@ -463,9 +463,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if resume:  # its configuration is checked before the data are made
-        path = run_dir.latest_checkpoint(out_dir)
-        if path is None:
-            raise RunError(f"{out_dir}: no checkpoint to resume from")
+        path = run_dir.require_checkpoint(out_dir)
         saved = checkpoint.open_checkpoint(path, ranks)
         checkpoint.check(saved, path, cfg, None)
     data_dir, dataset = _resolve_dataset(cfg, out_dir)
@@ -524,7 +522,9 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
             )
             for batch in batches:
                 try:
-                    out = trainer.train_step(batch.dense, batch.sparse, batch.labels)
+                    out = trainer.train_step(
+                        batch.dense, batch.sparse, batch.labels, stop=stop.signal is not None
+                    )
                 except StepRefusedError as e:
                     diverged = {"step": e.step, "reason": str(e)}
                     break
@@ -552,7 +552,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
                 done = (
                     step >= total
                     or (cfg.stop_after is not None and this_run >= cfg.stop_after)
-                    or ranks.any(stop.signal is not None)
+                    or out["stop"]  # every rank in the same step
                 )
                 checkpoint_due = checkpoint_due or step % cfg.checkpoint_every == 0
                 # mid-run, not while steps are being skipped (the model may be failing);
@@ -751,9 +751,7 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
     own shards, cut anew at another world size). Reads ``out_dir`` only: it may run while
     the run trains."""
     ranks = distributed.Ranks.current()
-    path = run_dir.latest_checkpoint(out_dir)
-    if path is None:
-        raise RunError(f"{out_dir}: no checkpoint")
+    path = run_dir.require_checkpoint(out_dir)
     if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
         return distributed.launch(
             "evaluate", cfg.nproc_per_node, dataclasses.asdict(cfg), out_dir, split

@@ -86,7 +86,8 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, p
         metadata = read_metadata(checkpoint)
         metadata.planner_data["x"] = CreatesFile(marker)
         (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
-    (checkpoint / run_dir.MANIFEST).write_text('{"step": 4, "run": "x", "files": {}}')
+    manifest = {"format": run_dir.FORMAT, "step": 4, "run": "x", "files": {}}
+    (checkpoint / run_dir.MANIFEST).write_text(json.dumps(manifest))
     _sign(checkpoint)
     capsys.readouterr()  # DCP's warning about saving without a process group
     where = checkpoint / ".metadata" if planted == "metadata" else f"{checkpoint} (rest)"
@@ -194,30 +195,29 @@ def test_a_signal_stops_a_run_at_a_step_with_a_checkpoint_there(tmp_path, capsys
 def test_a_second_signal_interrupts_a_checkpoint_write_and_leaves_no_temporary(
     tmp_path, monkeypatch
 ):
-    """Ctrl-C twice: the second lands while the checkpoint at the stop is written."""
-    from dlrm import checkpoint
-
-    out = tmp_path / "run"
-    save = checkpoint.save
-    calls = []
-
-    def interrupted_save(out_dir, *args):
-        calls.append(1)
-        if len(calls) == 2:  # the checkpoint at the stop: a second SIGINT arrives
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-        return save(out_dir, *args)
-
-    def stop_at_step_3(*args, **kwargs):  # the first SIGINT, during step 3
-        if len(calls) == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return train_step(*args, **kwargs)
-
+    """Ctrl-C twice: the first during step 3, the second once the checkpoint at the stop has
+    its state file written but before it is in place."""
     from dlrm.mixed_precision import MixedPrecisionTrainer
 
-    train_step = MixedPrecisionTrainer.train_step
-    monkeypatch.setattr(checkpoint, "save", interrupted_save)
-    monkeypatch.setattr(MixedPrecisionTrainer, "train_step", stop_at_step_3)
+    out, saves, steps = tmp_path / "run", [], []
+    save, train_step = torch.save, MixedPrecisionTrainer.train_step
+
+    def interrupted_save(obj, path, *args, **kwargs):
+        save(obj, path, *args, **kwargs)
+        saves.append(path)
+        if len(saves) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises KeyboardInterrupt here
+
+    def step_interrupted_at_3(self, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return train_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    monkeypatch.setattr(MixedPrecisionTrainer, "train_step", step_interrupted_at_3)
     assert _train(out, "--steps", "50", "--checkpoint-every", "2", "--eval-every", "0") == 130
+    assert len(saves) == 2 and not saves[1].exists()  # it was written, then removed
     assert run_dir.read_manifest(out / "checkpoint")["step"] == 2
     assert sorted(p.name for p in out.iterdir()) == [run_dir.LOCK, "checkpoint"]

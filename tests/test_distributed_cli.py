@@ -127,7 +127,8 @@ def test_sigterm_stops_every_rank_at_one_step_and_resume_reproduces_the_run(tmp_
     workers = _workers(proc.pid)
     proc.send_signal(signal.SIGTERM)
     code, err = _finish(proc)
-    (line,) = err.splitlines()  # one line, and nothing else
+    assert len(err.splitlines()) == 1, err  # one line, and nothing else
+    line = err.strip()
     step = read_manifest(out / "checkpoint")["step"]
     assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in line, err
     assert f"last checkpoint: step {step} ({out / 'checkpoint'})" in line, err

@@ -177,7 +177,11 @@ def _one_rank_overflows_then_refuses(rank: int, world_size: int) -> None:
 
     blow_up["factor"] = None
     out = trainer.train_step(*_slice(_global_batch(3, world_size), first, last))
-    assert not out["skipped"]
+    assert not out["skipped"] and not out["stop"]
+
+    # rank 1 alone asks to stop (a signal reached it first): every rank learns it this step
+    out = trainer.train_step(*_slice(_global_batch(4, world_size), first, last), stop=rank == 1)
+    assert out["stop"]
 
 
 def _same(a, b) -> None:

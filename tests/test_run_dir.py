@@ -145,3 +145,16 @@ def test_one_writer_holds_a_directory_and_a_killed_one_does_not_block(tmp_path):
     with run_dir.lock(tmp_path):
         assert not stale.exists()
         assert (tmp_path / run_dir.LOCK).read_text().strip() == str(os.getpid())
+
+
+def test_a_checkpoint_of_another_format_is_refused_naming_it(tmp_path):
+    path = _write(tmp_path, 5)
+    manifest = json.loads((path / run_dir.MANIFEST).read_text())
+    assert manifest["format"] == run_dir.FORMAT
+    (path / run_dir.MANIFEST).write_text(json.dumps({**manifest, "format": 2}))
+    _refused(path, "checkpoint format 2")
+    other = tmp_path / "old"
+    other.mkdir()
+    (other / "checkpoint.pt").write_bytes(b"PK")  # what versions before checksums wrote
+    with pytest.raises(RunError, match="checkpoint.pt is of format 0"):
+        run_dir.require_checkpoint(other)

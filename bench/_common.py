@@ -32,8 +32,9 @@ import pandas as pd
 # torch.fx's import-time notice concerns neither us nor the user (as in dlrm.cli).
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
+from dlrm.build import resolve_data  # noqa: E402
+from dlrm.config import RunConfig  # noqa: E402
 from dlrm.data import batches  # noqa: E402
-from dlrm.train import RunConfig, resolve_data  # noqa: E402
 
 DEFAULTS = RunConfig()
 ROOT = Path(__file__).resolve().parent.parent

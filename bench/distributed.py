@@ -87,10 +87,11 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from dlrm import distributed
+    from dlrm.build import build_model
+    from dlrm.config import RunConfig
     from dlrm.data import batches as data_batches
     from dlrm.mixed_precision import MixedPrecisionTrainer
     from dlrm.model import DLRM, make_torchrec_ebc
-    from dlrm.train import RunConfig, build_model
 
     dataset = data_batches.load(data)
     cards = list(dataset.meta["cardinalities"])
@@ -100,7 +101,9 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
     )
     if engine == "ours":
         model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
-        trainer = MixedPrecisionTrainer(model, precision="fp32", optimizer="adagrad", lr=cfg.lr)
+        trainer = MixedPrecisionTrainer(
+            model, dense_precision="fp32", optimizer="adagrad", lr=cfg.lr
+        )
         step = trainer.train_step
         sharded = model.module.embedding_collection
         memory = sum(t.memory_bytes()["total"] for t in sharded.local_tables().values())

@@ -59,8 +59,10 @@ from _common import (
 )
 from tqdm import tqdm
 
+from dlrm.build import resolve_data
+from dlrm.config import RunConfig
 from dlrm.run_dir import latest_checkpoint, remove_checkpoints
-from dlrm.train import RunConfig, resolve_data, train
+from dlrm.train import train
 from embcache import TableConfig, compression_factor
 
 PRECISIONS = ["fp32", "fp16", "int8", "int4", "int2"]

@@ -30,8 +30,9 @@ logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 from _common import environment, environment_markdown, write_text  # noqa: E402
 
+from dlrm.build import build_model, build_trainer  # noqa: E402
+from dlrm.config import RunConfig  # noqa: E402
 from dlrm.data.synthetic import SyntheticCriteo  # noqa: E402
-from dlrm.train import RunConfig, build_model, build_trainer  # noqa: E402
 
 
 def train_steps(trainer, batches) -> float:

@@ -23,9 +23,12 @@ from pathlib import Path
 # torch.fx warns at import time about an API change that concerns neither us nor the user.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
-from dlrm.errors import Stopped  # noqa: E402
-from dlrm.mixed_precision import OPTIMIZERS, SCALERS  # noqa: E402
-from dlrm.train import RunConfig, RunError  # noqa: E402
+from dlrm.config import EMBEDDINGS, RunConfig  # noqa: E402
+from dlrm.errors import RunError, Stopped  # noqa: E402
+from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS  # noqa: E402
+from dlrm.model import PRESETS  # noqa: E402
+from embcache.config import OPTIMIZERS as TABLE_OPTIMIZERS  # noqa: E402
+from embcache.config import POLICIES, PRECISION_BITS, QPARAMS, ROUNDINGS  # noqa: E402
 
 _DEFAULTS = RunConfig()
 
@@ -99,22 +102,18 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("embedding tables")
     g.add_argument(
         "--embeddings",
-        choices=["embcache", "torchrec"],
+        choices=EMBEDDINGS,
         default=d.embeddings,
         help="ours, or TorchRec's FP32 EmbeddingBagCollection (baseline)",
     )
-    g.add_argument(
-        "--precision", choices=["fp32", "fp16", "int8", "int4", "int2"], default=d.precision
-    )
-    g.add_argument("--rounding", choices=["nearest", "stochastic"], default=d.rounding)
+    g.add_argument("--precision", choices=list(PRECISION_BITS), default=d.precision)
+    g.add_argument("--rounding", choices=ROUNDINGS, default=d.rounding)
     g.add_argument("--cache-ratio", type=float, default=d.cache_ratio)
     g.add_argument("--associativity", type=int, default=d.associativity)
-    g.add_argument("--policy", choices=["lru", "lfu"], default=d.policy)
-    g.add_argument(
-        "--emb-optimizer", choices=["sgd", "rowwise_adagrad", "adagrad"], default=d.emb_optimizer
-    )
+    g.add_argument("--policy", choices=POLICIES, default=d.policy)
+    g.add_argument("--emb-optimizer", choices=TABLE_OPTIMIZERS, default=d.emb_optimizer)
     g.add_argument("--emb-lr", type=float, default=d.emb_lr)
-    g.add_argument("--qparams", choices=["fp32", "fp16"], default=d.qparams)
+    g.add_argument("--qparams", choices=QPARAMS, default=d.qparams)
     g.add_argument("--min-rows-for-low-precision", type=int, default=d.min_rows_for_low_precision)
     g.add_argument(
         "--table",
@@ -125,8 +124,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="per-table override, e.g. t_2:precision=int4,cache_ratio=0.1 (tables are t_0..t_25)",
     )
     g = p.add_argument_group("training")
-    g.add_argument("--preset", choices=["kaggle", "paper"], default=d.preset)
-    g.add_argument("--dense-precision", choices=["fp32", "fp16"], default=d.dense_precision)
+    g.add_argument("--preset", choices=list(PRESETS), default=d.preset)
+    g.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default=d.dense_precision)
     g.add_argument("--loss-scaler", choices=SCALERS, default=d.loss_scaler)
     g.add_argument("--static-scale", type=float, default=d.static_scale)
     g.add_argument(
@@ -329,7 +328,7 @@ def _dispatch(args) -> int:
             print(_summary(report))
             print(f"report: {args.out / 'report.json'}")
         elif args.command == "evaluate":
-            from dlrm.train import evaluate_checkpoint
+            from dlrm.evaluate import evaluate_checkpoint
 
             m = evaluate_checkpoint(_run_config(args), args.out, args.split)
             print(json.dumps(m, indent=2))

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -164,13 +165,13 @@ def _load(state: dict, path: Path, ranks: Ranks) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
-    """Run ``task`` in ``nproc`` processes on this machine (torch's elastic launcher, gloo):
-    ``"train"`` is ``dlrm.train.train(cfg, out_dir, resume=arg)``, ``"evaluate"`` is
-    ``dlrm.train.evaluate_checkpoint(cfg, out_dir, split=arg)``; rank 0's result. A failed
-    rank ends the others; the error names it. A SIGINT or SIGTERM to this process reaches the
-    ranks too (from the terminal, or forwarded by the launcher, which waits 30 s for them to
-    end): once they have, it raises :class:`dlrm.errors.Stopped`."""
+def launch(entry: Callable, nproc: int, *args):
+    """``entry(*args)`` in ``nproc`` processes on this machine (torch's elastic launcher), each
+    with a gloo process group initialized and an equal share of the CPU's threads; rank 0's
+    result. ``entry`` must be a module-level function (the processes are spawned, and import
+    it by name). A failed rank ends the others; the error names it. A SIGINT or SIGTERM to
+    this process reaches the ranks too (from the terminal, or forwarded by the launcher, which
+    waits 30 s for them to end): once they have, it raises :class:`dlrm.errors.Stopped`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -199,7 +200,7 @@ def launch(task: str, nproc: int, cfg_fields: dict, out_dir: Path, arg) -> dict:
         filter(None, [warning_options, "ignore:resource_tracker:UserWarning"])
     )
     try:
-        results = elastic_launch(config, _worker)(task, cfg_fields, str(out_dir), arg)
+        results = elastic_launch(config, _worker)(entry, *args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -221,26 +222,21 @@ def _last_line(message: str) -> str:
     return lines[-1] if lines else "exited without a message"
 
 
-def _worker(task: str, cfg_fields: dict, out_dir: str, arg) -> dict:
+def _worker(entry: Callable, *args):
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run)(task, cfg_fields, out_dir, arg)
+    return record(_run)(entry, *args)
 
 
-def _run(task: str, cfg_fields: dict, out_dir: str, arg) -> dict:
-    from dlrm.train import RunConfig, evaluate_checkpoint, train
-
+def _run(entry: Callable, *args):
     # torch and torchrec deprecation notices, once per rank, say nothing to a user of dlrm
     warnings.filterwarnings("ignore", category=FutureWarning)
     # the planner warns about how it was built and about sizes it guesses for dense tensors
     logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    cfg = RunConfig(**cfg_fields)
-    if not cfg.threads:  # the ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    # the ranks share the machine's cores (a run's --threads, if given, overrides this)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:
-        if task == "train":
-            return train(cfg, Path(out_dir), resume=arg)
-        return evaluate_checkpoint(cfg, Path(out_dir), split=arg)
+        return entry(*args)
     finally:
         dist.destroy_process_group()

@@ -97,7 +97,7 @@ def _tiny_trainer(optimizer: str) -> MixedPrecisionTrainer:
     )
     return MixedPrecisionTrainer(
         _Tiny(table),
-        precision="fp16",
+        dense_precision="fp16",
         optimizer=optimizer,
         lr=0.01,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),

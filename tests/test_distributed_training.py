@@ -69,7 +69,7 @@ def _model() -> DLRM:
 
 def _trainer(model) -> MixedPrecisionTrainer:
     return MixedPrecisionTrainer(
-        model, precision="fp16", optimizer="sgd", lr=0.1, scaler=BackoffScaler(2.0**12)
+        model, dense_precision="fp16", optimizer="sgd", lr=0.1, scaler=BackoffScaler(2.0**12)
     )
 
 

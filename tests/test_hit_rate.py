@@ -11,7 +11,8 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm.train import RunConfig, train
+from dlrm.config import RunConfig
+from dlrm.train import train
 from embcache import CachedLowPrecisionEmbeddingBagCollection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -242,14 +242,14 @@ def _data(seed, batch=16):
     return dense, kjt_from_ids(ids, KEYS), labels
 
 
-def _trainer(embedding, seed=0, precision="fp16", **kwargs):
+def _trainer(embedding, seed=0, dense_precision="fp16", **kwargs):
     torch.manual_seed(seed)
     emb = FakeCachedEmbedding(ROWS, 4) if embedding == "fake" else make_torchrec_ebc(ROWS, 4)
     model = DLRM(emb, bottom_mlp=(13, 8, 4), top_mlp=(8, 1), num_sparse_features=len(ROWS))
     kwargs.setdefault("scaler", BackoffScaler(growth_interval=2))
     return MixedPrecisionTrainer(
         model,
-        precision=precision,
+        dense_precision=dense_precision,
         optimizer="adam",
         lr=0.01,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9),
@@ -341,11 +341,11 @@ def test_resume_is_bit_identical():
 
 
 def test_fp32_trainer_keeps_fp32_and_no_masters():
-    """precision="fp32" with a static scale of 1 is plain FP32 training: no master copies,
+    """dense_precision="fp32" with a static scale of 1 is plain FP32 training: no master copies,
     FP32 parameters, and the same losses and parameters, bit for bit, as an independent
     loop of the same Adam + StepLR over a copy of the model (the trainer's unscaling by 1,
     overflow check and split dense/embedding update change nothing)."""
-    trainer = _trainer("torchrec", precision="fp32", scaler=StaticScaler(1.0))
+    trainer = _trainer("torchrec", dense_precision="fp32", scaler=StaticScaler(1.0))
     reference = copy.deepcopy(trainer.model)
     assert trainer.masters == []
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
@@ -416,7 +416,7 @@ def test_fp16_underflow_needs_loss_scaling(precision, scaler, learns):
         "backoff": BackoffScaler(),
     }[scaler]
     trainer = MixedPrecisionTrainer(
-        _UnderflowModel(), precision=precision, optimizer="adam", lr=0.05, scaler=scaler
+        _UnderflowModel(), dense_precision=precision, optimizer="adam", lr=0.05, scaler=scaler
     )
     losses = [trainer.train_step(dense, None, labels)["loss"] for _ in range(60)]
     if learns:

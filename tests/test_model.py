@@ -89,7 +89,7 @@ def test_wrong_embedding_width_is_rejected():
 
 def test_fp16_model_has_fp16_params_fp32_masters_and_fp16_gradients():
     model = _model()
-    trainer = MixedPrecisionTrainer(model, precision="fp16")
+    trainer = MixedPrecisionTrainer(model, dense_precision="fp16")
     ebc_params = set(model.embedding_collection.parameters())
     dense_params = [p for p in model.parameters() if p not in ebc_params]
     assert dense_params == trainer.dense_params and len(dense_params) == 2 * (4 + 3)
@@ -116,7 +116,7 @@ def _eval_loss(model, data):
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_dlrm_with_torchrec_ebc_learns(precision):
     model = _model(seed=1)
-    trainer = MixedPrecisionTrainer(model, precision=precision, optimizer="sgd", lr=0.2)
+    trainer = MixedPrecisionTrainer(model, dense_precision=precision, optimizer="sgd", lr=0.2)
     assert isinstance(trainer.scaler, StaticScaler) == (precision == "fp32")
     held_out = _batch(512, 99)
     before = _eval_loss(model, held_out)

@@ -1,22 +1,9 @@
-"""Dense mixed precision (docs/contract.md §6): FP16 products, loss scalers and the training step.
-
-Three ideas, one public piece each:
-
-* **FP16 products.** :func:`linear`, :func:`bmm` and the :class:`Linear` module compute products
-  of FP16 tensors the way tensor cores do: FP16 operands, FP32 accumulation, one rounding of the
-  result to FP16. On CUDA that is the native FP16 kernel. On CPU it is emulated exactly by an
-  FP32 GEMM over the FP16-valued operands, rounded once (native CPU FP16 GEMM is far slower).
-  The backward pass is FP16 as well: the gradient of an FP16 tensor is FP16, so gradients
-  underflow (below 2^-24) and overflow (above 65504) exactly where they would on a GPU.
-* **Loss scalers.** :class:`StaticScaler`, :class:`BackoffScaler` and :class:`LogMaxScaler`
-  (common base :class:`LossScaler`) choose the loss scale ``S`` of the next step from the
-  overflow decision and the largest gradient of the current one.
-* **The step.** :class:`MixedPrecisionTrainer` keeps FP16 dense weights with FP32 masters,
-  scales the FP32 loss, unscales every gradient in FP32, makes one overflow decision per step
-  for dense and embedding gradients together, and applies either all of the step or none of it.
-  Embedding collections that keep their own sparse update take part through the
-  :class:`MixedPrecisionEmbedding` protocol.
-"""
+"""The mixed-precision training step (docs/contract.md §6): :class:`MixedPrecisionTrainer`
+keeps FP16 dense weights with FP32 masters, scales the FP32 loss, unscales every gradient in
+FP32, makes one overflow decision per step for dense and embedding gradients together (and
+over every rank), and applies either all of the step or none of it. Embedding collections
+that keep their own sparse update take part through the :class:`MixedPrecisionEmbedding`
+protocol."""
 
 from __future__ import annotations
 
@@ -29,135 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
+from dlrm.mixed_precision.scalers import BackoffScaler, LossScaler, StaticScaler
 from embcache.embedding import check_state_dict
-
-__all__ = [
-    "linear",
-    "bmm",
-    "Linear",
-    "MixedPrecisionEmbedding",
-    "LossScaler",
-    "StaticScaler",
-    "BackoffScaler",
-    "LogMaxScaler",
-    "make_scaler",
-    "ScalingReport",
-    "MixedPrecisionTrainer",
-    "StepRefusedError",
-    "MIN_SCALE",
-    "MAX_SCALE",
-]
-
-MIN_SCALE = 1.0
-MAX_SCALE = 2.0**24
-_FP16_MIN_SUBNORMAL = 2.0**-24
-
-
-# --------------------------------------------------------------------------- FP16 products
-
-
-def _emulated(t: Tensor) -> bool:
-    return t.dtype == torch.float16 and t.device.type == "cpu"
-
-
-def _check_same_dtype(*tensors: Tensor | None) -> None:
-    dtypes = {t.dtype for t in tensors if t is not None}
-    if len(dtypes) > 1:
-        raise TypeError(f"operands must share one dtype, got {sorted(map(str, dtypes))}")
-
-
-class _EmulatedHalfLinear(torch.autograd.Function):
-    """``y = fp16(x @ W^T + b)`` with FP32 accumulation; backward likewise (see :func:`linear`)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        y = x.float() @ weight.float().t()
-        if bias is not None:
-            y += bias.float()
-        return y.half()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y: Tensor):
-        x, weight = ctx.saved_tensors
-        g = grad_y.float()
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight.float()).half()
-        g2 = g.reshape(-1, g.shape[-1])
-        if ctx.needs_input_grad[1]:
-            grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).half()
-        if ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).half()
-        return grad_x, grad_w, grad_b
-
-
-class _EmulatedHalfBmm(torch.autograd.Function):
-    """``c = fp16(a @ b)`` batched, with FP32 accumulation; backward likewise (see :func:`bmm`)."""
-
-    @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
-        ctx.save_for_backward(a, b)
-        return torch.bmm(a.float(), b.float()).half()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_c: Tensor):
-        a, b = ctx.saved_tensors
-        g = grad_c.float()
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = torch.bmm(g, b.float().transpose(1, 2)).half()
-        if ctx.needs_input_grad[1]:
-            grad_b = torch.bmm(a.float().transpose(1, 2), g).half()
-        return grad_a, grad_b
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` whose FP16 version is what a tensor core computes, on CPU too.
-
-    For FP16 operands on CPU the result is ``fp16(fp32(x) @ fp32(W)^T + fp32(b))``: an FP32
-    GEMM over the FP16 values, the bias added in FP32 before the single rounding to FP16 (the
-    bias epilogue of a tensor-core GEMM). The backward pass computes
-    ``grad_x = fp16(g @ W)``, ``grad_W = fp16(g^T @ x)`` and ``grad_b = fp16(sum_rows g)``, each
-    accumulated in FP32 and rounded once, so all gradients are FP16. Everywhere else (FP32
-    operands, or CUDA, where FP16 is native) this is ``F.linear``. Operands must share a dtype.
-    (On CUDA, PyTorch lets cuBLAS use reduced-precision split-K reductions for FP16 by default;
-    set ``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False`` for strict
-    FP32 accumulation.)
-    """
-    _check_same_dtype(x, weight, bias)
-    if _emulated(weight):
-        return _EmulatedHalfLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def bmm(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.bmm`` whose FP16 version is what a tensor core computes, on CPU too.
-
-    For FP16 operands on CPU the result is ``fp16(bmm(fp32(a), fp32(b)))`` and the backward
-    pass returns ``fp16(g @ b^T)`` and ``fp16(a^T @ g)``, each accumulated in FP32 and rounded
-    once. Everywhere else this is ``torch.bmm``. Operands must share a dtype.
-    """
-    _check_same_dtype(a, b)
-    if _emulated(a):
-        return _EmulatedHalfBmm.apply(a, b)
-    return torch.bmm(a, b)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that computes with :func:`linear`: after ``.half()`` it is a tensor-core layer."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-# --------------------------------------------------------------------------- embeddings
 
 
 @runtime_checkable
@@ -192,170 +55,7 @@ class MixedPrecisionEmbedding(Protocol):
     def zero_grad(self) -> None: ...
 
 
-# --------------------------------------------------------------------------- loss scalers
-
-
-class LossScaler:
-    """Holds the loss scale ``S`` and updates it once per training step.
-
-    ``scale`` is the factor by which the next step's loss is multiplied. After that step's
-    overflow decision the trainer calls ``update(found_inf, max_abs_grad)`` exactly once, on
-    applied and skipped steps alike: ``found_inf`` is true iff a dense or embedding gradient was
-    non-finite, and ``max_abs_grad`` is the largest unscaled |gradient| (non-finite on overflow,
-    0 when every gradient is zero). The new ``scale`` is used from the next step on.
-    ``state_dict`` holds the mutable state only; the configuration comes from the constructor.
-    Scales are Python floats (double precision).
-    """
-
-    _state: tuple[str, ...] = ("scale",)
-
-    def __init__(self, scale: float) -> None:
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"loss scale must be finite and positive, got {scale}")
-        self.scale = float(scale)
-
-    def update(self, found_inf: bool, max_abs_grad: float) -> None:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self._state}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in self._state:
-            setattr(self, name, state[name])
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(scale={self.scale})"
-
-
-class StaticScaler(LossScaler):
-    """A constant loss scale ``S``. Overflowing steps are still skipped; ``S`` never changes."""
-
-    def update(self, found_inf: bool, max_abs_grad: float) -> None:
-        pass
-
-
-class BackoffScaler(LossScaler):
-    """Dynamic loss scaling by backoff and growth (``torch.amp.GradScaler``'s rule).
-
-    Start at ``init_scale``. On a step with a non-finite gradient: ``S *= backoff_factor`` and the
-    count of clean steps restarts at 0. On a clean step the count grows by one; when it reaches
-    ``growth_interval``, ``S *= growth_factor`` and the count restarts at 0. With ``clamp`` the
-    result is then clamped to ``[MIN_SCALE, MAX_SCALE] = [1, 2^24]``. With ``clamp=False`` the
-    sequence of scales is ``torch.amp.GradScaler``'s for the same overflow pattern and
-    arguments, as long as the scale stays within the float32 range (GradScaler keeps its scale
-    as a float32 tensor and refuses a growth to inf; here scales are doubles).
-    """
-
-    _state = ("scale", "growth_tracker")
-
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        clamp: bool = True,
-    ) -> None:
-        super().__init__(init_scale)
-        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1):
-            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.clamp = clamp
-        self.growth_tracker = 0
-
-    def update(self, found_inf: bool, max_abs_grad: float) -> None:
-        if found_inf:
-            self.scale *= self.backoff_factor
-            self.growth_tracker = 0
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.scale *= self.growth_factor
-                self.growth_tracker = 0
-        if self.clamp:
-            self.scale = min(max(self.scale, MIN_SCALE), MAX_SCALE)
-
-
-class LogMaxScaler(LossScaler):
-    """OpenSeq2Seq's ``LogMaxScaler``: aim the largest scaled gradient at ``2^log_max``.
-
-    Each step ``t = 1, 2, ...`` observes ``x_t = log2(max_abs_grad)`` of the unscaled gradients,
-    with two special cases: a non-finite step counts as ``x_t = log_max`` (16); a step whose
-    gradients are all zero (every one underflowed in FP16) counts as
-    ``x_t = log2(2^-24 / S_t)``, the bound below which the scaled gradients vanish (OpenSeq2Seq
-    would take ``log2(0)`` and poison its statistics). Then, with statistics initialised to 0::
-
-        m1  = beta1 * m1 + (1 - beta1) * x_t          mu    = m1 / (1 - beta1^t)
-        m1s = beta2 * m1s + (1 - beta2) * x_t         mu_s  = m1s / (1 - beta2^t)
-        m2  = beta2 * m2 + (1 - beta2) * x_t^2        sigma = sqrt(max(m2 / (1 - beta2^t) - mu_s^2, 0))
-        S_{t+1} = clamp(2^(log_max - (mu + overflow_std_dev * sigma)), MIN_SCALE, MAX_SCALE)
-
-    i.e. the mean ``mu`` is the fast (``beta1``) bias-corrected average and ``sigma`` the standard
-    deviation under the slow (``beta2``) average, as OpenSeq2Seq computes it. Step ``t``'s own
-    ``x_t`` is included in the statistics that set the scale of step ``t + 1``. The scale of the
-    first step is ``init_scale`` (OpenSeq2Seq: 1). The scale is not rounded to a power of two,
-    so scaling and unscaling are not exact (they are for the other scalers' powers of two).
-    Arithmetic is in double precision (OpenSeq2Seq: float32).
-    """
-
-    _state = ("scale", "t", "m1", "m1s", "m2")
-
-    def __init__(
-        self,
-        init_scale: float = 1.0,
-        beta1: float = 0.99,
-        beta2: float = 0.999,
-        overflow_std_dev: float = 3.09,
-        log_max: float = 16.0,
-    ) -> None:
-        super().__init__(init_scale)
-        self.beta1 = beta1
-        self.beta2 = beta2
-        self.overflow_std_dev = overflow_std_dev
-        self.log_max = log_max
-        self.t = 0
-        self.m1 = self.m1s = self.m2 = 0.0
-
-    def update(self, found_inf: bool, max_abs_grad: float) -> None:
-        if found_inf or not math.isfinite(max_abs_grad):
-            x = self.log_max
-        elif max_abs_grad == 0.0:
-            x = math.log2(_FP16_MIN_SUBNORMAL / self.scale)
-        else:
-            x = math.log2(max_abs_grad)
-        b1, b2 = self.beta1, self.beta2
-        self.t += 1
-        self.m1 = b1 * self.m1 + (1 - b1) * x
-        self.m1s = b2 * self.m1s + (1 - b2) * x
-        self.m2 = b2 * self.m2 + (1 - b2) * x * x
-        mu = self.m1 / (1 - b1**self.t)
-        mu_s = self.m1s / (1 - b2**self.t)
-        sigma = math.sqrt(max(self.m2 / (1 - b2**self.t) - mu_s * mu_s, 0.0))
-        log_scale = self.log_max - (mu + self.overflow_std_dev * sigma)
-        self.scale = 2.0 ** min(
-            max(log_scale, math.log2(MIN_SCALE)), math.log2(MAX_SCALE)
-        )  # clamp(2^log_scale)
-
-
-_SCALERS = {"static": StaticScaler, "backoff": BackoffScaler, "logmax": LogMaxScaler}
-SCALERS = tuple(_SCALERS)
-
-
-def make_scaler(kind: str, **kwargs) -> LossScaler:
-    """Build a scaler by name: ``"static"`` (needs ``scale=``), ``"backoff"`` or ``"logmax"``."""
-    try:
-        cls = _SCALERS[kind]
-    except KeyError:
-        raise ValueError(f"unknown loss scaler {kind!r}; choose from {sorted(_SCALERS)}") from None
-    return cls(**kwargs)
-
-
-# --------------------------------------------------------------------------- the training step
-
-
+DENSE_PRECISIONS = ("fp32", "fp16")
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}
 OPTIMIZERS = tuple(_OPTIMIZERS)
 
@@ -457,7 +157,7 @@ class MixedPrecisionTrainer:
     ``model`` is called as ``model(dense, sparse) -> logits`` (shape ``[B]`` or ``[B, 1]``) and
     has an attribute ``embedding_collection`` (a module, or None). Its *dense parameters* are all
     its parameters outside ``embedding_collection``. Construction changes the model in place:
-    with ``precision="fp16"`` every dense parameter becomes FP16 (the model's forward must
+    with ``dense_precision="fp16"`` every dense parameter becomes FP16 (the model's forward must
     follow the dtype of its parameters, as :class:`dlrm.model.DLRM` does).
 
     Invariants:
@@ -514,7 +214,7 @@ class MixedPrecisionTrainer:
         self,
         model: nn.Module,
         *,
-        precision: str = "fp16",
+        dense_precision: str = "fp16",
         optimizer: str = "sgd",
         lr: float = 0.01,
         optimizer_kwargs: dict | None = None,
@@ -522,12 +222,15 @@ class MixedPrecisionTrainer:
         lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
         | None = None,
     ) -> None:
-        if precision not in ("fp32", "fp16"):
-            raise ValueError(f"precision must be 'fp32' or 'fp16', got {precision!r}")
+        if dense_precision not in DENSE_PRECISIONS:
+            raise ValueError(
+                f"dense_precision must be one of {', '.join(DENSE_PRECISIONS)}, "
+                f"got {dense_precision!r}"
+            )
         if optimizer not in _OPTIMIZERS:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(_OPTIMIZERS)}")
         self.model = model
-        self.precision = precision
+        self.dense_precision = dense_precision
         self.process_group: dist.ProcessGroup | None = None
         if isinstance(model, DistributedModelParallel):
             if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
@@ -545,7 +248,7 @@ class MixedPrecisionTrainer:
         embedding_ids = {id(p) for p in embedding_params}
         self.dense_params = [p for p in model.parameters() if id(p) not in embedding_ids]
 
-        if precision == "fp16":
+        if dense_precision == "fp16":
             self.masters = [p.detach().float().clone() for p in self.dense_params]
             for p in self.dense_params:
                 # in place, as Module.half() does: the Parameter stays the same object
@@ -581,7 +284,7 @@ class MixedPrecisionTrainer:
         self.scaler = (
             scaler
             if scaler is not None
-            else (BackoffScaler() if precision == "fp16" else StaticScaler(1.0))
+            else (BackoffScaler() if dense_precision == "fp16" else StaticScaler(1.0))
         )
         self.report = ScalingReport(scale_trace=[(0, self.scaler.scale)])
 
@@ -719,7 +422,7 @@ class MixedPrecisionTrainer:
         targets = self._dense_targets
         if not targets:
             return [], None
-        copies = [m.to(torch.float16) for m in targets] if self.precision == "fp16" else []
+        copies = [m.to(torch.float16) for m in targets] if self.dense_precision == "fp16" else []
         finite = torch.stack([torch.isfinite(t).all() for t in (copies or targets)])
         if bool(finite.all()):
             return copies, None
@@ -775,7 +478,7 @@ class MixedPrecisionTrainer:
             raise ValueError(f"the trainer state lacks {sorted(missing)}")
         if len(state["masters"]) != len(self.masters):
             raise ValueError(
-                "state has a different number of master tensors (precision or model differ)"
+                "state has a different number of master tensors (dense_precision or model differ)"
             )
         for name, mine, saved in zip(self._dense_names, self.masters, state["masters"]):
             if not (

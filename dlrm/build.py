@@ -1,0 +1,90 @@
+"""What a run is made of, from its configuration: its data (generated once if synthetic),
+its model (sharded over the ranks of a launched run) and its trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from dlrm import distributed
+from dlrm.config import RunConfig
+from dlrm.data import batches as data_batches
+from dlrm.data.criteo import DataError
+from dlrm.data.synthetic import SyntheticCriteo
+from dlrm.errors import RunError
+from dlrm.mixed_precision import MixedPrecisionTrainer, make_scaler
+from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
+from embcache import CachedLowPrecisionEmbeddingBagCollection
+
+
+def resolve_data(cfg: RunConfig, root: Path) -> Path:
+    """The preprocessed directory of the run; the synthetic default is generated once into
+    ``root/data/...`` (deterministic for the seed)."""
+    if cfg.data != "synthetic":
+        path = Path(cfg.data)
+        data_batches.read_meta(path)  # DataError if not a preprocessed directory
+        return path
+    path = (
+        root
+        / "data"
+        / f"synthetic-scale{cfg.synthetic_scale}-rows{cfg.synthetic_rows}-seed{cfg.seed}"
+    )
+    if not (path / "meta.json").exists():
+        SyntheticCriteo(scale=cfg.synthetic_scale, seed=cfg.seed).write(
+            path, cfg.synthetic_rows, progress=cfg.progress
+        )
+    return path
+
+
+def resolve_dataset(cfg: RunConfig, out_dir: Path):
+    """(directory, dataset) of the run's data (generated once if synthetic)."""
+    try:
+        data_dir = resolve_data(cfg, out_dir.parent if out_dir.parent != out_dir else out_dir)
+        return data_dir, data_batches.load(data_dir)
+    except DataError as e:
+        raise RunError(str(e)) from None
+
+
+def run_data(data_dir: Path, dataset) -> dict:
+    """What a checkpoint records of its dataset (see :func:`dlrm.checkpoint.check`)."""
+    return {"dir": str(Path(data_dir).resolve()), "fingerprint": dataset.meta["fingerprint"]}
+
+
+def build_model(cfg: RunConfig, cardinalities: list[int], device: str | None = None) -> DLRM:
+    """The run's DLRM; ``device="meta"`` builds its tables without memory, to be sharded."""
+    torch.manual_seed(cfg.seed)
+    dim = PRESETS[cfg.preset].embedding_dim
+    if cfg.embeddings == "torchrec":  # the FP32 baseline; else ours (RunConfig.validate)
+        return DLRM.from_preset(cfg.preset, make_torchrec_ebc(cardinalities, dim))
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[key])
+        for i, (n, key) in enumerate(zip(cardinalities, SPARSE_KEYS))
+    ]
+    collection = CachedLowPrecisionEmbeddingBagCollection(
+        tables, per_table=cfg.tables, device=device, **cfg.table_defaults()
+    )
+    return DLRM.from_preset(cfg.preset, collection)
+
+
+def process_model(cfg: RunConfig, cardinalities: list[int], ranks, loading: bool) -> nn.Module:
+    """This process's model: over several ranks DMP's, with only the rank's shards (built
+    from the meta device); in one process the whole model, its tables left without memory
+    when a checkpoint is about to fill them (``loading``), so none is drawn in vain."""
+    if ranks.world_size > 1:
+        model = build_model(cfg, cardinalities, device="meta")
+        return distributed.shard(model, ranks, cfg.batch_size)
+    return build_model(cfg, cardinalities, device="meta" if loading else None)
+
+
+def build_trainer(cfg: RunConfig, model: DLRM) -> MixedPrecisionTrainer:
+    kwargs = {"scale": cfg.static_scale} if cfg.loss_scaler == "static" else {}
+    return MixedPrecisionTrainer(
+        model,
+        dense_precision=cfg.dense_precision,
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        scaler=make_scaler(cfg.loss_scaler, **kwargs),
+    )

@@ -1,0 +1,203 @@
+"""A run's configuration: :class:`RunConfig`, everything that defines a ``dlrm train`` run,
+and its validation (one line naming the command-line option) before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from dlrm.data.synthetic import scaled_cardinalities
+from dlrm.errors import RunError
+from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS
+from dlrm.model import PRESETS, SPARSE_KEYS
+from embcache.config import TableConfig
+
+EMBEDDINGS = ("embcache", "torchrec")  # ours, or TorchRec's FP32 collection (the baseline)
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything that defines a run. Table options apply to every table unless ``tables``
+    overrides them per table (``{"t_2": {"precision": "int4"}}``)."""
+
+    data: str = "synthetic"  # a preprocessed directory, or "synthetic"
+    # full Kaggle cardinalities, and rows enough for a 5% LFU cache to warm
+    synthetic_rows: int = 12_000_000
+    synthetic_scale: float = 1.0
+    preset: str = "kaggle"
+    embeddings: str = "embcache"  # or "torchrec" (FP32 baseline)
+    precision: str = "int8"
+    rounding: str = "stochastic"
+    cache_ratio: float = 0.05
+    associativity: int = 32
+    policy: str = "lfu"
+    emb_optimizer: str = "rowwise_adagrad"
+    emb_lr: float = 0.05
+    qparams: str = "fp32"
+    min_rows_for_low_precision: int = 1000
+    tables: dict = dataclasses.field(default_factory=dict)
+    dense_precision: str = "fp16"
+    loss_scaler: str = "backoff"
+    static_scale: float = 1024.0
+    optimizer: str = "adagrad"  # AdaGrad learns far faster than SGD in a few hundred steps
+    lr: float = 0.01
+    batch_size: int = 1024
+    epochs: int = 1
+    steps: int | None = None  # None: whole epochs
+    eval_every: int = 100
+    eval_batches: int = 20
+    seed: int = 0
+    # processes on this machine, each with a part of every batch and a shard of the tables
+    nproc_per_node: int = 1
+    # bookkeeping: may differ between a run and its resumption
+    threads: int | None = None
+    checkpoint_every: int = 500
+    # stop (as if interrupted) after this many steps of this invocation
+    stop_after: int | None = None
+    # a run that skips this many steps in a row has diverged (more than the backoff scaler
+    # needs to fall from its largest scale, 2^24, to 1)
+    max_skipped_in_a_row: int = 25
+    # also train the same run with FP32 tables (no cache) in out_dir/fp32, and compare
+    compare_fp32: bool = False
+    progress: bool = True
+
+    BOOKKEEPING = (
+        "steps",
+        "threads",
+        "checkpoint_every",
+        "stop_after",
+        "max_skipped_in_a_row",
+        "compare_fp32",
+        "progress",
+        "eval_every",
+        "nproc_per_node",  # a checkpoint resumes at any world size (embcache.resharding)
+    )
+
+    def identity(self) -> dict:
+        """The fields a resumed run must share with the checkpoint."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.BOOKKEEPING}
+
+    def validate(self) -> None:
+        """Raise :class:`RunError` naming the first invalid field (as its command-line option)
+        and its value. Reads nothing from disk: a run checks this before any work."""
+        for name, (low, optional) in _INT_FIELDS.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise RunError(f"{_option(name)} must be an integer >= {low}, got {value!r}")
+        for name, positive in _FLOAT_FIELDS.items():
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and math.isfinite(value)
+            if not ok or value < 0 or (positive and value == 0):
+                want = "positive" if positive else "non-negative"
+                raise RunError(f"{_option(name)} must be a finite {want} number, got {value!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise RunError(f"{_option(name)} must be one of {', '.join(choices)}")
+        if self.nproc_per_node > 1:
+            if self.batch_size % self.nproc_per_node:
+                raise RunError(
+                    f"--batch-size ({self.batch_size}) must be a multiple of --nproc-per-node "
+                    f"({self.nproc_per_node}): every process takes an equal part of a batch"
+                )
+            if self.embeddings != "embcache":
+                raise RunError("--nproc-per-node > 1 shards our tables: use --embeddings embcache")
+        for option, (field, value) in _TABLE_DEFAULT_OPTIONS.items():
+            try:
+                TableConfig(1, 1, **{field: getattr(self, value)})
+            except (TypeError, ValueError) as e:
+                raise RunError(f"{option}: {str(e).split(': ', 1)[-1]}") from None
+        if self.data == "synthetic":  # refused here, not after the data are generated
+            rows = max(scaled_cardinalities(self.synthetic_scale))
+            try:
+                TableConfig(rows, 1)
+            except ValueError as e:
+                rule = str(e).split(" must ", 1)[-1]
+                raise RunError(
+                    f"--synthetic-scale {self.synthetic_scale:g}: the largest table would have "
+                    f"{rows:,} rows, and a table's rows must be {rule}"
+                ) from None
+        tables = [f"t_{i}" for i in range(len(SPARSE_KEYS))]
+        for table, options in self.tables.items():
+            if table not in tables:
+                raise RunError(f"--table {table}: no such table (tables are t_0 ... {tables[-1]})")
+            unknown = set(options) - _TABLE_OPTIONS
+            if unknown:
+                raise RunError(
+                    f"--table {table}: unknown option {sorted(unknown)[0]!r} "
+                    f"(options: {', '.join(sorted(_TABLE_OPTIONS))})"
+                )
+            try:
+                TableConfig(1, 1, **{**self.table_defaults(), **options, "name": table})
+            except (TypeError, ValueError) as e:
+                raise RunError(f"--table {table}: {str(e).split(': ', 1)[-1]}") from None
+
+    def table_defaults(self) -> dict:
+        """The options every table of an embcache run gets unless ``tables`` overrides them."""
+        options = {field: getattr(self, own) for field, own in _TABLE_DEFAULT_OPTIONS.values()}
+        options["seed"] = self.seed
+        options["min_rows_for_low_precision"] = self.min_rows_for_low_precision
+        return options
+
+
+# (smallest value, None allowed) of each integer field, and whether each float must be > 0
+_INT_FIELDS = {
+    "synthetic_rows": (1, False),
+    "min_rows_for_low_precision": (0, False),
+    "batch_size": (1, False),
+    "epochs": (1, False),
+    "steps": (1, True),
+    "eval_every": (0, False),  # 0: no validation during training
+    "eval_batches": (1, False),
+    "seed": (0, False),
+    "threads": (1, True),
+    "checkpoint_every": (1, False),
+    "stop_after": (1, True),
+    "max_skipped_in_a_row": (1, False),
+    "nproc_per_node": (1, False),
+}
+
+
+_FLOAT_FIELDS = {"synthetic_scale": True, "static_scale": True, "lr": False}
+
+
+_CHOICES = {
+    "preset": tuple(PRESETS),
+    "embeddings": EMBEDDINGS,
+    "dense_precision": DENSE_PRECISIONS,
+    "loss_scaler": SCALERS,
+    "optimizer": OPTIMIZERS,
+}
+
+
+# what --table may set for one table (the rest is fixed by the run or the collection)
+_TABLE_OPTIONS = {
+    "precision",
+    "rounding",
+    "cache_ratio",
+    "associativity",
+    "policy",
+    "optimizer",
+    "lr",
+    "eps",
+    "qparams",
+    "min_rows_for_low_precision",
+}
+
+
+# the command-line option of each table default: (TableConfig field, RunConfig field)
+_TABLE_DEFAULT_OPTIONS = {
+    "--precision": ("precision", "precision"),
+    "--rounding": ("rounding", "rounding"),
+    "--cache-ratio": ("cache_ratio", "cache_ratio"),
+    "--associativity": ("associativity", "associativity"),
+    "--policy": ("policy", "policy"),
+    "--emb-optimizer": ("optimizer", "emb_optimizer"),
+    "--emb-lr": ("lr", "emb_lr"),
+    "--qparams": ("qparams", "qparams"),
+}
+
+
+def _option(field: str) -> str:
+    return "--" + field.replace("_", "-")

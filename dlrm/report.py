@@ -1,0 +1,161 @@
+"""A run's report (``report.json``): strict JSON of its configuration, data, metrics,
+loss scaling, embedding memory and hit rates, and peak memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+
+from dlrm import distributed, run_dir
+
+
+def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
+    """The run's report (as report.json holds it, before :func:`_strict_json`)."""
+    scaling = trainer.report
+    rss = ranks.gather(_peak_rss_bytes())
+    min_grad = scaling.min_abs_grad
+    return {
+        "status": "completed",
+        "config": dataclasses.asdict(cfg),
+        "data": {
+            "dir": str(data_dir),
+            "rows": dataset.meta["rows"],
+            "cardinalities": list(dataset.meta["cardinalities"]),
+            "bayes_auc": dataset.meta.get("bayes_auc"),
+        },
+        "steps": progress["step"],
+        "evals": progress["evals"],
+        "test": test,
+        "samples_per_second": progress["samples"] / max(progress["train_seconds"], 1e-9),
+        "loss_scale": {
+            "final": trainer.scaler.scale,
+            "changes": len(scaling.scale_trace) - 1,
+            "trace": scaling.scale_trace[-50:],
+            "min": min(s for _, s in scaling.scale_trace),
+            "max": max(s for _, s in scaling.scale_trace),
+        },
+        "skipped_steps": scaling.skipped,
+        "grad_abs": {
+            "min": min_grad if math.isfinite(min_grad) else None,
+            "max": scaling.max_abs_grad,
+            **({} if math.isfinite(min_grad) else {"min_undefined": "no non-zero gradient"}),
+        },
+        "embeddings": _embedding_report(trainer.model, ranks),
+        "world_size": ranks.world_size,
+        "peak_rss_bytes": max(rss),
+        **({"peak_rss_bytes_per_rank": rss} if ranks.world_size > 1 else {}),
+    }
+
+
+def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
+    """Memory, FP32 equivalent, hit rate and per-table figures of the embedding tables; over
+    several ranks, of every rank's shards, with the rank of each and the memory per rank."""
+    dmp = isinstance(model, DistributedModelParallel)
+    collection = (model.module if dmp else model).embedding_collection
+    if not hasattr(collection, "stats"):
+        fp32 = sum(p.nbytes for p in collection.parameters())
+        return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
+    tables = distributed.process_tables(model)
+    mine = {}
+    for name, t in tables.items():
+        memory, stats, c = t.memory_bytes(), t.stats(), t.config
+        mine[name] = {
+            "precision": c.stored_precision,
+            "rows": c.num_embeddings,
+            "cache_slots": c.num_slots,
+            "lookups": stats["lookups"],
+            "hits": stats["hits"],
+            "memory_bytes": memory["total"],
+            # FP32 rows with the same optimizer state: the compression factor's denominator
+            "fp32_bytes": c.num_embeddings * c.embedding_dim * 4 + memory["optimizer_state"],
+        }
+    parts = ranks.gather(mine)
+    entries = {name: (rank, e) for rank, part in enumerate(parts) for name, e in part.items()}
+    cached = [e for _, e in entries.values() if e["cache_slots"] > 0]
+    lookups = sum(e["lookups"] for e in cached)
+    memory = sum(e["memory_bytes"] for _, e in entries.values())
+    fp32 = sum(e["fp32_bytes"] for _, e in entries.values())
+    report = {
+        # over the tables that have a cache (small tables stay FP32 without one)
+        "hit_rate": sum(e["hits"] for e in cached) / lookups if lookups else 0.0,
+        "memory_bytes": memory,
+        "fp32_bytes": fp32,
+        "compression_factor": memory / fp32,
+        "tables": {
+            name: {
+                **({"rank": rank} if ranks.world_size > 1 else {}),
+                "precision": e["precision"],
+                "rows": e["rows"],
+                "cache_slots": e["cache_slots"],
+                "hit_rate": e["hits"] / e["lookups"] if e["lookups"] else 0.0,
+                "memory_bytes": e["memory_bytes"],
+            }
+            for name, (rank, e) in entries.items()
+        },
+    }
+    if ranks.world_size > 1:
+        report["memory_bytes_per_rank"] = [
+            sum(e["memory_bytes"] for e in part.values()) for part in parts
+        ]
+        report["sharding"] = distributed.sharding_report(model)
+    return report
+
+
+def _peak_rss_bytes() -> int:
+    """The process's peak resident memory so far."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError):  # not Linux: getrusage's maximum (KiB on Linux, bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def metrics_line(m: dict) -> str:
+    """``auc 0.7123 logloss 0.4567``, with ``n/a`` for an undefined metric."""
+    return " ".join(
+        f"{name} " + ("n/a" if m[key] is None else f"{m[key]:.4f}")
+        for name, key in (("auc", "auc"), ("logloss", "log_loss"))
+    )
+
+
+def strict_json(x):
+    """``x`` with no NaN or infinity left, so that it is valid strict JSON: a non-finite float
+    becomes null and, as a value in a dict under ``key``, ``key_undefined`` beside it says what
+    it was (unless the report already says why)."""
+    if isinstance(x, dict):
+        out = {}
+        for key, value in x.items():
+            if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+                out[key] = None
+                out.setdefault(f"{key}_undefined", f"not finite ({value})")
+            else:
+                out[key] = strict_json(value)
+        return out
+    if isinstance(x, (list, tuple)):
+        return [
+            None if isinstance(v, (float, np.floating)) and not math.isfinite(v) else strict_json(v)
+            for v in x
+        ]
+    return x
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    raise TypeError(type(x))
+
+
+def write_report(out_dir: Path, report: dict) -> None:
+    """``out_dir/report.json``: ``report`` as strict JSON, written atomically."""
+    text = json.dumps(strict_json(report), indent=2, allow_nan=False, default=_json_default)
+    run_dir.write_atomically(out_dir / "report.json", lambda p: p.write_text(text))

@@ -3,6 +3,7 @@ its model (sharded over the ranks of a launched run) and its trainer."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ def resolve_data(cfg: RunConfig, root: Path) -> Path:
     )
     if not (path / "meta.json").exists():
         SyntheticCriteo(scale=cfg.synthetic_scale, seed=cfg.seed).write(
-            path, cfg.synthetic_rows, progress=cfg.progress
+            path, cfg.synthetic_rows, progress=cfg.progress and sys.stderr.isatty()
         )
     return path
 

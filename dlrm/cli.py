@@ -160,7 +160,18 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also train the same run with FP32 tables (no cache) in OUT/fp32 and compare",
     )
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (on a terminal) or progress lines (otherwise)",
+    )
+    g.add_argument(
+        "--log-every",
+        type=int,
+        default=d.log_every,
+        help="steps between the figures written to OUT/history.jsonl (and TensorBoard)",
+    )
+    g.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files here")
     g = p.add_argument_group("processes")
     g.add_argument(
         "--nproc-per-node",
@@ -248,6 +259,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
     p.add_argument("--split", choices=["val", "test"], default="test")
 
+    p = sub.add_parser("report", help="draw a run (finished or running) into a PNG")
+    p.add_argument("run", type=Path, help="the run directory (a dlrm train --out)")
+    p.add_argument("--png", type=Path, help="where to write it (default: RUN/report.png)")
+
     p = sub.add_parser(
         "preprocess", help="raw Criteo TSV (or TorchRec npy directory) -> preprocessed directory"
     )
@@ -332,6 +347,10 @@ def _dispatch(args) -> int:
 
             m = evaluate_checkpoint(_run_config(args), args.out, args.split)
             print(json.dumps(m, indent=2))
+        elif args.command == "report":
+            from dlrm.plots import render
+
+            print(render(args.run, args.png))
         elif args.command == "preprocess":
             from dlrm.data.criteo import convert_torchrec_npys, preprocess_criteo
 

@@ -60,6 +60,9 @@ class RunConfig:
     # also train the same run with FP32 tables (no cache) in out_dir/fp32, and compare
     compare_fp32: bool = False
     progress: bool = True
+    # every this many steps the interval's figures go to history.jsonl (dlrm.monitor)
+    log_every: int = 100
+    tensorboard: str | None = None  # a directory for TensorBoard's event files
 
     BOOKKEEPING = (
         "steps",
@@ -71,6 +74,8 @@ class RunConfig:
         "progress",
         "eval_every",
         "nproc_per_node",  # a checkpoint resumes at any world size (embcache.resharding)
+        "log_every",
+        "tensorboard",
     )
 
     def identity(self) -> dict:
@@ -156,6 +161,7 @@ _INT_FIELDS = {
     "stop_after": (1, True),
     "max_skipped_in_a_row": (1, False),
     "nproc_per_node": (1, False),
+    "log_every": (1, False),
 }
 
 

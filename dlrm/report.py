@@ -18,7 +18,7 @@ from dlrm import distributed, run_dir
 
 
 def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
-    """The run's report (as report.json holds it, before :func:`_strict_json`)."""
+    """The run's report (as report.json holds it, before :func:`strict_json`)."""
     scaling = trainer.report
     rss = ranks.gather(_peak_rss_bytes())
     min_grad = scaling.min_abs_grad
@@ -55,34 +55,42 @@ def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
     }
 
 
-def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
-    """Memory, FP32 equivalent, hit rate and per-table figures of the embedding tables; over
-    several ranks, of every rank's shards, with the rank of each and the memory per rank."""
-    dmp = isinstance(model, DistributedModelParallel)
-    collection = (model.module if dmp else model).embedding_collection
-    if not hasattr(collection, "stats"):
-        fp32 = sum(p.nbytes for p in collection.parameters())
-        return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
-    tables = distributed.process_tables(model)
+def table_figures(model: nn.Module, ranks: distributed.Ranks) -> dict | None:
+    """Every table's (or row-wise shard's) figures, from every rank (a collective): its
+    ``rank``, ``precision``, ``rows``, ``cache_slots``, counters since it was made
+    (``lookups``, ``hits``, ``insertions``, ``evictions``, ``bypasses``), ``memory_bytes`` and
+    ``fp32_bytes`` (FP32 rows with the same optimizer state: the compression factor's
+    denominator). None for a collection that is not ours (TorchRec's FP32 baseline)."""
+    collection = model.module if isinstance(model, DistributedModelParallel) else model
+    if not hasattr(collection.embedding_collection, "stats"):
+        return None
     mine = {}
-    for name, t in tables.items():
+    for name, t in distributed.process_tables(model).items():
         memory, stats, c = t.memory_bytes(), t.stats(), t.config
         mine[name] = {
+            "rank": ranks.rank,
             "precision": c.stored_precision,
             "rows": c.num_embeddings,
             "cache_slots": c.num_slots,
-            "lookups": stats["lookups"],
-            "hits": stats["hits"],
+            **{k: stats[k] for k in ("lookups", "hits", "insertions", "evictions", "bypasses")},
             "memory_bytes": memory["total"],
-            # FP32 rows with the same optimizer state: the compression factor's denominator
             "fp32_bytes": c.num_embeddings * c.embedding_dim * 4 + memory["optimizer_state"],
         }
-    parts = ranks.gather(mine)
-    entries = {name: (rank, e) for rank, part in enumerate(parts) for name, e in part.items()}
-    cached = [e for _, e in entries.values() if e["cache_slots"] > 0]
+    return {name: e for part in ranks.gather(mine) for name, e in part.items()}
+
+
+def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
+    """Memory, FP32 equivalent, hit rate and per-table figures of the embedding tables; over
+    several ranks, of every rank's shards, with the rank of each and the memory per rank."""
+    tables = table_figures(model, ranks)
+    if tables is None:
+        collection = model.module if isinstance(model, DistributedModelParallel) else model
+        fp32 = sum(p.nbytes for p in collection.embedding_collection.parameters())
+        return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
+    cached = [e for e in tables.values() if e["cache_slots"] > 0]
     lookups = sum(e["lookups"] for e in cached)
-    memory = sum(e["memory_bytes"] for _, e in entries.values())
-    fp32 = sum(e["fp32_bytes"] for _, e in entries.values())
+    memory = sum(e["memory_bytes"] for e in tables.values())
+    fp32 = sum(e["fp32_bytes"] for e in tables.values())
     report = {
         # over the tables that have a cache (small tables stay FP32 without one)
         "hit_rate": sum(e["hits"] for e in cached) / lookups if lookups else 0.0,
@@ -91,19 +99,21 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
         "compression_factor": memory / fp32,
         "tables": {
             name: {
-                **({"rank": rank} if ranks.world_size > 1 else {}),
+                **({"rank": e["rank"]} if ranks.world_size > 1 else {}),
                 "precision": e["precision"],
                 "rows": e["rows"],
                 "cache_slots": e["cache_slots"],
                 "hit_rate": e["hits"] / e["lookups"] if e["lookups"] else 0.0,
                 "memory_bytes": e["memory_bytes"],
+                "fp32_bytes": e["fp32_bytes"],
             }
-            for name, (rank, e) in entries.items()
+            for name, e in tables.items()
         },
     }
     if ranks.world_size > 1:
         report["memory_bytes_per_rank"] = [
-            sum(e["memory_bytes"] for e in part.values()) for part in parts
+            sum(e["memory_bytes"] for e in tables.values() if e["rank"] == r)
+            for r in range(ranks.world_size)
         ]
         report["sharding"] = distributed.sharding_report(model)
     return report

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from dlrm.data.criteo import DataError
 from dlrm.errors import RunError, Stopped
 from dlrm.evaluate import evaluate
 from dlrm.mixed_precision import StepRefusedError
+from dlrm.monitor import RunMonitor
 from dlrm.report import make_report, metrics_line, write_report
 
 
@@ -138,15 +140,25 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
     this_run = 0
     diverged = None
     checkpoint_due = False
+    on_terminal = sys.stderr.isatty()  # else a bar's carriage returns would fill the log
     bar = tqdm(
         total=total,
         initial=progress["step"],
         desc="train",
         unit="step",
-        disable=not (cfg.progress and ranks.main),
+        disable=not (cfg.progress and ranks.main and on_terminal),
+    )
+    monitor = RunMonitor(
+        out_dir,
+        model,
+        ranks,
+        every=cfg.log_every,
+        first_step=progress["step"],
+        tensorboard=Path(cfg.tensorboard) if cfg.tensorboard else None,
+        log_lines=cfg.progress and not on_terminal,
     )
     start = time.perf_counter()
-    with _StopRequests(interrupt_twice=ranks.world_size == 1) as stop:
+    with _StopRequests(interrupt_twice=ranks.world_size == 1) as stop, monitor:
         while progress["step"] < total:
             batches = data_batches.iterate_batches(
                 dataset,
@@ -176,6 +188,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
                 bar.update(1)
                 bar.set_postfix(loss=f"{out['loss']:.4f}", scale=f"{out['scale']:g}")
                 step = progress["step"]
+                monitor.step(step, out, cfg.batch_size)
                 if in_a_row >= cfg.max_skipped_in_a_row:
                     diverged = {
                         "step": step,
@@ -186,6 +199,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches, ranks)
                     progress["evals"].append({"step": step, **m})
+                    monitor.evaluation(step, m)
                     if ranks.main:
                         bar.write(f"step {step}: val {metrics_line(m)}")
                 done = (

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrm.monitor import read_history
 from dlrm.run_dir import read_manifest
 
 # one worker runs this file's tests, so that they share one uninterrupted run
@@ -41,6 +42,8 @@ ARGS = [
     "--no-progress",
     "--nproc-per-node",
     "2",
+    "--log-every",
+    "20",
 ]
 
 
@@ -118,6 +121,18 @@ def test_sigkill_of_one_rank_ends_the_run_and_resume_reproduces_it(tmp_path, who
     assert a["embeddings"] == b["embeddings"]  # tables, ranks, hit rates, memory per rank
     assert set(a["embeddings"]["sharding"]) == {f"t_{i}" for i in range(26)}
     assert len(a["embeddings"]["memory_bytes_per_rank"]) == 2
+
+
+def test_rank_0_writes_the_history_of_every_rank(whole):
+    report = json.loads((whole / "report.json").read_text())
+    intervals = [r for r in read_history(whole) if "loss" in r]
+    assert [r["step"] for r in intervals] == [20, 40, 60]
+    assert sum(r["skipped"] for r in intervals) == report["skipped_steps"]
+    assert set(intervals[0]["tables"]) == set(report["embeddings"]["tables"])
+    for name, table in report["embeddings"]["tables"].items():  # every rank's tables
+        lookups = sum(r["tables"][name]["lookups"] for r in intervals)
+        hits = sum(r["tables"][name]["hits"] for r in intervals)
+        assert table["hit_rate"] == (hits / lookups if lookups else 0.0), name
 
 
 def test_sigterm_stops_every_rank_at_one_step_and_resume_reproduces_the_run(tmp_path, whole):

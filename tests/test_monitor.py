@@ -1,0 +1,92 @@
+"""Watching a run (dlrm.monitor, dlrm.plots): history.jsonl, TensorBoard event files, log
+lines when piped, and `dlrm report`'s PNG. The oracle for the per-interval figures is the
+run's own report: the intervals' counts add up to each table's totals, the intervals'
+skipped steps to the run's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_train import SMALL
+
+from dlrm.cli import main
+from dlrm.monitor import read_history
+
+
+def _train(out, *extra) -> int:
+    return main(["train", "--out", str(out), *SMALL, "--log-every", "5", *extra])
+
+
+def _intervals(out) -> list[dict]:
+    return [r for r in read_history(out) if "loss" in r]
+
+
+def test_history_and_tensorboard_add_up_to_the_report(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    assert _train(out, "--steps", "20", "--tensorboard", str(tb)) == 0
+    report = json.loads((out / "report.json").read_text())
+    records = read_history(out)
+    intervals = _intervals(out)
+    assert [r["step"] for r in intervals] == [5, 10, 15, 20]
+    assert [r["step"] for r in records if "val" in r] == [e["step"] for e in report["evals"]]
+    assert sum(r["skipped"] for r in intervals) == report["skipped_steps"]
+    for name, table in report["embeddings"]["tables"].items():
+        lookups = sum(r["tables"][name]["lookups"] for r in intervals)
+        hits = sum(r["tables"][name]["hits"] for r in intervals)
+        assert table["hit_rate"] == (hits / lookups if lookups else 0.0), name
+        assert records[0]["tables"][name]["memory_bytes"] == table["memory_bytes"]
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    for tag, key in (("train/loss", "loss"), ("train/loss_scale", "scale")):
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in intervals]
+    assert [e.step for e in events.Scalars("val/auc")] == [e["step"] for e in report["evals"]]
+    cached = [n for n, t in report["embeddings"]["tables"].items() if t["cache_slots"]]
+    assert cached
+    hit_rates = [e.value for e in events.Scalars(f"tables/{cached[0]}/hit_rate")]
+    assert hit_rates == [
+        pytest.approx(r["tables"][cached[0]]["hit_rate"], rel=1e-6) for r in intervals
+    ]
+
+
+def test_a_resumed_run_continues_its_history(tmp_path):
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "20", "--stop-after", "12", "--checkpoint-every", "6") == 0
+    assert [r["step"] for r in _intervals(out)] == [5, 10]
+    assert _train(out, "--steps", "20", "--resume") == 0
+    assert [r["step"] for r in _intervals(out)] == [5, 10, 15, 20]
+    assert len([r for r in read_history(out) if "tables" in r and "step" not in r]) == 1
+
+
+def test_a_piped_run_logs_lines_not_a_progress_bar(tmp_path):
+    argv = [a for a in SMALL if a != "--no-progress"]
+    cmd = [sys.executable, "-m", "dlrm.cli", "train", "--out", str(tmp_path / "run"), *argv]
+    done = subprocess.run(
+        [*cmd, "--steps", "10", "--log-every", "5"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "\r" not in done.stdout
+    lines = [line for line in done.stderr.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines if "loss" in line] == ["step 5", "step 10"]
+
+
+def test_report_draws_a_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["report", str(out)]) == 2  # nothing there yet: one line
+    assert "history.jsonl" in capsys.readouterr().err
+    assert _train(out, "--steps", "10") == 0
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    png = out / "report.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1300, 850)  # the four panels, at 100 dpi

@@ -33,6 +33,7 @@ import pandas as pd
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 from dlrm.build import resolve_data  # noqa: E402
+from dlrm.cli import add_data_options  # noqa: E402
 from dlrm.config import RunConfig  # noqa: E402
 from dlrm.data import batches  # noqa: E402
 
@@ -139,20 +140,10 @@ class Source:
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data source")
-    g.add_argument(
-        "--data",
-        default="synthetic",
-        help="'synthetic' (dlrm train's default data), a preprocessed directory, or a "
-        "trace .npy of ids [N, tables] (default: %(default)s)",
+    g = p.add_argument_group(
+        "data source", "dlrm train's data options; --data may also be a trace .npy of ids"
     )
-    g.add_argument("--synthetic-rows", type=int, default=DEFAULTS.synthetic_rows)
-    g.add_argument(
-        "--synthetic-scale",
-        type=float,
-        default=DEFAULTS.synthetic_scale,
-        help="Kaggle cardinalities times this (default: %(default)s)",
-    )
+    add_data_options(g)
     g.add_argument(
         "--seed",
         type=int,

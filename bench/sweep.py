@@ -60,6 +60,7 @@ from _common import (
 from tqdm import tqdm
 
 from dlrm.build import resolve_data
+from dlrm.cli import add_data_options
 from dlrm.config import RunConfig
 from dlrm.run_dir import latest_checkpoint, remove_checkpoints
 from dlrm.train import train
@@ -554,13 +555,7 @@ def main(argv=None) -> int:
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     g = p.add_argument_group("shared by every run (fixed by the sweep's first invocation)")
     d = RunConfig()
-    g.add_argument(
-        "--data",
-        default=d.data,
-        help="a preprocessed directory, or 'synthetic' (dlrm train's default)",
-    )
-    g.add_argument("--synthetic-rows", type=int, default=d.synthetic_rows)
-    g.add_argument("--synthetic-scale", type=float, default=d.synthetic_scale)
+    add_data_options(g)
     g.add_argument(
         "--steps", type=int, default=d.steps, help="training steps per run (default: one epoch)"
     )

@@ -84,21 +84,33 @@ def _table_override(text: str) -> tuple[str, dict]:
         ) from None
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
+def add_data_options(g) -> None:
+    """The options that choose a run's data (``--data``, ``--synthetic-rows``,
+    ``--synthetic-scale``, RunConfig's fields of those names), for ``g`` a parser or an
+    argument group: the command line and the benchmark scripts share them."""
     d = _DEFAULTS
-    g = p.add_argument_group("data")
     g.add_argument(
         "--data",
         default=d.data,
         help="a preprocessed directory, or 'synthetic' (default: generated once, deterministic)",
     )
-    g.add_argument("--synthetic-rows", type=int, default=d.synthetic_rows)
+    g.add_argument(
+        "--synthetic-rows",
+        type=int,
+        default=d.synthetic_rows,
+        help="rows of the synthetic data (default: %(default)s)",
+    )
     g.add_argument(
         "--synthetic-scale",
         type=float,
         default=d.synthetic_scale,
-        help="Kaggle cardinalities times this",
+        help="Kaggle cardinalities times this (default: %(default)s)",
     )
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    add_data_options(p.add_argument_group("data"))
     g = p.add_argument_group("embedding tables")
     g.add_argument(
         "--embeddings",

@@ -42,8 +42,9 @@ class MixedPrecisionEmbedding(Protocol):
     The collection owns its optimizer and learning rate: the trainer's LR schedule does not
     reach it. Everything it needs to resume bit-identically must be in its ``state_dict``.
     Optionally it offers ``pending_grads() -> list[Tensor]`` (its unscaled FP32 gradient
-    tensors); then they count in the trainer's min/max |grad| figures, which the ``logmax``
-    scaler feeds on. Either way they are part of the overflow decision.
+    tensors, all of them); then they count in the trainer's min/max |grad| figures, which the
+    ``logmax`` scaler feeds on, and that pass, which sees an inf or NaN, replaces
+    ``has_nonfinite_grad()``. Either way they are part of the overflow decision.
     """
 
     def has_nonfinite_grad(self) -> bool: ...
@@ -308,8 +309,12 @@ class MixedPrecisionTrainer:
         max_abs, min_abs = _abs_range(
             dense_grads + [g for _, g in embedding_grads] + (pending() if pending else [])
         )
+        # max_abs is NaN or inf if any gradient it saw is; a collection that does not show
+        # its pending gradients is asked
         found_inf = not math.isfinite(max_abs) or (
-            self.protocol_embedding is not None and self.protocol_embedding.has_nonfinite_grad()
+            pending is None
+            and self.protocol_embedding is not None
+            and self.protocol_embedding.has_nonfinite_grad()
         )
         refused = None
         if self.process_group is not None:

@@ -9,6 +9,7 @@
 
 import os
 import platform
+from pathlib import Path
 
 import torch
 from setuptools import setup
@@ -34,8 +35,8 @@ NVCC_FLAGS = [
 
 def _simd_flags():
     """SSE4.1 turns floorf/rintf into single instructions (same IEEE results) and enables
-    the SIMD Philox of rowquant.h on x86-64; SSE4.2 adds the int64 compare that vectorizes
-    the index and offset checks (every x86-64 CPU since 2008 has both)."""
+    the SIMD Philox of embcache/random_stream.h on x86-64; SSE4.2 adds the int64 compare that
+    vectorizes the index and offset checks (every x86-64 CPU since 2008 has both)."""
     return ["-msse4.2"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
@@ -49,7 +50,8 @@ def _with_cuda() -> bool:
 
 
 def _main_extension():
-    sources = ["csrc/cpu/embcache_cpu.cpp"]
+    # each file of csrc/cpu is one phase (or the library's definition) and registers its ops
+    sources = sorted(str(p.relative_to(ROOT)) for p in Path(ROOT, "csrc", "cpu").glob("*.cpp"))
     cxx = CXX_FLAGS + ["-fopenmp"] + _simd_flags()
     if not _with_cuda():
         return CppExtension(

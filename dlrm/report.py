@@ -15,6 +15,7 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from dlrm import distributed, run_dir
+from embcache.memory import fp32_bytes
 
 
 def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
@@ -74,7 +75,7 @@ def table_figures(model: nn.Module, ranks: distributed.Ranks) -> dict | None:
             "cache_slots": c.num_slots,
             **{k: stats[k] for k in ("lookups", "hits", "insertions", "evictions", "bypasses")},
             "memory_bytes": memory["total"],
-            "fp32_bytes": c.num_embeddings * c.embedding_dim * 4 + memory["optimizer_state"],
+            "fp32_bytes": fp32_bytes(c),
         }
     return {name: e for part in ranks.gather(mine) for name, e in part.items()}
 

@@ -5,17 +5,15 @@ See docs/contract.md §2-5 for the numerics. Public API:
 * :class:`CachedLowPrecisionEmbedding` — one table, ``nn.EmbeddingBag``-compatible.
 * :class:`CachedLowPrecisionEmbeddingBagCollection` — TorchRec ``EmbeddingBagCollection``
   drop-in (``KeyedJaggedTensor`` in, ``KeyedTensor`` out).
-* :func:`compression_factor` — the paper's memory compression factor (Appendix A).
+* :func:`compression_factor` — the paper's memory compression factor (Appendix A);
+  :func:`memory_breakdown` and :func:`fp32_bytes`, its numerator's parts and its denominator.
 """
 
 from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
 from embcache.config import TableConfig
-from embcache.embedding import (
-    CachedLowPrecisionEmbedding,
-    EmbeddingUpdateError,
-    check_state_dict,
-)
-from embcache.memory import compression_factor, memory_breakdown
+from embcache.embedding import CachedLowPrecisionEmbedding, check_state_dict
+from embcache.group import EmbeddingUpdateError
+from embcache.memory import compression_factor, fp32_bytes, memory_breakdown
 
 __all__ = [
     "TableConfig",
@@ -24,5 +22,6 @@ __all__ = [
     "EmbeddingUpdateError",
     "check_state_dict",
     "compression_factor",
+    "fp32_bytes",
     "memory_breakdown",
 ]

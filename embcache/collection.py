@@ -3,39 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from embcache.embedding import (
-    META_TABLE,
-    CachedLowPrecisionEmbedding,
-    PendingGradient,
-    _ops,
-    check_state_dict,
-)
+from embcache.embedding import META_TABLE, CachedLowPrecisionEmbedding, check_state_dict
+from embcache.group import TableGroup
+from embcache.memory import fp32_bytes, memory_breakdown
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
-_NO_HINT = torch.empty(0, dtype=torch.int64)
-
-
-class _StoredGradient(NamedTuple):
-    """One backward's gradient for every feature as multi_dedup_backward made it: feature f's
-    unique rows are ``rows[row_starts[f]:row_starts[f + 1]]``, with their occurrences and
-    (unless ``slots`` is empty) the cache slots the forward found at the same positions, and
-    their gradients a block of rows x dim values of the 1-D ``grads``, blocks in feature
-    order. Also what the forward saw: each table's cache version, each feature's value bound."""
-
-    rows: torch.Tensor
-    grads: torch.Tensor
-    occurrences: torch.Tensor
-    slots: torch.Tensor
-    row_starts: list[int]
-    versions: list[int]
-    bounds: list[float]
 
 
 class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
@@ -57,9 +35,9 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
     :meth:`zero_grad` to skip). ``has_nonfinite_grad`` / ``unscale_grad_`` let a mixed-
     precision trainer make one overflow decision over dense and embedding gradients.
 
-    A backward's gradient is kept here as one record for all tables (handing 26 tables their
-    parts costs Python time every step); a table's own methods (``step``, ``zero_grad``,
-    ``pending_grads``, ...) first hand every table its part, so they see it as theirs.
+    The tables run as one :class:`~embcache.group.TableGroup`: one table-batched C++ call per
+    phase, and the collection's group holds every table's pending gradient; a table's own
+    methods (``step``, ``zero_grad``, ``pending_grads``, ...) act on its part of it.
     """
 
     def __init__(
@@ -101,20 +79,10 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 device=device,
                 **options,
             )
-        # Fixed once built, like the layout: the per-step paths read these lists.
+        # Fixed once built: the per-step paths read these.
         self._table_list = list(self.embedding_bags.values())
-        self._counters_list = [t._counters for t in self._table_list]
         self._layout = self._feature_layout()
-        self._static_lookup_args = self._lookup_args()
-        mean = self._static_lookup_args[-1]
-        self._feature_means = [mean[t] for t in self._layout[1]]  # per feature, for backward
-        # the update's per-table settings when every table has a gradient (the usual step)
-        self._all_update_settings = _columns(t._update_settings for t in self.tables())
-        # a stored gradient can go to multi_update as it is: feature i reads table i
-        self._one_feature_per_table = self._layout[1] == list(range(len(tables)))
-        self._stored: list[_StoredGradient] = []  # gradients not yet handed to the tables
-        for t in self._table_list:
-            t._hand_over = self._hand_over
+        self._group = TableGroup(self._table_list)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -132,18 +100,6 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             names += list(config.feature_names)
             table_of += [i] * len(config.feature_names)
         return names, table_of, [self._configs[t].embedding_dim for t in table_of]
-
-    def _lookup_args(self) -> tuple[list[int], ...]:
-        """The per-table settings of the table-batched forward (they never change)."""
-        cfgs = [t.config for t in self.tables()]
-        return (
-            [c.bits for c in cfgs],
-            [c.embedding_dim for c in cfgs],
-            [int(c.qparams_fp16) for c in cfgs],
-            [c.num_sets for c in cfgs],
-            [c.ways for c in cfgs],
-            [int(c.mode == "mean") for c in cfgs],
-        )
 
     @staticmethod
     def _check_lengths(features: KeyedJaggedTensor) -> list[int]:
@@ -238,162 +194,42 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             raise ValueError("variable batch size per feature is not supported")
         if features.values().dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {features.values().dtype}")
-        tables = self._table_list
-        state = [t._state_tensors() for t in tables]
         values = features.values().long().contiguous()
         psw = features.weights_or_none()
         psw = None if psw is None else psw.detach().float().contiguous()
-        batch = features.stride()
         try:
-            pooled, offsets, slots, bounds = _ops.multi_lookup_forward(
-                [s[0] for s in state],
-                [s[1] for s in state],
-                [s[2] for s in state],
-                values,
-                features.lengths(),
-                psw,
-                table_of,
-                *self._static_lookup_args,
-                batch,
-                self._counters_list if self.training else [],
+            pooled = self._group.lookup(
+                values, features.lengths(), psw, table_of, features.stride(), self.training
             )
         except RuntimeError:
             self._check(features, names, table_of)  # raises the error that names the table
             raise
-        anchor = tables[0]._grad_anchor
-        if not self.training:
-            anchor = anchor.detach()
-        versions = [t._cache_version for t in tables]
-        lookup = (self, pooled, values, offsets, psw, slots, versions, bounds)
-        pooled = _FusedLookup.apply(anchor, lookup)
         return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
 
     # -------------------------------------------------------------- the sparse optimizer
 
-    def _store(self, stored: _StoredGradient) -> None:
-        """Keeps a backward's gradient; one stored before it goes to the tables first."""
-        self._hand_over()
-        self._stored.append(stored)
-
-    def _hand_over(self) -> None:
-        """Hands each table its part of the stored gradient, as the last part it holds."""
-        if not self._stored:
-            return
-        s = self._stored.pop()
-        _, table_of, dims = self._layout
-        starts = s.row_starts
-        counts = [b - a for a, b in zip(starts, starts[1:])]
-        rows, occ = s.rows.split(counts), s.occurrences.split(counts)
-        grads = s.grads.split([n * d for n, d in zip(counts, dims)])
-        for f, t in enumerate(table_of):
-            g = grads[f].view(counts[f], dims[f])
-            self._table_list[t]._pending.append(PendingGradient(rows[f], g, occ[f]))
-
-    def _grads(self) -> list[torch.Tensor]:
-        """Every stored gradient tensor: the tables' parts and those kept here."""
-        return [p.grads for t in self._table_list for p in t._pending] + [
-            s.grads for s in self._stored
-        ]
-
     def has_nonfinite_grad(self) -> bool:
-        return any(not bool(torch.isfinite(g).all()) for g in self._grads())
+        return self._group.has_nonfinite_grad()
 
     def pending_grads(self) -> list[torch.Tensor]:
-        return self._grads()
+        return self._group.pending_grads()
 
     def unscale_grad_(self, inv_scale: float) -> None:
-        grads = self._grads()
-        if grads:
-            torch._foreach_mul_(grads, inv_scale)  # each tensor as g.mul_(inv_scale) would
+        self._group.unscale_grad_(inv_scale)
 
     def step(self) -> None:
         """Apply every table's stored gradient in one table-batched call, all or nothing:
         if any table refuses its update (non-finite or unstorable values), no table is
         changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
-        self._update(commit=True)
+        self._group.update(commit=True)
 
     def check_step(self) -> None:
         """A dry run of :meth:`step`: raises the error it would raise, changes nothing (the
         gradient stays pending). Lets several processes agree before any of them updates."""
-        self._update(commit=False)
-
-    def _update(self, commit: bool) -> None:
-        tables = self._table_list
-        if (
-            self._stored
-            and self._one_feature_per_table
-            and not any(t._pending for t in tables)
-            and self._stored[0].versions == [t._cache_version for t in tables]
-        ):  # the usual step: one backward, the cache as its forward saw it
-            s = self._stored[0]
-            bad = _ops.multi_update(
-                *_columns(t._state_tensors() for t in tables),
-                s.rows,
-                s.grads,
-                s.occurrences,
-                s.slots,
-                s.row_starts,
-                s.bounds,
-                *self._all_update_settings,
-                self._counters_list,
-                commit,
-            )
-            self._finish(tables, bad, commit)
-            return
-        # Otherwise each table's gradient, its parts merged, and no slot hints (the update
-        # finds the slots in the sets).
-        self._hand_over()
-        tables, parts = [], []
-        for t in self._table_list:
-            p = t._pending_gradient()
-            if p is not None:
-                tables.append(t)
-                parts.append(p)
-        if not tables:
-            return
-        every_table = len(tables) == len(self._table_list)
-        settings = (
-            self._all_update_settings
-            if every_table
-            else _columns(t._update_settings for t in tables)
-        )
-        row_starts = [0]
-        for p in parts:
-            row_starts.append(row_starts[-1] + p.rows.numel())
-        bad = _ops.multi_update(
-            *_columns(t._state_tensors() for t in tables),
-            torch.cat([p.rows for p in parts]),
-            torch.cat([p.grads.flatten() for p in parts]),
-            torch.cat([p.occurrences for p in parts]),
-            _NO_HINT,
-            row_starts,
-            [-1.0] * len(tables),
-            *settings,
-            self._counters_list if every_table else [t._counters for t in tables],
-            commit,
-        )
-        self._finish(tables, bad, commit)
-
-    def _finish(
-        self, tables: list[CachedLowPrecisionEmbedding], bad: list[int], commit: bool
-    ) -> None:
-        """After multi_update on ``tables``: raise for the first table that refused (nothing
-        was changed then); else, if it committed, the gradients are used and the caches may
-        have changed."""
-        if max(bad) >= 0:
-            self._hand_over()  # the tables' parts name the row
-            for t, b in zip(tables, bad):
-                t._raise_if_bad(b)
-        if not commit:
-            return
-        self._stored.clear()
-        for t in tables:
-            t._finish_step()
+        self._group.update(commit=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._stored.clear()
-        for t in self.tables():
-            t.zero_grad()
+        self._group.zero_grad()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, all or nothing: every table's state is checked first
@@ -402,7 +238,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         return super().load_state_dict(state_dict, strict, assign)
 
     def flush(self) -> int:
-        return sum(t.flush() for t in self.tables())
+        return sum(self._group.flush())
 
     # -------------------------------------------------------------- reporting
 
@@ -414,66 +250,6 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
     def compression_factor(self) -> float:
         """The paper's factor over all tables: total bytes / (FP32 tables + optimizer state)."""
-        total = fp32 = 0
-        for t in self.tables():
-            mem = t.memory_bytes()
-            total += mem["total"]
-            fp32 += t.config.num_embeddings * t.config.embedding_dim * 4 + mem["optimizer_state"]
-        return total / fp32
-
-
-def _columns(rows) -> list[list]:
-    """The columns of a sequence of equal-length tuples, as lists."""
-    return [list(column) for column in zip(*rows)]
-
-
-class _FusedLookup(torch.autograd.Function):
-    """Returns the table-batched forward's output (``pooled``) with this node as its
-    gradient function; backward deduplicates every feature's gradient in one table-batched
-    call and stores the result in the collection, one record for all tables, for
-    :meth:`CachedLowPrecisionEmbeddingBagCollection.step`, with each row's cache slot as the
-    forward found it. ``lookup`` is what the forward made and saw: (collection, pooled,
-    values, offsets, per-sample weights or None, every lookup's slot, each table's cache
-    version, each feature's largest |value| read). The ids and weights may be the caller's
-    tensors, so they are saved (autograd refuses a backward after they change in place); the
-    rest are the forward's own and kept on ``ctx`` as they are."""
-
-    @staticmethod
-    def forward(ctx, anchor, lookup):
-        ctx.collection, pooled, values, ctx.offsets, psw, ctx.slots, ctx.versions, ctx.bounds = (
-            lookup
-        )
-        ctx.save_for_backward(values, *(() if psw is None else (psw,)))
-        return pooled
-
-    @staticmethod
-    def backward(ctx, grad):
-        collection = ctx.collection
-        if ctx.needs_input_grad[0]:
-            _, table_of, dims = collection._layout
-            # The CUDA forward gives neither slots nor value bounds.
-            slots = ctx.slots if ctx.slots.numel() else None
-            values, *psw = ctx.saved_tensors
-            rows, grads, occurrences, row_slots, row_starts = _ops.multi_dedup_backward(
-                values,
-                ctx.offsets,
-                psw[0] if psw else None,
-                grad.float().contiguous(),
-                dims,
-                collection._feature_means,
-                grad.shape[0],
-                slots,
-            )
-            bounds = ctx.bounds.tolist() or [-1.0] * len(table_of)
-            collection._store(
-                _StoredGradient(
-                    rows,
-                    grads,
-                    occurrences,
-                    row_slots,
-                    row_starts.tolist(),
-                    ctx.versions,
-                    bounds,
-                )
-            )
-        return None, None
+        configs = [t.config for t in self._table_list]
+        total = sum(memory_breakdown(c)["total"] for c in configs)
+        return total / sum(fp32_bytes(c) for c in configs)

@@ -1,22 +1,74 @@
-"""The knobs of one low-precision cached table, validated once (docs/contract.md §2-4).
+"""The knobs of one low-precision cached table, validated once (docs/contract.md §2-4), and
+the constants the kernels share with Python.
 
-A :class:`TableConfig` is what a user asked for; :meth:`TableConfig.resolve` applies the rule
-that small tables stay plain FP32 without cache and gives the layout the kernels work on.
-Every invalid value raises ``ValueError`` naming the table, the field and the value.
+A :class:`TableConfig` is what a user asked for; its properties apply the rule that small
+tables stay plain FP32 without cache and give the layout the kernels work on, and
+:meth:`TableConfig.spec` packs it for the ops. Every invalid value raises ``ValueError``
+naming the table, the field and the value.
+
+The lists below marked "as csrc/include/embcache/table_spec.h" mirror that header, the one
+definition the C++ ops and CUDA kernels compile; ``torch.ops.embcache.layout()`` returns the
+header's, and a test checks that the two agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 
+import torch
+
+# as csrc/include/embcache/table_spec.h: EMBCACHE_FORMATS, EMBCACHE_OPTIMIZERS, kMaxWays
 PRECISION_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "int2": 2}
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+MAX_ASSOCIATIVITY = 32
 ROUNDINGS = ("nearest", "stochastic")
 POLICIES = ("lru", "lfu")
-OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 QPARAMS = ("fp32", "fp16")
 MODES = ("sum", "mean")
-MAX_ASSOCIATIVITY = 32
+
+# as csrc/include/embcache/table_spec.h: EMBCACHE_COUNTERS, a table's statistics counters
+COUNTERS = (
+    "lookups",
+    "hits",
+    "steps",
+    "unique_rows",
+    "unique_hits",
+    "unique_misses",
+    "insertions",
+    "evictions",
+    "bypasses",
+    "flushed",
+)
+# as csrc/include/embcache/table_spec.h: EMBCACHE_STATE_TENSORS, a table's state tensors (the
+# table module's buffers) in the order the ops take them
+STATE_TENSORS = (
+    "weights",
+    "cache_tags",
+    "cache_rows",
+    "cache_priority",
+    "cache_set_floor",
+    "counts",
+    "optimizer_state",
+)
+# as csrc/include/embcache/table_spec.h: EMBCACHE_SPEC_FIELDS, the fields of TableConfig.spec()
+SPEC_FIELDS = (
+    "rows",
+    "dim",
+    "bits",
+    "qparams_fp16",
+    "stochastic",
+    "optimizer",
+    "lr",
+    "eps",
+    "lfu",
+    "num_sets",
+    "ways",
+    "seed",
+    "table",
+    "mean",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +149,11 @@ class TableConfig:
         return self.associativity
 
     @property
+    def keeps_counts(self) -> bool:
+        """Whether the table keeps an LFU count per row: an LFU policy and a cache."""
+        return self.policy == "lfu" and self.num_slots > 0
+
+    @property
     def num_slots(self) -> int:
         """Cache capacity C: floor(cache_ratio * rows), rounded down to a multiple of W."""
         if not self.low_precision:
@@ -133,9 +190,30 @@ class TableConfig:
         """FP32 accumulators per row: 0 (SGD), 1 (row-wise AdaGrad), dim (AdaGrad)."""
         return {"sgd": 0, "rowwise_adagrad": 1, "adagrad": self.embedding_dim}[self.optimizer]
 
-    @property
-    def optimizer_code(self) -> int:
-        return OPTIMIZERS.index(self.optimizer)
+    def spec(self) -> torch.Tensor:
+        """The table as the ops take it: one int64 per field of :data:`SPEC_FIELDS`, lr and eps
+        as the bits of their float64 values (csrc/include/embcache/table_spec.h)."""
+        fields = {
+            "rows": self.num_embeddings,
+            "dim": self.embedding_dim,
+            "bits": self.bits,
+            "qparams_fp16": int(self.qparams_fp16),
+            "stochastic": int(self.rounding == "stochastic"),
+            "optimizer": OPTIMIZERS.index(self.optimizer),
+            "lr": _float64_bits(self.lr),
+            "eps": _float64_bits(self.eps),
+            "lfu": int(self.keeps_counts),
+            "num_sets": self.num_sets,
+            "ways": self.ways,
+            "seed": self.seed,
+            "table": self.table_id,
+            "mean": int(self.mode == "mean"),
+        }
+        return torch.tensor([fields[f] for f in SPEC_FIELDS], dtype=torch.int64)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _float64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]

@@ -2,48 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 import math
+import operator
 import os
-from collections.abc import Callable, Iterator, Mapping
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
-from embcache.config import TableConfig
+from embcache.config import COUNTERS, STATE_TENSORS, TableConfig
+from embcache.group import TableGroup
+from embcache.memory import compression_factor, memory_breakdown
 
 _ops = torch.ops.embcache
-
-# A table's counters, in the order of the Counter enum in csrc/op_schemas.h (the table-batched
-# ops add to them in place).
-_STAT_NAMES = (
-    "lookups",
-    "hits",
-    "steps",
-    "unique_rows",
-    "unique_hits",
-    "unique_misses",
-    "insertions",
-    "evictions",
-    "bypasses",
-    "flushed",
-)
-_COUNTER = {name: i for i, name in enumerate(_STAT_NAMES)}
-
-
-class PendingGradient(NamedTuple):
-    """A stored gradient: unique rows (ascending), their summed gradients ``[rows, dim]``
-    and how often each occurs."""
-
-    rows: torch.Tensor
-    grads: torch.Tensor
-    occurrences: torch.Tensor
-
-
-class EmbeddingUpdateError(ValueError):
-    """A training step the table refused; the table, cache and optimizer state are unchanged."""
+_STEPS = COUNTERS.index("steps")
+_state_of = operator.itemgetter(*STATE_TENSORS)
 
 
 class CachedLowPrecisionEmbedding(nn.Module):
@@ -78,6 +52,12 @@ class CachedLowPrecisionEmbedding(nn.Module):
       keyed by ``(seed, t, table_id, row, element)``, so ``state_dict()`` (tensors, plus the
       configuration, step count and statistics as extra state) resumes a run bit-identically.
     * Evaluation forwards (``module.eval()``) and refused calls change no state at all.
+
+    The kernels see a table through ``spec`` (its configuration packed once,
+    :meth:`TableConfig.spec`), ``counters`` (int64 CPU, the statistics in the order of
+    :data:`embcache.config.COUNTERS`, which the ops add to) and :meth:`state_tensors`. Its ops
+    run through ``group`` (:class:`embcache.group.TableGroup`): its own group of one, or that
+    of the collection it belongs to, which holds its pending gradient.
     """
 
     def __init__(
@@ -106,15 +86,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
         if device.type != "meta":
             self._write_rows(0, _weight_blocks(weight) if weight is not None else None)
             self._reset_state()
-        self._counters = torch.zeros(
-            len(_STAT_NAMES), dtype=torch.int64
-        )  # CPU, wherever the table is
-        self._grad_anchor = torch.empty(0, requires_grad=True)
-        self._pending: list[PendingGradient] = []
-        # Set by a collection that owns this table: it may keep the latest backward's gradient
-        # itself (one record for all its tables), and calling this hands every table its part.
-        self._hand_over: Callable[[], None] | None = None
-        self._cache_version = 0  # changes whenever the cache may have changed
+        self.spec = cfg.spec()
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)  # CPU, wherever the table is
+        self.group = TableGroup([self])
         if device.type not in ("cpu", "meta"):
             self.to(device)
 
@@ -123,34 +97,12 @@ class CachedLowPrecisionEmbedding(nn.Module):
     @property
     def step_count(self) -> int:
         """The number of updates applied so far."""
-        return int(self._counters[_COUNTER["steps"]])
+        return int(self.counters[_STEPS])
 
-    @property
-    def _lfu(self) -> bool:
-        return self.config.policy == "lfu" and self.config.num_slots > 0
-
-    @functools.cached_property
-    def _update_settings(self) -> tuple:
-        """This table's settings in the order of the multi_update op (between the gradients
-        and the step number)."""
-        cfg = self.config
-        return (
-            cfg.embedding_dim,
-            cfg.bits,
-            int(cfg.qparams_fp16),
-            int(cfg.rounding == "stochastic"),
-            cfg.optimizer_code,
-            cfg.lr,
-            cfg.eps,
-            int(self._lfu),
-            cfg.seed,
-            cfg.table_id,
-            cfg.num_sets,
-            cfg.ways,
-        )
-
-    def _format_args(self) -> tuple[int, bool]:
-        return self.config.bits, self.config.qparams_fp16
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The state tensors in the order the ops take them (:data:`embcache.config.STATE_TENSORS`)."""
+        # from the buffers directly: nn.Module.__getattr__ is slow on a per-step path
+        return _state_of(self._buffers)
 
     def _allocate_state(self, device: torch.device | None) -> None:
         """Register every state tensor, uninitialised: on the meta device, or (None) in host
@@ -170,7 +122,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.register_buffer(
             "cache_set_floor", state((cfg.num_sets,), torch.int32), persistent=False
         )
-        counts_rows = cfg.num_embeddings if cfg.policy == "lfu" and slots > 0 else 0
+        counts_rows = cfg.num_embeddings if cfg.keeps_counts else 0
         self.register_buffer("counts", state((counts_rows,), torch.int32))
         width = cfg.optimizer_state_width
         self.register_buffer("optimizer_state", state((cfg.num_embeddings * width,), torch.float32))
@@ -193,13 +145,12 @@ class CachedLowPrecisionEmbedding(nn.Module):
         cfg = self.config
         if blocks is None:
             blocks = _initial_blocks(cfg, 0, cfg.num_embeddings)
-        bits, qfp16 = self._format_args()
         for start, block in blocks:
             at = start - first
             ids = torch.arange(at, at + block.shape[0], dtype=torch.int64)
-            try:
+            try:  # rounded to nearest: the rounding stream's arguments are unused
                 self.weights[at : at + block.shape[0]] = _ops.quantize_rows(
-                    block, ids, bits, qfp16, False, 0, 0, 0
+                    block, ids, cfg.bits, cfg.qparams_fp16, False, 0, 0, 0
                 )
             except RuntimeError as e:
                 raise ValueError(f"table '{cfg.name}': initial weight: {e}") from None
@@ -285,25 +236,6 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     # ------------------------------------------------------------------ forward / backward
 
-    def _lookup(self, indices, offsets, psw) -> tuple[torch.Tensor, int]:
-        cfg = self.config
-        bits, qfp16 = self._format_args()
-        out, hits = _ops.lookup_forward(
-            self.weights,
-            self.cache_tags,
-            self.cache_rows,
-            indices,
-            offsets,
-            psw,
-            bits,
-            cfg.embedding_dim,
-            qfp16,
-            cfg.num_sets,
-            cfg.ways,
-            cfg.mode == "mean",
-        )
-        return out, int(hits)
-
     def forward(
         self,
         input: torch.Tensor,
@@ -316,57 +248,33 @@ class CachedLowPrecisionEmbedding(nn.Module):
         """
         indices, offs, psw = self._bags(input, offsets, per_sample_weights)
         psw32 = None if psw is None else psw.detach().float().contiguous()
-        if self.training:
-            self._counters[_COUNTER["lookups"]] += indices.numel()
-        anchor = self._grad_anchor if self.training else self._grad_anchor.detach()
-        psw_in = psw if psw is not None else torch.empty(0)
-        return _PooledLookup.apply(self, indices, offs, psw32, anchor, psw_in)
-
-    def _store_gradient(self, indices, offsets, psw, grad_output) -> None:
-        rows, grads, occ = _ops.dedup_backward(
-            indices, offsets, psw, grad_output.float().contiguous(), self.config.mode == "mean"
+        return self.group.lookup(
+            indices,
+            offs[1:] - offs[:-1],
+            psw32,
+            [self.group.position(self)],
+            offs.numel() - 1,
+            self.training,
+            psw,
         )
-        self._parts().append(PendingGradient(rows, grads, occ))
 
     # ------------------------------------------------------------------ the update
 
-    def _parts(self) -> list[PendingGradient]:
-        """The stored gradient parts, oldest first, including any an owning collection held."""
-        if self._hand_over is not None:
-            self._hand_over()
-        return self._pending
-
-    def _pending_gradient(self) -> PendingGradient | None:
-        """The stored gradient summed per unique row (rows ascending)."""
-        if not self._parts():
-            return None
-        if len(self._pending) == 1:
-            return self._pending[0]
-        rows = torch.cat([p.rows for p in self._pending])
-        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-        grads = rows.new_zeros(unique.numel(), self.config.embedding_dim, dtype=torch.float32)
-        grads.index_add_(0, inverse, torch.cat([p.grads for p in self._pending]))
-        occ = rows.new_zeros(unique.numel())
-        occ.index_add_(0, inverse, torch.cat([p.occurrences for p in self._pending]))
-        self._pending = [PendingGradient(unique, grads, occ)]
-        return self._pending[0]
-
     def has_nonfinite_grad(self) -> bool:
         """Whether the stored gradient holds an inf or NaN (the overflow check of docs/contract.md §6)."""
-        return any(not bool(torch.isfinite(p.grads).all()) for p in self._parts())
+        return self.group.has_nonfinite_grad(self)
 
     def pending_grads(self) -> list[torch.Tensor]:
         """The stored FP32 gradient tensors (rows of unique ids), for gradient statistics."""
-        return [p.grads for p in self._parts()]
+        return self.group.pending_grads(self)
 
     def unscale_grad_(self, inv_scale: float) -> None:
         """Multiply the stored gradient by ``inv_scale`` (in FP32), e.g. ``1 / loss_scale``."""
-        for p in self._parts():
-            p.grads.mul_(inv_scale)
+        self.group.unscale_grad_(inv_scale, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the stored gradient (a skipped step)."""
-        self._parts().clear()
+        self.group.zero_grad(self)
 
     def step(self) -> None:
         """Apply the stored gradient (docs/contract.md §4 step 3) and clear it.
@@ -374,123 +282,19 @@ class CachedLowPrecisionEmbedding(nn.Module):
         Raises :class:`EmbeddingUpdateError` and changes nothing if the gradient or the
         updated values are not finite (or not storable in the table's format).
         """
-        prepared = self._prepare_step()
-        if prepared is not None:
-            self._commit_step(prepared)
+        self.group.update(True, self)
 
-    def _prepare_step(self) -> tuple | None:
-        """The optimizer's new values for the stored gradient, computed without changing any
-        state; raises :class:`EmbeddingUpdateError` if they cannot be applied."""
-        pending = self._pending_gradient()
-        if pending is None:
-            return None
-        rows, grads, occ = pending.rows, pending.grads, pending.occurrences
-        cfg = self.config
-        bits, qfp16 = self._format_args()
-        fresh, fresh_state, slots, bad_row = _ops.update_prepare(
-            self.weights,
-            self.cache_tags,
-            self.cache_rows,
-            self.optimizer_state,
-            rows,
-            grads,
-            bits,
-            qfp16,
-            cfg.rounding == "stochastic",
-            cfg.optimizer_code,
-            cfg.lr,
-            cfg.eps,
-            cfg.num_sets,
-            cfg.ways,
-        )
-        self._raise_if_bad(bad_row)
-        return rows, fresh, fresh_state, slots, occ
-
-    def _raise_if_bad(self, bad_row: int) -> None:
-        if bad_row < 0:
-            return
-        rows, grads = self._pending[0].rows, self._pending[0].grads
-        at = int(torch.searchsorted(rows, bad_row))
-        what = (
-            "non-finite gradient"
-            if not bool(torch.isfinite(grads[at]).all())
-            else f"new value that {self.config.stored_precision} cannot store (out of range)"
-        )
-        raise EmbeddingUpdateError(
-            f"table '{self.config.name}': {what} for row {bad_row}; nothing was changed"
-        )
-
-    def _commit_args(self) -> tuple:
-        """Per-table arguments of the commit op after the state tensors and prepared values."""
-        cfg = self.config
-        return (
-            cfg.bits,
-            cfg.qparams_fp16,
-            cfg.rounding == "stochastic",
-            self._lfu,
-            cfg.seed,
-            self.step_count + 1,
-            cfg.table_id,
-            cfg.num_sets,
-            cfg.ways,
-        )
-
-    def _state_tensors(self) -> tuple:
-        """(weights, cache_tags, cache_rows, cache_priority, cache_set_floor, counts,
-        optimizer_state): the mutable arguments of the update ops."""
-        b = self._buffers  # read directly: nn.Module.__getattr__ is slow on a per-step path
-        return (
-            b["weights"],
-            b["cache_tags"],
-            b["cache_rows"],
-            b["cache_priority"],
-            b["cache_set_floor"],
-            b["counts"],
-            b["optimizer_state"],
-        )
-
-    def _commit_step(self, prepared: tuple) -> None:
-        counts = _ops.update_commit(*self._state_tensors(), *prepared, *self._commit_args())
-        c = self._counters
-        c[_COUNTER["steps"]] += 1
-        c[_COUNTER["unique_rows"]] += prepared[0].numel()
-        c[_COUNTER["unique_hits"] : _COUNTER["bypasses"] + 1] += counts
-        self._finish_step()
-
-    def _bump_cache_version(self) -> None:
-        # A plain int: object.__setattr__ skips nn.Module.__setattr__'s checks, which cost
-        # microseconds per call on this per-step path.
-        object.__setattr__(self, "_cache_version", self._cache_version + 1)
-
-    def _finish_step(self) -> None:
-        """After an applied update (counted): the cache may have changed, the gradient is used."""
-        self._bump_cache_version()
-        self._pending.clear()
+    def check_step(self) -> None:
+        """A dry run of :meth:`step`: raises the error it would raise, changes nothing (the
+        gradient stays pending)."""
+        self.group.update(False, self)
 
     def flush(self) -> int:
         """Round every cached row down into the table and empty the cache.
 
         Afterwards ``weights`` alone holds every row. Returns the number of rows written.
         """
-        cfg = self.config
-        bits, qfp16 = self._format_args()
-        n = _ops.cache_flush(
-            self.weights,
-            self.cache_tags,
-            self.cache_rows,
-            self.cache_priority,
-            self.cache_set_floor,
-            bits,
-            qfp16,
-            cfg.rounding == "stochastic",
-            cfg.seed,
-            self.step_count,
-            cfg.table_id,
-        )
-        self.cache_rows.zero_()
-        self._bump_cache_version()
-        self._counters[_COUNTER["flushed"]] += n
-        return n
+        return self.group.flush(self)[0]
 
     def copy_rows_from(
         self,
@@ -550,18 +354,18 @@ class CachedLowPrecisionEmbedding(nn.Module):
             else:
                 self.weights[into:end] = source.weights[start:stop]
             state = self.optimizer_state[into * width : end * width]
-            counts = self.counts[into:end] if self._lfu else None
+            counts = self.counts[into:end] if mine.keeps_counts else None
             if initial:
                 state.zero_()
             else:
                 state.copy_(source.optimizer_state[start * width : stop * width])
-            if counts is not None and source._lfu and not initial:
+            if counts is not None and theirs.keeps_counts and not initial:
                 counts.copy_(source.counts[start:stop])
             elif counts is not None:
                 counts.zero_()
-        self._counters[_COUNTER["steps"]] = source.step_count
-        self._pending.clear()
-        self._bump_cache_version()
+        self.counters[_STEPS] = source.step_count
+        self.group.zero_grad(self)
+        self.group.cache_changed()
 
     @classmethod
     def from_state(cls, state: Mapping[str, object]) -> CachedLowPrecisionEmbedding:
@@ -580,8 +384,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def current_weight(self) -> torch.Tensor:
         """The FP32 value of every row as a forward pass sees it (cache over table)."""
-        bits, qfp16 = self._format_args()
-        out = _ops.dequantize_rows(self.weights, bits, self.config.embedding_dim, qfp16)
+        cfg = self.config
+        out = _ops.dequantize_rows(self.weights, cfg.bits, cfg.embedding_dim, cfg.qparams_fp16)
         resident = self.cache_tags >= 0
         out[self.cache_tags[resident].long()] = self.cache_rows[resident]
         return out
@@ -591,35 +395,20 @@ class CachedLowPrecisionEmbedding(nn.Module):
         ``hit_rate``: a hit is a training-forward lookup that finds its row cached) and per
         unique updated row (``unique_hits``/``unique_misses``, ``insertions``, ``evictions``,
         ``bypasses``), ``steps`` applied and rows ``flushed``."""
-        s = dict(zip(_STAT_NAMES, self._counters.tolist()))
+        s = dict(zip(COUNTERS, self.counters.tolist()))
         s["misses"] = s["lookups"] - s["hits"]
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
         return s
 
     def memory_bytes(self) -> dict:
-        """Bytes of the module's state by component; ``total`` is their sum and equals the
-        bytes of all its tensors."""
-        cfg = self.config
-        rows = cfg.num_embeddings
-        return _with_total(
-            {
-                "table_payload": rows * cfg.payload_bytes,
-                "table_qparams": rows * cfg.qparam_bytes,
-                "cache_rows": self.cache_rows.nbytes,
-                "cache_tags": self.cache_tags.nbytes,
-                "cache_priority": self.cache_priority.nbytes,
-                "cache_set_floor": self.cache_set_floor.nbytes,
-                "lfu_counts": self.counts.nbytes,
-                "optimizer_state": self.optimizer_state.nbytes,
-            }
-        )
+        """Bytes of the module's state by component (:func:`embcache.memory_breakdown`);
+        ``total`` is their sum and equals the bytes of all its tensors."""
+        return memory_breakdown(self.config)
 
     def compression_factor(self) -> float:
         """Bytes of this module over those of the FP32 table with the same optimizer state
-        (the paper's Appendix A), from the tensors really allocated."""
-        mem = self.memory_bytes()
-        fp32 = self.config.num_embeddings * self.config.embedding_dim * 4
-        return mem["total"] / (fp32 + mem["optimizer_state"])
+        (the paper's Appendix A)."""
+        return compression_factor(self.config)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -630,7 +419,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         )
 
     def get_extra_state(self) -> dict:
-        stats = dict(zip(_STAT_NAMES, self._counters.tolist()))
+        stats = dict(zip(COUNTERS, self.counters.tolist()))
         return {"config": self.config.to_dict(), "step_count": self.step_count, "stats": stats}
 
     def _check_extra_state(self, state) -> None:
@@ -646,13 +435,13 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 f"table '{name}': checkpoint was saved with another configuration "
                 f"(field: (saved, current)) {diff}"
             )
-        if not set(_STAT_NAMES) - {"steps"} <= set(state["stats"]):
+        if not set(COUNTERS) - {"steps"} <= set(state["stats"]):
             raise ValueError(f"table '{name}': the saved statistics are not a table's")
 
     def set_extra_state(self, state: dict) -> None:
         self._check_extra_state(state)
         stats = {**state["stats"], "steps": int(state["step_count"])}
-        self._counters.copy_(torch.tensor([stats[name] for name in _STAT_NAMES]))
+        self.counters.copy_(torch.tensor([stats[name] for name in COUNTERS]))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, all or nothing: the whole state is checked first
@@ -671,7 +460,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:  # the cache may have been replaced: forget forward slots and set floors
-            self._bump_cache_version()
+            self.group.cache_changed()
             self.cache_set_floor.fill_(_NO_FLOOR)
 
 
@@ -754,44 +543,3 @@ def _weight_blocks(weight: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     """``weight``'s rows as FP32 (first row, rows) blocks of at most 2^16 rows."""
     for start in range(0, weight.shape[0], _INIT_CHUNK_ROWS):
         yield start, weight[start : start + _INIT_CHUNK_ROWS].detach().float().contiguous()
-
-
-def _with_total(parts: dict) -> dict:
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-class _PooledLookup(torch.autograd.Function):
-    """Forward through the C++ lookup; backward hands the deduplicated per-row gradient to
-    the module (for :meth:`CachedLowPrecisionEmbedding.step`) and returns the gradient of
-    the per-sample weights, if they require one."""
-
-    @staticmethod
-    def forward(ctx, module, indices, offsets, psw32, anchor, psw_in):
-        out, hits = module._lookup(indices, offsets, psw32)
-        if module.training:
-            module._counters[_COUNTER["hits"]] += hits
-        ctx.module = module
-        ctx.save_for_backward(indices, offsets, psw32 if psw32 is not None else torch.empty(0))
-        ctx.has_psw = psw32 is not None
-        ctx.psw_dtype = psw_in.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        indices, offsets, psw = ctx.saved_tensors
-        psw = psw if ctx.has_psw else None
-        module = ctx.module
-        grad_output = grad_output.float().contiguous()
-        if ctx.needs_input_grad[4]:
-            module._store_gradient(indices, offsets, psw, grad_output)
-        grad_psw = None
-        if ctx.has_psw and ctx.needs_input_grad[5]:
-            # d out[b] / d w_l = value of lookup l: fetch each lookup as its own bag.
-            single = torch.arange(indices.numel() + 1, dtype=torch.int64, device=indices.device)
-            values, _ = module._lookup(indices, single, None)
-            bag = torch.repeat_interleave(
-                torch.arange(offsets.numel() - 1, device=offsets.device), offsets[1:] - offsets[:-1]
-            )
-            grad_psw = (grad_output[bag] * values).sum(dim=1).to(ctx.psw_dtype)
-        return None, None, None, None, None, grad_psw

@@ -1,4 +1,6 @@
-"""The paper's memory compression factor (Appendix A, docs/contract.md §5), from the formula alone."""
+"""The bytes of a table (docs/contract.md §5), from its configuration alone: the one formula
+that a table's ``memory_bytes()``, a collection's, the sharding planner's estimate and the
+compression factor all use."""
 
 from __future__ import annotations
 
@@ -9,9 +11,8 @@ def memory_breakdown(config: TableConfig) -> dict:
     """Bytes by component that a table with this configuration allocates (docs/contract.md §5):
     table payload and qparams, FP32 cache rows, int32 tags and priorities per slot, an int32
     priority floor per set, int32 LFU counts per table row, FP32 optimizer accumulators for
-    every row."""
+    every row; ``total`` is their sum."""
     rows, dim, slots = config.num_embeddings, config.embedding_dim, config.num_slots
-    lfu = config.policy == "lfu" and slots > 0
     parts = {
         "table_payload": rows * config.payload_bytes,
         "table_qparams": rows * config.qparam_bytes,
@@ -19,16 +20,22 @@ def memory_breakdown(config: TableConfig) -> dict:
         "cache_tags": slots * 4,
         "cache_priority": slots * 4,
         "cache_set_floor": config.num_sets * 4,
-        "lfu_counts": rows * 4 if lfu else 0,
+        "lfu_counts": rows * 4 if config.keeps_counts else 0,
         "optimizer_state": rows * config.optimizer_state_width * 4,
     }
     parts["total"] = sum(parts.values())
     return parts
 
 
+def fp32_bytes(config: TableConfig) -> int:
+    """Bytes of the same table stored in FP32 without a cache, with the same optimizer state:
+    the compression factor's denominator."""
+    fp32_rows = config.num_embeddings * config.embedding_dim * 4
+    return fp32_rows + memory_breakdown(config)["optimizer_state"]
+
+
 def compression_factor(config: TableConfig) -> float:
-    """(payload + qparams + cache rows + tags + priorities + set floors + optimizer state) /
-    (FP32 table + the same optimizer state). E.g. dim 128: fp16 0.5, int8 0.2656."""
-    parts = memory_breakdown(config)
-    fp32 = config.num_embeddings * config.embedding_dim * 4
-    return parts["total"] / (fp32 + parts["optimizer_state"])
+    """(payload + qparams + cache rows + tags + priorities + set floors + LFU counts +
+    optimizer state) / (FP32 table + the same optimizer state). E.g. dim 128: fp16 0.5, int8
+    0.2656."""
+    return memory_breakdown(config)["total"] / fp32_bytes(config)

@@ -25,6 +25,7 @@ from test_train import SMALL
 
 from dlrm import run_dir
 from dlrm.cli import main
+from dlrm.monitor import HISTORY
 from embcache.serialization import read_metadata
 
 
@@ -220,4 +221,4 @@ def test_a_second_signal_interrupts_a_checkpoint_write_and_leaves_no_temporary(
     assert _train(out, "--steps", "50", "--checkpoint-every", "2", "--eval-every", "0") == 130
     assert len(saves) == 2 and not saves[1].exists()  # it was written, then removed
     assert run_dir.read_manifest(out / "checkpoint")["step"] == 2
-    assert sorted(p.name for p in out.iterdir()) == [run_dir.LOCK, "checkpoint"]
+    assert sorted(p.name for p in out.iterdir()) == [run_dir.LOCK, "checkpoint", HISTORY]

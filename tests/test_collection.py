@@ -110,23 +110,21 @@ def test_forward_value_bound_is_the_largest_value_read(precision, dim):
         ebc.step()
     assert all(int((t.cache_tags >= 0).sum()) > 0 for t in ebc.tables() if t.cache_tags.numel())
     kjt = _kjt(gen, 64)
-    names, table_of, _ = ebc._layout
-    state = [t._state_tensors() for t in ebc.tables()]
+    names = kjt.keys()  # one feature per table, in table order
+    tables = ebc.tables()
     bounds = torch.ops.embcache.multi_lookup_forward(
-        [s[0] for s in state],
-        [s[1] for s in state],
-        [s[2] for s in state],
+        [x for t in tables for x in t.state_tensors()],
+        torch.stack([t.spec for t in tables]),
         kjt.values(),
         kjt.lengths(),
         None,
-        table_of,
-        *ebc._static_lookup_args,
+        list(range(len(tables))),
         kjt.stride(),
         [],
     )[3]
     for f, name in enumerate(names):
         ids = kjt[name].values()
-        current = ebc.tables()[table_of[f]].current_weight()
+        current = tables[f].current_weight()
         want = current[ids].abs().max() if ids.numel() else torch.tensor(0.0)
         assert bounds[f].item() == want.item(), name
 
@@ -414,7 +412,7 @@ def _state(module):
 def test_table_batched_step_equals_one_table_at_a_time(schedule):
     """The collection's update (which reuses the forward's cache slots and value bound while
     the cache is unchanged, and computes new values where it writes them) leaves the same
-    bytes as its tables trained one by one (slots searched anew, values prepared first), also
+    bytes as its tables trained one by one (slots searched anew, values checked first), also
     when the cache changes between a forward and the step that applies its gradient, and when
     values so close to the format's limit that the bound cannot vouch for them must be checked."""
     options = dict(precision="int8", cache_ratio=0.005, associativity=4, policy="lfu", lr=0.5)
@@ -445,7 +443,7 @@ def test_table_batched_step_equals_one_table_at_a_time(schedule):
     def step(module):
         if module is ours:
             module.step()
-        else:  # the single-table path, which never takes slot hints
+        else:  # each table's own step: its gradient alone, never with slot hints
             for t in module.tables():
                 t.step()
 

@@ -8,12 +8,15 @@ The same kernel source runs on two backends:
 * ``cuda``: the real kernels, ``torch.ops.embcache.*`` on CUDA tensors, where torch has CUDA,
   the extension was built with them and a GPU is present (skipped otherwise).
 
-Multi-step random training (forward, deduplicated backward, two-phase update, evaluation
-forwards, flush, training after the flush) must give bit-identical pooled outputs, hit counts,
-deduplicated gradients, prepared values, slots, table bytes, cache tags and rows, priorities,
-LFU counts, optimizer state and statistics to the CPU ops with the same seed, for every
-precision x rounding x policy x associativity; plus warp-divergence cases (sets with more
-candidates than ways or than 32 lanes, all-duplicate batches, empty bags) and refused inputs.
+Multi-step random training of a table driven as a batch of one, as the modules drive it
+(forward, deduplicated backward, the update's dry run then its commit, evaluation forwards,
+flush, training after the flush) must give bit-identical pooled outputs, hit counts,
+deduplicated gradients, refused rows, table bytes, cache tags and rows, priorities, LFU counts,
+optimizer state and statistics to the CPU ops with the same seed, for every precision x
+rounding x policy x associativity (the CPU update taking the forward's slot hints and value
+bounds, as the modules give them; the kernels find the slots themselves); plus
+warp-divergence cases (sets with more candidates than ways or than 32 lanes, all-duplicate
+batches, empty bags) and refused inputs.
 
 That the kernels compile with nvcc for sm_80 and sm_90 is checked by `make cuda-check` (CI).
 """
@@ -25,22 +28,16 @@ import torch
 
 import embcache  # noqa: F401  (registers torch.ops.embcache)
 from embcache import CachedLowPrecisionEmbedding
+from embcache.config import COUNTERS, STATE_TENSORS
 
 CPU = torch.ops.embcache
-# CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet) and the
-# huge-page advice for host memory.
-NOT_ON_CUDA = {"cache_replay", "advise_huge_pages"}
-STATE = (
-    "weights",
-    "cache_tags",
-    "cache_rows",
-    "cache_priority",
-    "cache_set_floor",
-    "counts",
-    "optimizer_state",
-)
+# CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet), the huge-page
+# advice for host memory and the constants of the table spec.
+NOT_ON_CUDA = {"cache_replay", "advise_huge_pages", "layout"}
+STATE = STATE_TENSORS
 # The set floors are lower bounds that only the CPU commit tightens (a speed hint): not compared.
 COMPARED = tuple(k for k in STATE if k != "cache_set_floor")
+COMMIT_COUNTS = slice(COUNTERS.index("unique_hits"), COUNTERS.index("bypasses") + 1)
 
 
 def _emulator_available() -> bool:
@@ -54,7 +51,7 @@ def _emulator_available() -> bool:
 def _cuda_kernels_available() -> bool:
     if not torch.cuda.is_available():
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key("embcache::lookup_forward", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key("embcache::multi_lookup_forward", "CUDA")
 
 
 class Backend:
@@ -109,21 +106,37 @@ def assert_same(got, want, what: str) -> None:
 
 class Twin:
     """One table's state twice: on the CPU (driven by the CPU ops) and on the backend (driven by
-    the kernels), stepped with the same batches; every output and state compared each step."""
+    the kernels), as a batch of one table, stepped with the same batches; every output, state
+    and counter compared each step."""
 
     def __init__(self, backend: Backend, rows: int, dim: int, seed: int, *, mean=False, **options):
         options.setdefault("min_rows_for_low_precision", 0)
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(rows, dim, generator=gen) * 0.5
         m = CachedLowPrecisionEmbedding(
-            rows, dim, weight=weight, seed=seed * 7919 + 2**33, table_id=seed % 5 + 1, **options
+            rows,
+            dim,
+            weight=weight,
+            seed=seed * 7919 + 2**33,
+            table_id=seed % 5 + 1,
+            mode="mean" if mean else "sum",
+            **options,
         )
-        self.cfg, self.b, self.dim, self.mean = m.config, backend, dim, mean
+        self.cfg, self.specs, self.b, self.dim = m.config, m.spec[None], backend, dim
         self.cpu = {k: getattr(m, k).clone() for k in STATE}
         self.dev = {k: backend.to(v.clone()) for k, v in self.cpu.items()}
-        self.step_count = 0
-        self.totals = torch.zeros(5, dtype=torch.int64)  # unique hits, misses, ins, evict, bypass
-        self.lookup_hits = 0
+        # the statistics, which the ops add to; the update's step is counters[steps] + 1
+        self.cpu_counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
+        self.dev_counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
+
+    @property
+    def totals(self) -> torch.Tensor:
+        """unique hits, unique misses, insertions, evictions, bypasses so far"""
+        return self.cpu_counters[COMMIT_COUNTS]
+
+    @property
+    def lookup_hits(self) -> int:
+        return int(self.cpu_counters[COUNTERS.index("hits")])
 
     def _args(self, state):
         return [state[k] for k in STATE]
@@ -131,107 +144,83 @@ class Twin:
     def compare_state(self, when: str) -> None:
         for k in COMPARED:
             assert_same(self.dev[k], self.cpu[k], f"{when}: {k}")
+        assert_same(self.dev_counters, self.cpu_counters, f"{when}: counters")
 
-    def forward(self, indices, offsets, psw, when):
-        c, b = self.cfg, self.b
-        fmt = (c.bits, c.embedding_dim, c.qparams_fp16, c.num_sets, c.ways, self.mean)
-        want = CPU.lookup_forward(
-            self.cpu["weights"],
-            self.cpu["cache_tags"],
-            self.cpu["cache_rows"],
-            indices,
-            offsets,
-            psw,
-            *fmt,
-        )
-        got = b.ops.lookup_forward(
-            self.dev["weights"],
-            self.dev["cache_tags"],
-            self.dev["cache_rows"],
-            b.to(indices),
-            b.to(offsets),
-            b.to(psw),
-            *fmt,
-        )
-        assert_same(got, want, f"{when}: lookup_forward")
-        self.lookup_hits += int(want[1])
-        return want[0]
+    def forward(self, indices, offsets, psw, when, training=False):
+        """Both forwards, compared (lookups and hits counted apart and compared too); in
+        training the counts join the twin's. Returns the CPU's slots and value bounds."""
+        b = self.b
+        lengths = offsets[1:] - offsets[:-1]
+        counted = []
+        for ops, state, to in ((CPU, self.cpu, lambda t: t), (b.ops, self.dev, b.to)):
+            counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
+            out = ops.multi_lookup_forward(
+                self._args(state),
+                self.specs,
+                to(indices),
+                to(lengths),
+                to(psw),
+                [0],
+                lengths.numel(),
+                [counters],
+            )
+            counted.append((out, counters))
+        (want, want_counts), (got, got_counts) = counted
+        assert_same(got[:2], want[:2], f"{when}: multi_lookup_forward")  # hints: CPU only
+        assert_same(got_counts, want_counts, f"{when}: lookups and hits")
+        if training:
+            self.cpu_counters += want_counts
+            self.dev_counters += got_counts
+        return want[2], want[3]
 
     def train_step(self, indices, offsets, psw, grad_out, when):
-        c, b = self.cfg, self.b
-        self.forward(indices, offsets, psw, when)
-        want = CPU.dedup_backward(indices, offsets, psw, grad_out, self.mean)
-        got = b.ops.dedup_backward(
-            b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out), self.mean
+        b = self.b
+        lookup_slots, bounds = self.forward(indices, offsets, psw, when, training=True)
+        want = CPU.multi_dedup_backward(
+            indices, offsets, psw, grad_out, self.specs, [0], lookup_slots
         )
-        assert_same(got, want, f"{when}: dedup_backward")
-        rows, grads, occ = want
-        stochastic = c.rounding == "stochastic"
-        pargs = (
-            c.bits,
-            c.qparams_fp16,
-            stochastic,
-            c.optimizer_code,
-            c.lr,
-            c.eps,
-            c.num_sets,
-            c.ways,
+        got = b.ops.multi_dedup_backward(
+            b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out), self.specs, [0]
         )
-        want = CPU.update_prepare(
-            self.cpu["weights"],
-            self.cpu["cache_tags"],
-            self.cpu["cache_rows"],
-            self.cpu["optimizer_state"],
-            rows,
-            grads,
-            *pargs,
+        keep = (0, 1, 2, 4)  # all but the slots, which only the CPU forward gives
+        assert_same(
+            [got[k] for k in keep], [want[k] for k in keep], f"{when}: multi_dedup_backward"
         )
-        got = b.ops.update_prepare(
-            self.dev["weights"],
-            self.dev["cache_tags"],
-            self.dev["cache_rows"],
-            self.dev["optimizer_state"],
-            b.to(rows),
-            b.to(grads),
-            *pargs,
-        )
-        assert_same(got, want, f"{when}: update_prepare")
-        fresh, fresh_state, slots, bad = want
-        if bad >= 0:
-            return
-        lfu = c.policy == "lfu" and c.num_slots > 0
-        self.step_count += 1
-        cargs = (
-            c.bits,
-            c.qparams_fp16,
-            stochastic,
-            lfu,
-            c.seed,
-            self.step_count,
-            c.table_id,
-            c.num_sets,
-            c.ways,
-        )
-        prepared = (rows, fresh, fresh_state, slots, occ)
-        want = CPU.update_commit(*self._args(self.cpu), *prepared, *cargs)
-        got = b.ops.update_commit(*self._args(self.dev), *[b.to(t) for t in prepared], *cargs)
-        assert_same(got, want, f"{when}: update_commit statistics")
-        self.totals += want
-        self.compare_state(when)
+        rows, grads, occ, slots, row_starts = want
+        row_starts = row_starts.tolist()
+        for commit in (False, True):  # the dry run changes nothing; then both commit
+            want = CPU.multi_update(
+                self._args(self.cpu),
+                self.specs,
+                rows,
+                grads,
+                occ,
+                slots,
+                row_starts,
+                bounds.tolist(),
+                [self.cpu_counters],
+                commit,
+            )
+            got = b.ops.multi_update(
+                self._args(self.dev),
+                self.specs,
+                b.to(rows),
+                b.to(grads),
+                b.to(occ),
+                b.to(torch.empty(0, dtype=torch.int64)),
+                row_starts,
+                [-1.0],
+                [self.dev_counters],
+                commit,
+            )
+            assert got == want, f"{when}: rows refused {got}, CPU {want}"
+            self.compare_state(f"{when}: multi_update(commit={commit})")
+            if want[0] >= 0:
+                return
 
     def flush(self, when):
-        c = self.cfg
-        args = (
-            c.bits,
-            c.qparams_fp16,
-            c.rounding == "stochastic",
-            c.seed,
-            self.step_count,
-            c.table_id,
-        )
-        names = ("weights", "cache_tags", "cache_rows", "cache_priority", "cache_set_floor")
-        want = CPU.cache_flush(*(self.cpu[k] for k in names), *args)
-        got = self.b.ops.cache_flush(*(self.dev[k] for k in names), *args)
+        want = CPU.cache_flush(self._args(self.cpu), self.specs, [self.cpu_counters])
+        got = self.b.ops.cache_flush(self._args(self.dev), self.specs, [self.dev_counters])
         assert got == want, f"{when}: flushed {got} rows, CPU {want}"
         self.compare_state(when)
 
@@ -299,7 +288,7 @@ def test_emulator_schemas_match_cpu_ops():
         for n in torch._C._dispatch_get_all_op_names()
         if n.startswith("embcache::")
     }
-    assert "update_commit" in names
+    assert "multi_update" in names
     for name in sorted(names - NOT_ON_CUDA):
         assert hasattr(torch.ops.embcache_emu, name), f"{name} has no kernel implementation"
         cpu = str(getattr(torch.ops.embcache, name).default._schema)
@@ -422,80 +411,83 @@ def test_no_cache_and_saturated_counts(backend):
 
 
 def test_refused_inputs_change_nothing(backend):
-    """Out-of-range indices, bad offsets and unstorable values are refused, as on the CPU."""
+    """Out-of-range indices, bad bags, unsorted rows and unstorable values are refused, as on
+    the CPU, and change nothing."""
     twin = Twin(backend, 50, 4, 5, associativity=2, cache_ratio=0.2, precision="fp16")
-    b, c = backend, twin.cfg
-    fmt = (c.bits, c.embedding_dim, c.qparams_fp16, c.num_sets, c.ways, False)
+    b = backend
     bad_batches = [
         (torch.tensor([1, 50]), torch.tensor([0, 1, 2])),  # index out of range
         (torch.tensor([1, -1]), torch.tensor([0, 1, 2])),  # negative index
         (torch.tensor([1, 2]), torch.tensor([0, 2, 1])),  # decreasing offsets
         (torch.tensor([1, 2]), torch.tensor([0, 1, 3])),  # beyond len(indices)
     ]
-    refused = r"index -?\d+ out of range|an index is out of range|offsets must start at 0"
+    refused = (
+        r"index -?\d+ out of range|an index is out of range|offsets must start at 0|"
+        r"negative length|lengths sum to|offsets decrease"
+    )
     for idx, off in bad_batches:
-        with pytest.raises(RuntimeError, match=refused):
-            CPU.lookup_forward(
-                twin.cpu["weights"],
-                twin.cpu["cache_tags"],
-                twin.cpu["cache_rows"],
-                idx,
-                off,
-                None,
-                *fmt,
-            )
-        with pytest.raises(RuntimeError, match=refused):
-            b.ops.lookup_forward(
-                twin.dev["weights"],
-                twin.dev["cache_tags"],
-                twin.dev["cache_rows"],
-                b.to(idx),
-                b.to(off),
-                None,
-                *fmt,
-            )
+        lengths = off[1:] - off[:-1]
+        for ops, state, to in ((CPU, twin.cpu, lambda t: t), (b.ops, twin.dev, b.to)):
+            with pytest.raises(RuntimeError, match=refused):
+                ops.multi_lookup_forward(
+                    twin._args(state), twin.specs, to(idx), to(lengths), None, [0], 2, []
+                )
         if int(idx.min()) >= 0 and int(idx.max()) < 50:
-            with pytest.raises(RuntimeError, match="offsets must start at 0"):
-                b.ops.dedup_backward(b.to(idx), b.to(off), None, b.to(torch.zeros(2, 4)), False)
-    # a huge gradient: fp16 cannot store the new value; prepare reports the smallest such row
+            with pytest.raises(RuntimeError, match="offsets must start at 0|offsets decrease"):
+                b.ops.multi_dedup_backward(
+                    b.to(idx), b.to(off), None, b.to(torch.zeros(2, 4)), twin.specs, [0]
+                )
+    # a huge gradient: fp16 cannot store the new value; the update reports the smallest such row
     rows = torch.tensor([3, 8, 20])
     grads = torch.tensor([[0.0] * 4, [-1e9] * 4, [1e9] * 4])
-    args = (c.bits, c.qparams_fp16, False, c.optimizer_code, 1.0, c.eps, c.num_sets, c.ways)
-    want = CPU.update_prepare(
-        twin.cpu["weights"],
-        twin.cpu["cache_tags"],
-        twin.cpu["cache_rows"],
-        twin.cpu["optimizer_state"],
-        rows,
-        grads,
-        *args,
-    )
-    got = b.ops.update_prepare(
-        twin.dev["weights"],
-        twin.dev["cache_tags"],
-        twin.dev["cache_rows"],
-        twin.dev["optimizer_state"],
-        b.to(rows),
-        b.to(grads),
-        *args,
-    )
-    assert want[3] == 8
-    assert_same(got, want, "update_prepare with unstorable rows")
-    with pytest.raises(RuntimeError, match="unique rows must be ascending"):
-        b.ops.update_prepare(
-            twin.dev["weights"],
-            twin.dev["cache_tags"],
-            twin.dev["cache_rows"],
-            twin.dev["optimizer_state"],
-            b.to(torch.tensor([8, 3])),
-            b.to(grads[:2]),
-            *args,
+    occ = torch.ones(3, dtype=torch.int64)
+    none = torch.empty(0, dtype=torch.int64)
+    for commit in (False, True):
+        want = CPU.multi_update(
+            twin._args(twin.cpu),
+            twin.specs,
+            rows,
+            grads.flatten(),
+            occ,
+            none,
+            [0, 3],
+            [-1.0],
+            [twin.cpu_counters],
+            commit,
         )
+        got = b.ops.multi_update(
+            twin._args(twin.dev),
+            twin.specs,
+            b.to(rows),
+            b.to(grads.flatten()),
+            b.to(occ),
+            b.to(none),
+            [0, 3],
+            [-1.0],
+            [twin.dev_counters],
+            commit,
+        )
+        assert want == got == [8]
+    for ops, state, to, counters in (
+        (CPU, twin.cpu, lambda t: t, twin.cpu_counters),
+        (b.ops, twin.dev, b.to, twin.dev_counters),
+    ):
+        with pytest.raises(RuntimeError, match="unique rows must be ascending"):
+            ops.multi_update(
+                twin._args(state),
+                twin.specs,
+                to(torch.tensor([8, 3])),
+                to(grads[:2].flatten()),
+                to(occ[:2]),
+                to(none),
+                [0, 2],
+                [-1.0],
+                [counters],
+            )
     twin.compare_state("after refused calls")
 
 
-# Wrong set floors for 5 sets of 4 ways: the number of sets must divide the 20 slots into
-# at most 32 ways (the op is not told the number of ways), in one int32 dimension.
+# Wrong set floors for 5 sets of 4 ways: one int32 floor per set, in one dimension.
 BAD_FLOORS = {
     "6 sets": ((6,), torch.int32),
     "none": ((0,), torch.int32),
@@ -508,7 +500,7 @@ BAD_FLOORS = {
 @pytest.mark.parametrize("floor_shape,floor_dtype", BAD_FLOORS.values(), ids=BAD_FLOORS.keys())
 @pytest.mark.parametrize("ops_name", ["cpu", "emu", "cuda"])
 def test_flush_refuses_a_misshaped_set_floor(ops_name, floor_shape, floor_dtype):
-    """cache_flush checks cache_set_floor (int32, one floor per set) with its other arguments
+    """cache_flush checks cache_set_floor (int32, one floor per set) with the rest of the state
     before it writes anything: a floor of another shape or dtype is refused, the message names
     it, and no tensor changes (a dirty cache: a flush would write rows back)."""
     if ops_name == "cpu":
@@ -528,14 +520,14 @@ def test_flush_refuses_a_misshaped_set_floor(ops_name, floor_shape, floor_dtype)
     c, state = twin.cfg, twin.dev
     assert (c.num_sets, c.num_slots) == (5, 20) and bool((state["cache_tags"] >= 0).any())
     floor = torch.full(floor_shape, -(2**31), dtype=floor_dtype, device=b.device)
-    names = ("weights", "cache_tags", "cache_rows", "cache_priority", "cache_set_floor")
-    tensors = [state[k] for k in names[:-1]] + [floor]
+    tensors = [floor if k == "cache_set_floor" else state[k] for k in STATE]
     before = [bits_of(t).clone() for t in tensors]
-    args = (c.bits, c.qparams_fp16, c.rounding == "stochastic", c.seed, twin.step_count, c.table_id)
+    counters = twin.dev_counters.clone()
     with pytest.raises(RuntimeError, match="cache_set_floor"):
-        b.ops.cache_flush(*tensors, *args)
-    for name, was, t in zip(names, before, tensors):
+        b.ops.cache_flush(tensors, twin.specs, [twin.dev_counters])
+    for name, was, t in zip(STATE, before, tensors):
         assert torch.equal(bits_of(t), was), f"{name} changed"
+    assert torch.equal(twin.dev_counters, counters)
     twin.compare_state("after a refused flush")
 
 
@@ -571,11 +563,21 @@ def test_quantize_dequantize_rows(backend, qparams):
 
 
 def test_table_batched_ops(backend):
-    """multi_* ops (the collection's path) give the CPU's results."""
+    """The ops over several tables, several features per table, give the CPU's results."""
     b = backend
     twins = [
         Twin(b, 90, 4, 20, associativity=4, cache_ratio=0.2, precision="int8"),
-        Twin(b, 60, 6, 21, associativity=1, cache_ratio=0.1, precision="fp16", policy="lfu"),
+        Twin(
+            b,
+            60,
+            6,
+            21,
+            mean=True,
+            associativity=1,
+            cache_ratio=0.1,
+            precision="fp16",
+            policy="lfu",
+        ),
     ]
     gen = torch.Generator().manual_seed(20)
     batch, feature_table = 5, [0, 1, 0]
@@ -587,32 +589,22 @@ def test_table_batched_ops(backend):
             for i in range(3 * batch)
         ]
     )
-    cfgs = [t.cfg for t in twins]
-    per_table = (
-        [c.bits for c in cfgs],
-        [c.embedding_dim for c in cfgs],
-        [int(c.qparams_fp16) for c in cfgs],
-        [c.num_sets for c in cfgs],
-        [c.ways for c in cfgs],
-        [0, 0],
-    )
+    specs = torch.cat([t.specs for t in twins])
 
     def lookup(ops, states, dev, counters):
         return ops.multi_lookup_forward(
-            [s["weights"] for s in states],
-            [s["cache_tags"] for s in states],
-            [s["cache_rows"] for s in states],
+            [x for s in states for x in (s[k] for k in STATE)],
+            specs,
             dev(indices),
             dev(lengths),
             None,
             feature_table,
-            *per_table,
             batch,
             counters,
         )
 
-    want_counters = [torch.zeros(10, dtype=torch.int64) for _ in twins]
-    got_counters = [torch.zeros(10, dtype=torch.int64) for _ in twins]
+    want_counters = [torch.zeros(len(COUNTERS), dtype=torch.int64) for _ in twins]
+    got_counters = [torch.zeros(len(COUNTERS), dtype=torch.int64) for _ in twins]
     want = lookup(CPU, [t.cpu for t in twins], lambda t: t, want_counters)
     got = lookup(b.ops, [t.dev for t in twins], b.to, got_counters)
     assert_same(got[:2], want[:2], "multi_lookup_forward")  # only the CPU op gives slot hints
@@ -620,10 +612,10 @@ def test_table_batched_ops(backend):
     per_feature = lengths.view(3, batch).sum(1).tolist()
     assert [c[0].item() for c in want_counters] == [per_feature[0] + per_feature[2], per_feature[1]]
     assert_same(got_counters, want_counters, "multi_lookup_forward counters")
-    dims = [cfgs[t].embedding_dim for t in feature_table]
+    dims = [twins[t].dim for t in feature_table]
     grad = torch.randn(batch, sum(dims), generator=gen)
-    want = CPU.multi_dedup_backward(indices, offsets, None, grad, dims, [0, 1, 0], batch)
+    want = CPU.multi_dedup_backward(indices, offsets, None, grad, specs, feature_table)
     got = b.ops.multi_dedup_backward(
-        b.to(indices), b.to(offsets), None, b.to(grad), dims, [0, 1, 0], batch
+        b.to(indices), b.to(offsets), None, b.to(grad), specs, feature_table
     )
     assert_same(got, want, "multi_dedup_backward")

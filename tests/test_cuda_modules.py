@@ -10,7 +10,7 @@ import torch
 from embcache import CachedLowPrecisionEmbedding
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or not hasattr(torch.ops.embcache, "lookup_forward"),
+    not torch.cuda.is_available() or not hasattr(torch.ops.embcache, "multi_lookup_forward"),
     reason="needs a CUDA GPU and a CUDA build of the kernels",
 )
 

@@ -293,3 +293,38 @@ def test_deepcopy_and_independent_tables():
     c = copy.deepcopy(m)
     _train(m, torch.Generator().manual_seed(0), 1, 2000)
     assert not torch.equal(m.weights, c.weights)
+
+
+def test_python_mirrors_the_kernels_table_spec():
+    """embcache.config mirrors csrc/include/embcache/table_spec.h, the one definition the C++
+    ops and CUDA kernels compile: formats and their bits, optimizers, the associativity limit,
+    counters, state tensors (the table's buffers, in order) and the fields of a spec."""
+    from embcache import config
+
+    formats, bits, optimizers, counters, state, fields, max_ways = torch.ops.embcache.layout()
+    assert list(zip(formats, bits)) == list(config.PRECISION_BITS.items())
+    assert tuple(optimizers) == config.OPTIMIZERS
+    assert max_ways == config.MAX_ASSOCIATIVITY
+    assert tuple(counters) == config.COUNTERS
+    assert tuple(state) == config.STATE_TENSORS
+    assert tuple(fields) == config.SPEC_FIELDS
+    m = CachedLowPrecisionEmbedding(3000, 4, cache_ratio=0.1, policy="lfu")
+    assert [name for name, _ in m.named_buffers()] == list(config.STATE_TENSORS)
+    assert m.spec.tolist()[config.SPEC_FIELDS.index("num_sets")] == m.config.num_sets
+
+
+@pytest.mark.parametrize(
+    "field,value", [("ways", 3), ("bits", 5), ("optimizer", 3), ("num_sets", 10**6), ("dim", 0)]
+)
+def test_the_ops_refuse_a_bad_spec(field, value):
+    """A caller that bypasses Python (and TableConfig's checks) gets its spec checked in C++,
+    before anything is read or written."""
+    from embcache.config import SPEC_FIELDS
+
+    m = CachedLowPrecisionEmbedding(3000, 4, cache_ratio=0.1)
+    spec = m.spec.clone()
+    spec[SPEC_FIELDS.index(field)] = value
+    before = _state(m)
+    with pytest.raises(RuntimeError, match=f"table 0: spec field {field} is out of range"):
+        torch.ops.embcache.cache_flush(list(m.state_tensors()), spec[None], [m.counters.clone()])
+    _assert_same_state(before, _state(m))

@@ -627,7 +627,7 @@ _SIMD_LEVELS = {1: "SSE4.1", 2: "AVX2", 3: "AVX-512F with VBMI2"}
 
 def _widest_simd_path() -> int | None:
     """The path the CPU code takes with no EMBCACHE_SIMD cap, as csrc/include/embcache/
-    rowquant.h picks it (simd_cap, has_avx2, has_fast_avx512): 3 with AVX-512F and
+    random_stream.h picks it (simd_cap, has_avx2, has_fast_avx512): 3 with AVX-512F and
     AVX512-VBMI2, 2 with AVX2, 1 otherwise on x86-64 (setup.py builds with SSE4.2); 0 on
     other machines (portable loops only); None if the CPU's flags cannot be read."""
     import platform

@@ -147,7 +147,7 @@ def test_sharded_training_equals_one_process(build):
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() or not hasattr(torch.ops.embcache, "lookup_forward"),
+    not torch.cuda.is_available() or not hasattr(torch.ops.embcache, "multi_lookup_forward"),
     reason="needs a CUDA GPU and a CUDA build of the kernels",
 )
 def test_sharded_training_on_cuda_equals_one_process_on_the_cpu():

@@ -1,0 +1,77 @@
+// The torch.ops.embcache library of `embcache._C`: the table ops' schemas (csrc/op_schemas.h;
+// each csrc/cpu/*.cpp registers its CPU kernels, csrc/cuda/binding.cpp the CUDA ones), the
+// constants of the table spec for Python to compare with its own, and the huge-page advice
+// for host memory.
+#include <Python.h>
+
+#include <torch/library.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../op_schemas.h"
+#include "embcache/table_spec.h"
+
+namespace embcache {
+namespace {
+
+template <size_t N>
+std::vector<std::string> names(const char* const (&list)[N]) {
+  return std::vector<std::string>(list, list + N);
+}
+
+/// csrc/include/embcache/table_spec.h's lists, which embcache/config.py mirrors: (format
+/// names, their bits, optimizer names, counter names, state tensor names, spec field names,
+/// the most ways a set may have).
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<std::string>,
+           std::vector<std::string>, std::vector<std::string>, std::vector<std::string>, int64_t>
+layout() {
+  return {names(kFormatNames),
+          std::vector<int64_t>(std::begin(kFormatBits), std::end(kFormatBits)),
+          names(kOptimizerNames),
+          names(kCounterNames),
+          names(kStateTensorNames),
+          names(kSpecFieldNames),
+          kMaxWays};
+}
+
+/// Asks Linux to back the tensor's whole 2 MiB pages with transparent huge pages. Random
+/// rows of a table of hundreds of MB otherwise miss the TLB on nearly every access, and
+/// each miss adds a page walk to the lookup's memory access. Only pages not yet touched
+/// are affected, so call it on a fresh torch.empty. Returns whether the kernel took the
+/// advice (false off Linux, with THP disabled, or for a tensor smaller than a huge page).
+bool advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(),
+              "embcache: advise_huge_pages needs a contiguous CPU tensor");
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (uintptr_t)t.data_ptr(), end = begin + t.nbytes();
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
+  return last > first && madvise((void*)first, last - first, MADV_HUGEPAGE) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(embcache, m) {
+  define_cache_ops(m);
+  m.def("layout() -> (str[], int[], str[], str[], str[], str[], int)", &layout);
+  m.def("advise_huge_pages(Tensor t) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(embcache, CPU, m) { m.impl("advise_huge_pages", &advise_huge_pages); }
+
+}  // namespace embcache
+
+// Importing `embcache._C` loads this library, which registers the ops.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

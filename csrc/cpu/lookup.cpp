@@ -1,0 +1,328 @@
+// The forward (docs/contract.md §4.3 step 1): every feature's bags pooled from its table, each
+// lookup's row read from its cache slot if it is resident, else dequantized from the table.
+#include <mutex>
+#include <type_traits>
+
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+namespace embcache {
+namespace cpu {
+namespace {
+
+/// The largest |x| of the values added (0 if none; a NaN is passed over), four lanes at a
+/// time where SSE is there.
+class MaxAbs {
+ public:
+  void add(float x) {
+    const float a = std::fabs(x);
+    m_ = a > m_ ? a : m_;
+  }
+#if defined(EMBCACHE_SSE)
+  /// max(|x|, m) lane by lane. maxps(a, m) is a where a > m, else m: a NaN lane of x keeps
+  /// m, as add() does.
+  static __m128 max_abs4(__m128 x, __m128 m) {
+    return _mm_max_ps(_mm_andnot_ps(_mm_set1_ps(-0.f), x), m);
+  }
+  /// Adds four values known to be >= 0 (or NaN, passed over).
+  void add_max4(__m128 m) { m4_ = _mm_max_ps(m, m4_); }
+  float value() const {
+    float lanes[4];
+    _mm_storeu_ps(lanes, m4_);
+    float m = m_;
+    for (float a : lanes) m = a > m ? a : m;
+    return m;
+  }
+#else
+  float value() const { return m_; }
+#endif
+
+ private:
+  float m_ = 0.f;
+#if defined(EMBCACHE_SSE)
+  __m128 m4_ = _mm_setzero_ps();
+#endif
+};
+
+/// The values of a float32 row (a cache row, or a row of an fp32 table).
+struct F32Values {
+  const uint8_t* p;
+  float at(int j) const { return load_f32(p + 4 * j); }
+#if defined(EMBCACHE_SSE)
+  __m128 at4(int j) const { return _mm_loadu_ps((const float*)(p + 4 * j)); }
+#endif
+};
+
+/// The values of an int8 row, code * scale + bias: a multiply and an add, as dequantize_row.
+struct Int8Values {
+  const uint8_t* p;
+  float scale, bias;
+  float at(int j) const { return (float)p[j] * scale + bias; }
+#if defined(EMBCACHE_SSE)
+  __m128 at4(int j) const {
+    int32_t codes;
+    memcpy(&codes, p + j, 4);
+    const __m128 x = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(codes)));
+    return _mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(scale)), _mm_set1_ps(bias));
+  }
+#endif
+};
+
+/// add_values with `first` known at compile time.
+template <bool kFirst, typename Values>
+EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* acc,
+                                     MaxAbs& max_abs) {
+  int j = 0;
+#if defined(EMBCACHE_SSE)
+  const __m128 s4 = _mm_set1_ps(s);
+  __m128 row_max = _mm_setzero_ps();  // the running max waits on one op per row, not four
+  for (; j + 4 <= dim; j += 4) {
+    const __m128 x = v.at4(j);
+    row_max = MaxAbs::max_abs4(x, row_max);
+    const __m128 a = kFirst ? _mm_setzero_ps() : _mm_loadu_ps(acc + j);
+    _mm_storeu_ps(acc + j, _mm_add_ps(a, _mm_mul_ps(s4, x)));
+  }
+  max_abs.add_max4(row_max);
+#endif
+  for (; j < dim; ++j) {
+    const float x = v.at(j);
+    max_abs.add(x);
+    acc[j] = (kFirst ? 0.f : acc[j]) + s * x;
+  }
+}
+
+/// acc[j] = (first ? 0 : acc[j]) + w * v.at(j) for j < dim (w == nullptr: + v.at(j)), each
+/// value also added to max_abs. The first term is added to +0.f, as a sum from zero would be
+/// (it turns -0.f into +0.f). acc may be a cold output row: the first term does not read it
+/// (a load that misses would stall the loop, where a store does not), and later terms read
+/// it in the 16-byte pieces that were written, so that the store buffer serves them. Four
+/// lanes at a time where SSE is there (the same roundings as the scalar loop).
+template <typename Values>
+EMBCACHE_ALWAYS_INLINE void add_values(int dim, const Values& v, const float* w, bool first,
+                                       float* acc, MaxAbs& max_abs) {
+  const float s = w ? *w : 1.f;  // s * x == x exactly for s == 1
+  if (first)
+    add_term<true>(dim, v, s, acc, max_abs);
+  else
+    add_term<false>(dim, v, s, acc, max_abs);
+}
+
+/// Calls fn(values_of) once, with values_of(row) the Values of a stored row computed as
+/// dequantize_row computes them: fp32 and int8 rows straight from the table, other formats
+/// through `buf` (dim floats). The format's branch is taken here, outside fn's loops.
+template <typename Fn>
+inline void with_stored_values(const RowFormat& f, float* buf, const Fn& fn) {
+  if (f.bits == 32) {
+    fn([](const uint8_t* row) { return F32Values{row}; });
+  } else if (f.bits == 8) {
+    fn([f](const uint8_t* row) {
+      Int8Values v{row, 0.f, 0.f};
+      load_qparams(f, row, &v.scale, &v.bias);
+      return v;
+    });
+  } else {
+    fn([f, buf](const uint8_t* row) {
+      dequantize_row(f, row, buf);
+      return F32Values{(const uint8_t*)buf};
+    });
+  }
+}
+
+/// lookup_core's pooling pass over bags [b0, b1); returns the number of cached lookups.
+/// Instantiated for rows of kDim floats (0: `dim`, known at run time only; 16 is DLRM's
+/// Criteo dim) and for chunks whose every bag has one lookup (Criteo's features), so that the
+/// loop over lookups is short: with its rows prefetched, it is bound by its instruction count
+/// as much as by memory, so a runtime dim or per-bag bookkeeping shows in its time.
+template <int64_t kDim, bool kOneLookupPerBag, typename StoredValues>
+int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const Cache& cache,
+                  const uint8_t* w, int64_t row_bytes, const int32_t* slot, bool mean, float* out,
+                  int64_t out_stride, const StoredValues& stored_values, MaxAbs& max_abs) {
+  if (kDim) dim = kDim;
+  const int64_t* idx = bags.idx;
+  const int64_t* off = bags.off;
+  const float* psw = bags.psw;
+  const float* cache_rows = cache.rows;
+  const int64_t end = off[b1];
+  auto prefetch_value = [&](int64_t l) {
+    cache.prefetch_value(slot[l], dim, w + idx[l] * row_bytes, row_bytes);
+  };
+  for (int64_t l = off[b0]; l < std::min(end, off[b0] + kPrefetch); ++l) prefetch_value(l);
+  int64_t hits = 0;
+  auto add_lookup = [&](int64_t l, bool first, float* acc) {
+    if (l + kPrefetch < end) prefetch_value(l + kPrefetch);
+    const float* weight = psw ? psw + l : nullptr;
+    if (slot[l] >= 0) {
+      const uint8_t* v = (const uint8_t*)(cache_rows + slot[l] * dim);
+      add_values(dim, F32Values{v}, weight, first, acc, max_abs);
+      ++hits;
+    } else {
+      add_values(dim, stored_values(w + idx[l] * row_bytes), weight, first, acc, max_abs);
+    }
+  };
+  if (kOneLookupPerBag) {  // and the mean of one term is the term
+    for (int64_t b = b0, l = off[b0]; b < b1; ++b, ++l) add_lookup(l, true, out + b * out_stride);
+    return hits;
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    float* acc = out + b * out_stride;
+    const int64_t l0 = off[b], l1 = off[b + 1];
+    if (l0 == l1) std::fill_n(acc, dim, 0.f);
+    for (int64_t l = l0; l < l1; ++l) add_lookup(l, l == l0, acc);
+    if (mean && l1 > l0)
+      for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)(l1 - l0);
+  }
+  return hits;
+}
+
+/// Pooled lookups (docs/contract.md §4 step 1) into out[b * out_stride + j], the slot of every
+/// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l, and the largest
+/// |value| the lookups read into *max_abs (0 if none); returns the number of lookups that
+/// found their row cached. Throws before writing if an index is out of range.
+int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, int64_t num_rows,
+                    const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot,
+                    float* max_abs) {
+  const int64_t dim = f.dim;
+  const int64_t* first_idx = bags.idx + bags.first();
+  const int64_t n = bags.end() - bags.first();
+  const int64_t bad =
+      first_where(n, [&](int64_t l) { return (uint64_t)first_idx[l] >= (uint64_t)num_rows; });
+  TORCH_CHECK(bad == n, "embcache: index ", bad < n ? first_idx[bad] : 0, " out of range [0, ",
+              num_rows, ")");
+  // Random rows are memory-latency bound, so a chunk of bags goes in two passes that keep
+  // kPrefetch misses in flight: find every lookup's slot (prefetching the tags ahead), then
+  // pool (prefetching ahead the cache row or the table row, whichever holds the value).
+  const int64_t* idx = bags.idx;
+  const int64_t* off = bags.off;
+  for (int64_t l = bags.first(); l < bags.end(); ++l) slot[l] = (int32_t)cache.set_of(idx[l]);
+  std::atomic<int64_t> hits{0};
+  std::mutex max_abs_mutex;
+  *max_abs = 0.f;
+  at::parallel_for(0, bags.count, kGrainBags, [&](int64_t b0, int64_t b1) {
+    // slot[l] holds the set of lookup l until its slot is found
+    for (int64_t l = off[b0]; l < off[b1]; ++l) {
+      if (l + kPrefetch < off[b1]) cache.prefetch_set(slot[l + kPrefetch]);
+      slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);
+    }
+    std::vector<float> buf(dim);
+    MaxAbs chunk_max;
+    int64_t local_hits = 0;
+    const bool one_lookup_per_bag = off[b1] - off[b0] == b1 - b0;
+    with_stored_values(f, buf.data(), [&](const auto& stored_values) {
+      auto pool = [&](auto k_dim, auto k_one) {
+        local_hits = pool_bags<decltype(k_dim)::value, decltype(k_one)::value>(
+            bags, b0, b1, dim, cache, w, f.row_bytes(), slot, mean, out, out_stride,
+            stored_values, chunk_max);
+      };
+      auto pool_dim = [&](auto k_dim) {
+        one_lookup_per_bag ? pool(k_dim, std::true_type()) : pool(k_dim, std::false_type());
+      };
+      dim == 16 ? pool_dim(std::integral_constant<int64_t, 16>())
+                : pool_dim(std::integral_constant<int64_t, 0>());
+    });
+    hits += local_hits;
+    const float m = chunk_max.value();
+    std::lock_guard<std::mutex> lock(max_abs_mutex);
+    *max_abs = std::max(*max_abs, m);
+  });
+  return hits.load();
+}
+
+/// The bags of nf features of `batch` bags each, given by their lengths: where each feature's
+/// lookups start (first(f); first(nf) = total), checked (no length is negative, they sum to
+/// `total`), and the int64 offsets with the end appended. The offsets where features begin
+/// are written here; fill(f) writes the rest of feature f's, so that the thread about to
+/// read them writes them, in parallel, and no serial pass over every bag precedes the lookups.
+class FeatureOffsets {
+ public:
+  FeatureOffsets(const at::Tensor& lengths, int64_t nf, int64_t batch, int64_t total)
+      : lengths_(lengths.contiguous()), batch_(batch), first_(nf + 1, 0) {
+    TORCH_CHECK(lengths.dim() == 1 && lengths.device().is_cpu() &&
+                    (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
+                "embcache: lengths must be a 1-D int32 or int64 CPU tensor");
+    TORCH_CHECK(batch >= 0 && lengths.numel() == nf * batch,
+                "embcache: lengths must have features * batch entries");
+    AT_DISPATCH_INDEX_TYPES(lengths_.scalar_type(), "FeatureOffsets", [&] {
+      const index_t* l = lengths_.data_ptr<index_t>();
+      const int64_t n = nf * batch;
+      const int64_t b = first_where(n, [l](int64_t i) { return l[i] < 0; });
+      TORCH_CHECK(b == n, "embcache: bag ", b, " has negative length ", b < n ? (int64_t)l[b] : 0);
+      for (int64_t f = 0; f < nf; ++f)
+        first_[f + 1] = std::accumulate(l + f * batch, l + (f + 1) * batch, first_[f]);
+    });
+    TORCH_CHECK(first_[nf] == total, "embcache: lengths sum to ", first_[nf],
+                ", not len(indices)=", total);
+    offsets = new_cpu_tensor({nf * batch + 1}, at::kLong);
+    for (int64_t f = 0; f <= nf; ++f) offsets.data_ptr<int64_t>()[f * batch] = first_[f];
+  }
+
+  int64_t first(int64_t f) const { return first_[f]; }
+
+  void fill(int64_t f) const {
+    int64_t* off = offsets.data_ptr<int64_t>() + f * batch_;
+    AT_DISPATCH_INDEX_TYPES(lengths_.scalar_type(), "FeatureOffsets::fill", [&] {
+      const index_t* l = lengths_.data_ptr<index_t>();
+      int64_t o = first_[f];
+      for (int64_t b = 1; b < batch_; ++b) {
+        o += l[f * batch_ + b - 1];
+        off[b] = o;
+      }
+    });
+  }
+
+  at::Tensor offsets;
+
+ private:
+  at::Tensor lengths_;
+  int64_t batch_;
+  std::vector<int64_t> first_;
+};
+
+/// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, the
+/// bags' offsets, every lookup's slot (int32, -1 if not cached), and per feature the largest
+/// |value| its lookups read (float32; multi_update's value bound). Adds each feature's lookups
+/// and hits to its table's counters. Features run in parallel, costliest first.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
+    at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
+    const at::Tensor& lengths, const c10::optional<at::Tensor>& per_sample_weights,
+    at::IntArrayRef feature_table, int64_t batch, at::TensorList counters) {
+  const Tables tables = op_tables(state, specs, counters, true, kCpu);
+  const std::vector<TableSpec>& spec = tables.spec;
+  const int64_t nf = (int64_t)feature_table.size();
+  const std::vector<int64_t> col = feature_columns(feature_table, spec);
+  check_lookups(indices, per_sample_weights, kCpu);
+  const FeatureOffsets bags_of_feature(lengths, nf, batch, indices.numel());  // valid bags
+  const at::Tensor& offsets = bags_of_feature.offsets;
+  at::Tensor out = new_cpu_tensor({batch, col[nf]}, at::kFloat);
+  std::vector<int64_t> hits(nf);
+  at::Tensor slots = new_cpu_tensor({indices.numel()}, at::kInt);
+  at::Tensor max_abs = new_cpu_tensor({nf}, at::kFloat);
+  const Bags all{indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), nf * batch,
+                 per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr};
+  std::vector<int64_t> lookups(nf), cost(nf);
+  for (int64_t f = 0; f < nf; ++f) {
+    lookups[f] = bags_of_feature.first(f + 1) - bags_of_feature.first(f);
+    cost[f] = row_work(lookups[f], spec[feature_table[f]].rows);
+  }
+  for_each_by_cost(cost, [&](int64_t f) {
+    bags_of_feature.fill(f);
+    const int64_t t = feature_table[f];
+    const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
+    const TableState& table = tables.state[t];
+    hits[f] = lookup_core(spec[t].f, table_cache(spec[t], table), table.weights,
+                          spec[t].rows, bags, spec[t].mean, out.data_ptr<float>() + col[f],
+                          col[nf], slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f);
+  });
+  for (int64_t f = 0; f < nf && !tables.counters.empty(); ++f) {
+    tables.counters[feature_table[f]][kLookups] += lookups[f];
+    tables.counters[feature_table[f]][kHits] += hits[f];
+  }
+  return {out, offsets, slots, max_abs};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(embcache, CPU, m) { m.impl("multi_lookup_forward", &multi_lookup_forward); }
+
+}  // namespace cpu
+}  // namespace embcache

@@ -1,0 +1,162 @@
+// What the cache kernels share: warp helpers, error flags, launch geometry and device scratch
+// memory. The kernels are written once for two builds:
+//
+//  * nvcc (csrc/cuda/cache_cuda.cu): real __global__ kernels, CUB sorts and scans;
+//  * host C++ (csrc/emulated/emu_ops.cpp) on csrc/cuda/warp_emulator.h: every thread of a
+//    block a host thread, warp collectives in lockstep, std:: sorts and scans. CI machines
+//    without a GPU run the kernels this way.
+//
+// The including file provides, before including csrc/cuda/cache_kernels.cuh, in namespace
+// embcache::EMBCACHE_GPU_NS: kThreadsPerBlock, grid_for(), dev_alloc/dev_free/dev_zero,
+// copy_to_host, copy_to_device, sort_keys_u64, sort_pairs_u64_i64 (stable),
+// exclusive_sum_i64, and the macro EC_LAUNCH(kernel, grid, block, stream, args...) that
+// launches and checks.
+//
+// Bit-identity with the CPU ops (csrc/cpu) comes from: the same row arithmetic
+// (embcache/rowquant.h; stored rows are written by quantize_row itself, one lane per row), the
+// same order of every floating-point sum (pooling and gradient sums in lookup order, the
+// row-wise AdaGrad sum of squares in element order), no FMA (nvcc --fmad=false,
+// -ffp-contract=off), IEEE division and square root, and sorts that reproduce the CPU's order.
+//
+// Warp-uniform control flow: every loop that contains a collective (ballot, shuffle,
+// __syncwarp) has a trip count that is the same on all 32 lanes of the warp.
+#pragma once
+
+#include <stdint.h>
+
+#include <stdexcept>
+#include <string>
+
+#if !defined(__CUDACC__)
+#include "../warp_emulator.h"
+#endif
+
+#include "../cache_api.h"
+#include "embcache/rowquant.h"
+#include "embcache/table_spec.h"
+
+namespace embcache {
+namespace EMBCACHE_GPU_NS {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Error bits a kernel reports in flags[0]; the host throws after reading them.
+enum ErrorBits : unsigned long long {
+  kBadIndex = 1,        // an index < 0 or >= rows
+  kBadOffsets = 2,      // offsets not starting at 0, decreasing, or not ending at len(indices)
+  kBadUniqueRows = 4,   // unique rows not ascending or out of range
+};
+
+__device__ __forceinline__ unsigned lane_id() { return threadIdx.x & 31u; }
+
+__device__ __forceinline__ int64_t warp_global() {
+  return ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+}
+
+__device__ __forceinline__ int64_t warps_in_grid() {
+  return ((int64_t)gridDim.x * blockDim.x) >> 5;
+}
+
+__device__ __forceinline__ int64_t thread_global() {
+  return (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t threads_in_grid() { return (int64_t)gridDim.x * blockDim.x; }
+
+/// The slot holding `row` (or -1): lane w reads the tag of way w, a ballot finds the match.
+/// Called by all 32 lanes with the same row.
+__device__ __forceinline__ int64_t warp_find_slot(const int32_t* tags, int64_t num_sets,
+                                                  int64_t ways, int64_t row) {
+  if (num_sets == 0) return -1;
+  const int64_t base = set_of_row(row, num_sets) * ways;
+  const unsigned lane = lane_id();
+  const bool match = (int64_t)lane < ways && (int64_t)tags[base + lane] == row;
+  const unsigned m = __ballot_sync(kFullMask, match);
+  return m ? base + (__ffs(m) - 1) : -1;
+}
+
+__device__ __forceinline__ float warp_min(float v) {
+  for (int d = 16; d >= 1; d >>= 1) {
+    const float o = __shfl_xor_sync(kFullMask, v, d);
+    v = o < v ? o : v;
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int d = 16; d >= 1; d >>= 1) {
+    const float o = __shfl_xor_sync(kFullMask, v, d);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
+/// row_is_storable(f, x, stochastic) computed by a warp (same answer: with every value finite, the
+/// minimum and maximum are order-independent up to the sign of a zero, which no check sees).
+__device__ __forceinline__ bool warp_row_is_storable(const RowFormat& f, const float* x,
+                                                     bool stochastic) {
+  const unsigned lane = lane_id();
+  const float fp16_limit = stochastic ? 65504.f : 65519.996f;  // as row_is_storable
+  bool bad = false;
+  float mn = x[0], mx = x[0];
+  for (int j = (int)lane; j < f.dim; j += 32) {
+    const float v = x[j];
+    if (!is_finite(v)) bad = true;
+    if (f.bits == 16 && (v > fp16_limit || v < -fp16_limit)) bad = true;
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+  }
+  if (__any_sync(kFullMask, bad)) return false;
+  mn = warp_min(mn);
+  mx = warp_max(mx);
+  if (f.is_int()) {
+    if (!is_finite(mx - mn)) return false;
+    if (f.qparams_fp16) {
+      const uint16_t bias_h = float_to_half_rn(mn);
+      if ((bias_h & 0x7c00u) == 0x7c00u) return false;
+      const float scale = (mx - half_to_float(bias_h)) / (float)((1 << f.bits) - 1);
+      if ((float_to_half_rn(scale) & 0x7c00u) == 0x7c00u) return false;
+    }
+  }
+  return true;
+}
+
+/// Bag b covers positions [off[b], off[b+1]) of idx (and psw); the bags must tile [lo, hi).
+__device__ __forceinline__ bool bag_is_valid(int64_t start, int64_t end, int64_t b, int64_t nb,
+                                             int64_t lo, int64_t hi) {
+  return lo <= start && start <= end && end <= hi && (b != 0 || start == lo) &&
+         (b != nb - 1 || end == hi);
+}
+
+inline dim3 grid_threads(int64_t n) {
+  return dim3((unsigned)grid_for((n + kThreadsPerBlock - 1) / kThreadsPerBlock));
+}
+inline dim3 grid_warps(int64_t n) { return grid_threads(n * 32); }
+inline dim3 block_dim() { return dim3((unsigned)kThreadsPerBlock); }
+
+/// Device scratch memory, freed on scope exit.
+struct Scratch {
+  Stream stream;
+  void* p = nullptr;
+  Scratch(size_t bytes, Stream s) : stream(s) { p = bytes ? dev_alloc(bytes, s) : nullptr; }
+  ~Scratch() {
+    if (p) dev_free(p, stream);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+inline void fail(const std::string& msg) { throw std::runtime_error("embcache (cuda): " + msg); }
+
+inline void throw_errors(unsigned long long bits) {
+  if (bits & kBadOffsets) fail("offsets must start at 0, not decrease and end at len(indices)");
+  if (bits & kBadIndex) fail("an index is out of range");
+  if (bits & kBadUniqueRows) fail("unique rows must be ascending and in range");
+}
+
+}  // namespace EMBCACHE_GPU_NS
+}  // namespace embcache

@@ -1,0 +1,81 @@
+// Row conversion and write-back kernels: values to stored rows and back (docs/contract.md
+// §2-3), and the flush that rounds every cached row into its table.
+#pragma once
+
+#include "common.cuh"
+
+namespace embcache {
+namespace EMBCACHE_GPU_NS {
+
+/// quantize_rows: one thread per row. flags[0] = min bad row position + 1 (0: none).
+__global__ void quantize_rows_kernel(const float* x, const int64_t* ids, int64_t n, RowFormat f,
+                                     bool stochastic, RoundingStream s, uint8_t* out,
+                                     unsigned long long* first_bad) {
+  for (int64_t r = thread_global(); r < n; r += threads_in_grid()) {
+    const float* xr = x + r * f.dim;
+    if (!row_is_storable(f, xr, stochastic)) {
+      atomicMin(first_bad, (unsigned long long)r);
+      continue;
+    }
+    quantize_row(f, xr, stochastic, s, ids[r], out + r * f.row_bytes());
+  }
+}
+
+/// dequantize_rows: one warp per row, one lane per element.
+__global__ void dequantize_rows_kernel(const uint8_t* w, int64_t n, RowFormat f, float* out) {
+  for (int64_t r = warp_global(); r < n; r += warps_in_grid()) {
+    const uint8_t* row = w + r * f.row_bytes();
+    float scale = 0.f, bias = 0.f;
+    if (f.is_int()) load_qparams(f, row, &scale, &bias);
+    for (int j = (int)lane_id(); j < f.dim; j += 32)
+      out[r * f.dim + j] = dequantize_element(f, row, j, scale, bias);
+  }
+}
+
+/// flush: one thread per slot writes its row back and empties it; counter[0] += rows.
+__global__ void flush_kernel(uint8_t* w, int32_t* tags, const float* cache_rows, int64_t slots,
+                             RowFormat f, bool stochastic, RoundingStream s,
+                             unsigned long long* counter) {
+  for (int64_t i = thread_global(); i < slots; i += threads_in_grid()) {
+    const int32_t tag = tags[i];
+    if (tag < 0) continue;
+    quantize_row(f, cache_rows + i * f.dim, stochastic, s, tag, w + (int64_t)tag * f.row_bytes());
+    tags[i] = -1;
+    atomicAdd(counter, 1ull);
+  }
+}
+
+int64_t quantize_rows(const float* x, const int64_t* ids, int64_t n, RowFormat f,
+                      bool stochastic, RoundingStream s, uint8_t* out, Stream stream) {
+  if (n == 0) return -1;
+  Scratch flag(sizeof(unsigned long long), stream);
+  unsigned long long none = ~0ull;
+  copy_to_device(flag.p, &none, sizeof(none), stream);
+  EC_LAUNCH(quantize_rows_kernel, grid_threads(n), block_dim(), stream, x, ids, n, f,
+            stochastic, s, out, flag.as<unsigned long long>());
+  unsigned long long bad = 0;
+  copy_to_host(&bad, flag.p, sizeof(bad), stream);
+  return bad == ~0ull ? -1 : (int64_t)bad;
+}
+
+void dequantize_rows(const uint8_t* w, int64_t n, RowFormat f, float* out, Stream stream) {
+  if (n == 0) return;
+  EC_LAUNCH(dequantize_rows_kernel, grid_warps(n), block_dim(), stream, w, n, f, out);
+}
+
+int64_t flush_cache(const TableSpec& t, const TableState& state, RoundingStream s,
+                    Stream stream) {
+  const int64_t slots = t.slots();
+  if (slots == 0) return 0;
+  Scratch counter(sizeof(unsigned long long), stream);
+  dev_zero(counter.p, sizeof(unsigned long long), stream);
+  EC_LAUNCH(flush_kernel, grid_threads(slots), block_dim(), stream, state.weights,
+            state.cache_tags, state.cache_rows, slots, t.f, t.stochastic, s,
+            counter.as<unsigned long long>());
+  unsigned long long host = 0;
+  copy_to_host(&host, counter.p, sizeof(host), stream);
+  return (int64_t)host;
+}
+
+}  // namespace EMBCACHE_GPU_NS
+}  // namespace embcache

@@ -1,0 +1,167 @@
+// A table's configuration as the ops receive it, and the constants it is made of: written once
+// for the CPU ops, the CUDA kernels and their torch glue. embcache/config.py mirrors every list
+// here (the `layout` op returns them; tests/test_embedding.py compares the two).
+//
+// Python packs each table's configuration once, when the table is made
+// (TableConfig.spec()): one int64 per field of EMBCACHE_SPEC_FIELDS, in that order, lr and eps
+// as the bits of a float64. The ops take the specs of all their tables as one int64 CPU tensor
+// [tables, kNumSpecFields] and decode each row once (decode_spec), which also checks it for
+// callers that bypass Python. No torch, no STL: the CUDA kernels include this too.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include "embcache/rowquant.h"
+
+namespace embcache {
+
+// Each list is an X-macro, X(enumerator, name): the enum and the names come from one place.
+
+/// The row formats (docs/contract.md §2): name, bits per value.
+#define EMBCACHE_FORMATS(X) X(fp32, 32) X(fp16, 16) X(int8, 8) X(int4, 4) X(int2, 2)
+
+/// The fused optimizers (docs/contract.md §4.5), by their codes 0, 1, 2.
+#define EMBCACHE_OPTIMIZERS(X) X(kSGD, sgd) X(kRowwiseAdagrad, rowwise_adagrad) X(kAdagrad, adagrad)
+
+/// A table's statistics: an int64 CPU tensor of kNumCounters that the ops add to in place.
+#define EMBCACHE_COUNTERS(X)                                                                  \
+  X(kLookups, lookups) X(kHits, hits) X(kSteps, steps) X(kUniqueRows, unique_rows)           \
+  X(kUniqueHits, unique_hits) X(kUniqueMisses, unique_misses) X(kInsertions, insertions)     \
+  X(kEvictions, evictions) X(kBypasses, bypasses) X(kFlushed, flushed)
+
+/// A table's state tensors, in the order the ops take them (kNumStateTensors per table, table
+/// after table, in one Tensor[]); the names are those of the table module's buffers.
+#define EMBCACHE_STATE_TENSORS(X)                                                              \
+  X(kWeights, weights) X(kCacheTags, cache_tags) X(kCacheRows, cache_rows)                    \
+  X(kCachePriority, cache_priority) X(kCacheSetFloor, cache_set_floor) X(kCounts, counts)     \
+  X(kOptimizerState, optimizer_state)
+
+/// The fields of a table's spec:
+///   rows: the table's rows; dim: values per row; bits and qparams_fp16: the row format;
+///   stochastic: 1 for stochastic rounding, 0 for nearest; optimizer: an Optimizer;
+///   lr, eps: the optimizer's float64 values, as their bits; lfu: 1 if the table keeps LFU
+///   counts (an LFU policy and a cache), so its priorities are counts, else update steps;
+///   num_sets, ways: the cache's geometry (num_sets * ways slots; 0 sets: no cache);
+///   seed, table: the key and table number of the rounding stream; mean: 1 to pool bags
+///   by their mean, 0 by their sum.
+#define EMBCACHE_SPEC_FIELDS(X)                                                                \
+  X(kRows, rows) X(kDim, dim) X(kBits, bits) X(kQparamsFp16, qparams_fp16)                    \
+  X(kStochastic, stochastic) X(kOptimizer, optimizer) X(kLr, lr) X(kEps, eps) X(kLfu, lfu)    \
+  X(kNumSets, num_sets) X(kWays, ways) X(kSeed, seed) X(kTable, table) X(kMean, mean)
+
+#define EMBCACHE_ENUMERATOR(e, name) e,
+enum Optimizer : int { EMBCACHE_OPTIMIZERS(EMBCACHE_ENUMERATOR) kNumOptimizers };
+enum Counter : int { EMBCACHE_COUNTERS(EMBCACHE_ENUMERATOR) kNumCounters };
+enum StateTensor : int { EMBCACHE_STATE_TENSORS(EMBCACHE_ENUMERATOR) kNumStateTensors };
+enum SpecField : int { EMBCACHE_SPEC_FIELDS(EMBCACHE_ENUMERATOR) kNumSpecFields };
+#undef EMBCACHE_ENUMERATOR
+
+#define EMBCACHE_NAME(e, name) #name,
+constexpr const char* kOptimizerNames[] = {EMBCACHE_OPTIMIZERS(EMBCACHE_NAME)};
+constexpr const char* kCounterNames[] = {EMBCACHE_COUNTERS(EMBCACHE_NAME)};
+constexpr const char* kStateTensorNames[] = {EMBCACHE_STATE_TENSORS(EMBCACHE_NAME)};
+constexpr const char* kSpecFieldNames[] = {EMBCACHE_SPEC_FIELDS(EMBCACHE_NAME)};
+#undef EMBCACHE_NAME
+#define EMBCACHE_FORMAT_NAME(name, bits) #name,
+#define EMBCACHE_FORMAT_BITS(name, bits) bits,
+constexpr const char* kFormatNames[] = {EMBCACHE_FORMATS(EMBCACHE_FORMAT_NAME)};
+constexpr int64_t kFormatBits[] = {EMBCACHE_FORMATS(EMBCACHE_FORMAT_BITS)};
+#undef EMBCACHE_FORMAT_NAME
+#undef EMBCACHE_FORMAT_BITS
+
+/// The most ways a set may have (embcache.config.MAX_ASSOCIATIVITY): on a GPU one warp holds a
+/// set, one lane per way.
+constexpr int64_t kMaxWays = 32;
+static_assert(kMaxWays <= 32, "a set must fit the lanes of one warp");
+
+/// Whether a set of `ways` ways is allowed: a power of two in [1, kMaxWays].
+EMBCACHE_HD bool is_valid_ways(int64_t ways) {
+  return ways >= 1 && ways <= kMaxWays && (ways & (ways - 1)) == 0;
+}
+
+/// Whether `bits` is the bits of one of EMBCACHE_FORMATS.
+EMBCACHE_HD bool is_format_bits(int64_t bits) {
+#define EMBCACHE_IS_BITS(name, b) bits == b ||
+  return EMBCACHE_FORMATS(EMBCACHE_IS_BITS) false;
+#undef EMBCACHE_IS_BITS
+}
+
+/// FP32 accumulators per row: 0 (SGD), 1 (row-wise AdaGrad), dim (AdaGrad).
+EMBCACHE_HD int64_t optimizer_state_width(int optimizer, int64_t dim) {
+  return optimizer == kSGD ? 0 : optimizer == kRowwiseAdagrad ? 1 : dim;
+}
+
+/// A table's spec, decoded.
+struct TableSpec {
+  int64_t rows;
+  RowFormat f;
+  bool stochastic;
+  int optimizer;
+  double lr, eps;
+  bool lfu;
+  int64_t num_sets, ways;
+  uint64_t seed;
+  uint32_t table;
+  bool mean;
+
+  EMBCACHE_HD int64_t slots() const { return num_sets * ways; }
+  EMBCACHE_HD int64_t state_width() const { return optimizer_state_width(optimizer, f.dim); }
+  /// The rounding stream of update `step` (docs/design.md, "Random stream").
+  EMBCACHE_HD RoundingStream stream(int64_t step) const {
+    return RoundingStream{seed, (uint32_t)step, table};
+  }
+};
+
+/// A table's state tensors' data (device pointers on a GPU).
+struct TableState {
+  uint8_t* weights;
+  int32_t* cache_tags;
+  float* cache_rows;
+  int32_t* cache_priority;
+  int32_t* cache_set_floor;
+  int32_t* counts;
+  float* optimizer_state;
+};
+
+/// Decodes spec `s` (kNumSpecFields int64) into *out. Returns -1, or the first SpecField
+/// whose value is out of its range (then *out is not to be used).
+inline int decode_spec(const int64_t* s, TableSpec* out) {
+  auto flag = [](int64_t v) { return v == 0 || v == 1; };
+  auto real = [](int64_t v) {
+    double d;
+    memcpy(&d, &v, sizeof d);
+    return d;
+  };
+  const int64_t rows = s[kRows], dim = s[kDim], ways = s[kWays], sets = s[kNumSets];
+  if (!(rows > 0 && rows < (int64_t(1) << 31) - 1)) return kRows;  // tags are int32
+  if (!(dim > 0 && dim < (int64_t(1) << 24))) return kDim;
+  if (!is_format_bits(s[kBits])) return kBits;
+  if (!flag(s[kQparamsFp16])) return kQparamsFp16;
+  if (!flag(s[kStochastic])) return kStochastic;
+  if (!(s[kOptimizer] >= 0 && s[kOptimizer] < kNumOptimizers)) return kOptimizer;
+  const double lr = real(s[kLr]), eps = real(s[kEps]);
+  if (!(lr - lr == 0.0)) return kLr;  // finite
+  if (!(eps - eps == 0.0 && eps > 0.0)) return kEps;
+  if (!flag(s[kLfu])) return kLfu;
+  if (!is_valid_ways(ways)) return kWays;
+  if (!(sets >= 0 && sets <= rows && sets * ways <= rows)) return kNumSets;
+  if (!(s[kSeed] >= 0)) return kSeed;
+  if (!(s[kTable] >= 0 && s[kTable] < (int64_t(1) << 32))) return kTable;
+  if (!flag(s[kMean])) return kMean;
+  *out = TableSpec{rows,
+                   RowFormat{(int)s[kBits], (int)dim, s[kQparamsFp16] != 0},
+                   s[kStochastic] != 0,
+                   (int)s[kOptimizer],
+                   lr,
+                   eps,
+                   s[kLfu] != 0,
+                   sets,
+                   ways,
+                   (uint64_t)s[kSeed],
+                   (uint32_t)s[kTable],
+                   s[kMean] != 0};
+  return -1;
+}
+
+}  // namespace embcache

@@ -1,0 +1,270 @@
+// The arguments of the table ops, checked once for both backends (the CPU ops of csrc/cpu and
+// the CUDA glue of csrc/cuda/torch_ops.h): each op decodes its tables' specs
+// (csrc/include/embcache/table_spec.h) and checks their state, its counters and its other
+// tensors here, before it reads or writes anything.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "embcache/table_spec.h"
+
+namespace embcache {
+
+/// The kind of device an op's implementation runs on: the tensors it takes, and its name in
+/// messages.
+struct DeviceKind {
+  bool (*holds)(const at::Tensor&);
+  const char* name;
+
+  /// Checks a tensor argument: of `dtype`, contiguous, on this kind of device.
+  void check(const at::Tensor& t, at::ScalarType dtype, const char* what) const {
+    TORCH_CHECK(t.scalar_type() == dtype, "embcache: ", what, " must be ", dtype, ", got ",
+                t.scalar_type());
+    TORCH_CHECK(t.is_contiguous() && holds(t), "embcache: ", what, " must be a contiguous ", name,
+                " tensor");
+  }
+};
+
+/// Every table's spec, decoded and checked: `specs` is a contiguous int64 CPU tensor
+/// [tables, kNumSpecFields] (the tables' TableConfig.spec(), stacked).
+inline std::vector<TableSpec> decode_specs(const at::Tensor& specs) {
+  TORCH_CHECK(specs.scalar_type() == at::kLong && specs.device().is_cpu() &&
+                  specs.is_contiguous() && specs.dim() == 2 && specs.size(1) == kNumSpecFields,
+              "embcache: specs must be a contiguous int64 CPU tensor [tables, ", kNumSpecFields,
+              "], got ", specs.scalar_type(), " ", specs.sizes(), " on ", specs.device());
+  std::vector<TableSpec> out(specs.size(0));
+  const int64_t* s = specs.data_ptr<int64_t>();
+  for (size_t t = 0; t < out.size(); ++t) {
+    const int64_t* row = s + t * kNumSpecFields;
+    const int bad = decode_spec(row, &out[t]);
+    TORCH_CHECK(bad < 0, "embcache: table ", t, ": spec field ", kSpecFieldNames[bad < 0 ? 0 : bad],
+                " is out of range: ", row[bad < 0 ? 0 : bad]);
+  }
+  return out;
+}
+
+/// The row format of an op's arguments, checked (the ops that convert rows take no spec).
+inline RowFormat row_format(int64_t bits, int64_t dim, bool qparams_fp16) {
+  TORCH_CHECK(is_format_bits(bits), "embcache: unsupported number of bits ", bits);
+  TORCH_CHECK(dim > 0, "embcache: embedding dim must be positive, got ", dim);
+  return RowFormat{(int)bits, (int)dim, qparams_fp16};
+}
+
+/// The state of every table with `specs`, checked: `state` holds kNumStateTensors tensors per
+/// table, table t's tensor i at state[t * kNumStateTensors + i] in EMBCACHE_STATE_TENSORS
+/// order. Each must be contiguous, on the `device` of its table's weights, of its dtype and
+/// shape: weights uint8 [rows, row bytes]; cache_tags and cache_priority int32 [slots];
+/// cache_rows float32 [slots, dim]; cache_set_floor int32 [num_sets]; counts int32 [rows] if
+/// the table keeps LFU counts, else [0]; optimizer_state float32 [rows * state width].
+inline std::vector<TableState> table_states(at::TensorList state,
+                                            const std::vector<TableSpec>& specs,
+                                            const DeviceKind& device) {
+  TORCH_CHECK(state.size() == specs.size() * kNumStateTensors, "embcache: state must hold ",
+              kNumStateTensors, " tensors per table (", specs.size(), " tables), got ",
+              state.size());
+  std::vector<TableState> out;
+  for (size_t t = 0; t < specs.size(); ++t) {
+    const TableSpec& spec = specs[t];
+    const at::Tensor* x = state.data() + t * kNumStateTensors;
+    const at::Device where = x[kWeights].device();
+    auto check = [&](int i, at::ScalarType dtype, at::IntArrayRef shape) {
+      const at::Tensor& v = x[i];
+      TORCH_CHECK(v.scalar_type() == dtype && v.sizes() == shape && v.is_contiguous() &&
+                      device.holds(v) && v.device() == where,
+                  "embcache: table ", t, ": ", kStateTensorNames[i], " must be a contiguous ",
+                  dtype, " ", device.name, " tensor of shape ", shape,
+                  " on the device of weights, got ", v.scalar_type(), " ", v.sizes(), " on ",
+                  v.device());
+    };
+    const int64_t slots = spec.slots();
+    check(kWeights, at::kByte, {spec.rows, spec.f.row_bytes()});
+    check(kCacheTags, at::kInt, {slots});
+    check(kCacheRows, at::kFloat, {slots, spec.f.dim});
+    check(kCachePriority, at::kInt, {slots});
+    check(kCacheSetFloor, at::kInt, {spec.num_sets});
+    check(kCounts, at::kInt, {spec.lfu ? spec.rows : 0});
+    check(kOptimizerState, at::kFloat, {spec.rows * spec.state_width()});
+    out.push_back(TableState{x[kWeights].data_ptr<uint8_t>(), x[kCacheTags].data_ptr<int32_t>(),
+                             x[kCacheRows].data_ptr<float>(), x[kCachePriority].data_ptr<int32_t>(),
+                             x[kCacheSetFloor].data_ptr<int32_t>(), x[kCounts].data_ptr<int32_t>(),
+                             x[kOptimizerState].data_ptr<float>()});
+  }
+  return out;
+}
+
+/// Every table's counters: a contiguous int64 CPU tensor of kNumCounters each; none if the
+/// list is empty and `optional` (an evaluation forward counts nothing).
+inline std::vector<int64_t*> tables_counters(at::TensorList counters, size_t tables,
+                                             bool optional) {
+  TORCH_CHECK(counters.size() == tables || (optional && counters.empty()),
+              "embcache: counters must be one tensor per table", optional ? ", or none" : "");
+  std::vector<int64_t*> out;
+  for (const at::Tensor& c : counters) {
+    TORCH_CHECK(c.scalar_type() == at::kLong && c.device().is_cpu() && c.is_contiguous() &&
+                    c.numel() == kNumCounters,
+                "embcache: counters must be contiguous int64 CPU tensors of ", kNumCounters);
+    out.push_back(c.data_ptr<int64_t>());
+  }
+  return out;
+}
+
+/// An op's tables, checked: their specs decoded, their state (table_states) and their
+/// counters (tables_counters).
+struct Tables {
+  std::vector<TableSpec> spec;
+  std::vector<TableState> state;
+  std::vector<int64_t*> counters;
+};
+
+inline Tables op_tables(at::TensorList state, const at::Tensor& specs, at::TensorList counters,
+                        bool counters_optional, const DeviceKind& device) {
+  Tables t{decode_specs(specs), {}, {}};
+  t.state = table_states(state, t.spec, device);
+  t.counters = tables_counters(counters, t.spec.size(), counters_optional);
+  return t;
+}
+
+/// Counts one applied update of `unique_rows` rows, with its commit's counts of kUniqueHits to
+/// kBypasses, in order.
+inline void count_commit(int64_t* counter, int64_t unique_rows, const int64_t* commit_counts) {
+  counter[kSteps] += 1;
+  counter[kUniqueRows] += unique_rows;
+  for (int i = kUniqueHits; i <= kBypasses; ++i) counter[i] += commit_counts[i - kUniqueHits];
+}
+
+/// A table-batched gradient (multi_dedup_backward's output, multi_update's input), checked:
+/// table t's unique rows are unique_rows[row_starts[t] .. row_starts[t + 1]), with their
+/// occurrences (and slot hints, unless slot_hints is empty) at the same positions, and their
+/// gradients a block of rows x dim floats in the 1-D grads, the blocks in table order.
+/// Each must be on `device`. Returns where each block starts in grads, then grads.numel().
+inline std::vector<int64_t> gradient_blocks(const at::Tensor& unique_rows, const at::Tensor& grads,
+                                            const at::Tensor& occurrences,
+                                            const at::Tensor& slot_hints,
+                                            at::IntArrayRef row_starts,
+                                            const std::vector<TableSpec>& specs,
+                                            const DeviceKind& device) {
+  const size_t nt = specs.size();
+  TORCH_CHECK(row_starts.size() == nt + 1 && row_starts[0] == 0,
+              "embcache: row_starts must hold 0, then where each next table's rows start");
+  std::vector<int64_t> block(nt + 1, 0);
+  for (size_t t = 0; t < nt; ++t) {
+    TORCH_CHECK(row_starts[t + 1] >= row_starts[t], "embcache: row_starts decrease at table ", t);
+    block[t + 1] = block[t] + (row_starts[t + 1] - row_starts[t]) * specs[t].f.dim;
+  }
+  auto check = [&](const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* what) {
+    TORCH_CHECK(x.scalar_type() == dtype && x.dim() == 1 && x.is_contiguous() &&
+                    x.numel() == numel && device.holds(x) && x.device() == unique_rows.device(),
+                "embcache: ", what, " must be a contiguous 1-D ", c10::toString(dtype), " ",
+                device.name, " tensor of ", numel, " values on the device of unique_rows");
+  };
+  check(unique_rows, at::kLong, row_starts[nt], "unique_rows");
+  check(occurrences, at::kLong, row_starts[nt], "occurrences");
+  if (slot_hints.numel() > 0) check(slot_hints, at::kLong, row_starts[nt], "slot_hints");
+  check(grads, at::kFloat, block[nt], "grads");
+  return block;
+}
+
+/// multi_update's tables and gradient, checked: op_tables, one value bound per table, and
+/// where each table's block of gradients starts (gradient_blocks).
+struct UpdateArgs {
+  Tables tables;
+  std::vector<int64_t> block;
+};
+
+inline UpdateArgs update_args(at::TensorList state, const at::Tensor& specs,
+                              const at::Tensor& unique_rows, const at::Tensor& grads,
+                              const at::Tensor& occurrences, const at::Tensor& slot_hints,
+                              at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
+                              at::TensorList counters, const DeviceKind& device) {
+  UpdateArgs a{op_tables(state, specs, counters, false, device), {}};
+  TORCH_CHECK(value_bounds.size() == a.tables.spec.size(), "embcache: one value bound per table");
+  a.block = gradient_blocks(unique_rows, grads, occurrences, slot_hints, row_starts,
+                            a.tables.spec, device);
+  return a;
+}
+
+/// Column offsets of features of these dims in a [batch, sum of dims] output.
+inline std::vector<int64_t> column_offsets(const std::vector<int64_t>& dims) {
+  std::vector<int64_t> col(dims.size() + 1, 0);
+  for (size_t f = 0; f < dims.size(); ++f) col[f + 1] = col[f] + dims[f];
+  return col;
+}
+
+/// Each feature's dim (that of its table), checked: feature_table[f] names one of the tables.
+inline std::vector<int64_t> feature_dims(at::IntArrayRef feature_table,
+                                         const std::vector<TableSpec>& specs) {
+  std::vector<int64_t> dims;
+  for (size_t f = 0; f < feature_table.size(); ++f) {
+    const int64_t t = feature_table[f];
+    TORCH_CHECK(t >= 0 && t < (int64_t)specs.size(), "embcache: feature ", f, " names table ", t,
+                ", not one of the ", specs.size(), " tables");
+    dims.push_back(specs[t].f.dim);
+  }
+  return dims;
+}
+
+/// The column offsets of the features in a [batch, sum of their tables' dims] output.
+inline std::vector<int64_t> feature_columns(at::IntArrayRef feature_table,
+                                            const std::vector<TableSpec>& specs) {
+  return column_offsets(feature_dims(feature_table, specs));
+}
+
+/// multi_dedup_backward's tables and gradient, checked: grad_output is float32 [batch, sum of
+/// the features' dims] on `device`.
+struct DedupArgs {
+  std::vector<TableSpec> spec;
+  std::vector<int64_t> dims;  // of each feature
+  std::vector<int64_t> col;   // column_offsets(dims)
+  int64_t batch;
+};
+
+inline DedupArgs dedup_args(const at::Tensor& grad_output, const at::Tensor& specs,
+                            at::IntArrayRef feature_table, const DeviceKind& device) {
+  DedupArgs a{decode_specs(specs), {}, {}, 0};
+  a.dims = feature_dims(feature_table, a.spec);
+  a.col = column_offsets(a.dims);
+  device.check(grad_output, at::kFloat, "grad_output");
+  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(1) == a.col.back(),
+              "embcache: grad_output must be [batch, sum of the features' dims] = [batch, ",
+              a.col.back(), "], got ", grad_output.sizes());
+  a.batch = grad_output.size(0);
+  return a;
+}
+
+/// Lookups: int64 1-D indices, and optionally one float32 weight per index, on `device`.
+inline void check_lookups(const at::Tensor& indices, const c10::optional<at::Tensor>& psw,
+                          const DeviceKind& device) {
+  device.check(indices, at::kLong, "indices");
+  TORCH_CHECK(indices.dim() == 1, "embcache: indices must be 1-D");
+  if (psw.has_value()) {
+    device.check(*psw, at::kFloat, "per_sample_weights");
+    TORCH_CHECK(psw->numel() == indices.numel(),
+                "embcache: per_sample_weights must have one weight per index");
+  }
+}
+
+/// quantize_rows's arguments, checked: float32 values [rows, dim] and one int64 row id per
+/// row; returns the rows' format.
+inline RowFormat quantize_args(const at::Tensor& values, const at::Tensor& row_ids, int64_t bits,
+                               bool qparams_fp16, const DeviceKind& device) {
+  device.check(values, at::kFloat, "values");
+  device.check(row_ids, at::kLong, "row_ids");
+  TORCH_CHECK(values.dim() == 2 && row_ids.numel() == values.size(0),
+              "embcache: values must be [rows, dim] with one row id per row");
+  return row_format(bits, values.size(1), qparams_fp16);
+}
+
+/// dequantize_rows's arguments, checked: uint8 weights [rows, row bytes]; returns their format.
+inline RowFormat dequantize_args(const at::Tensor& weights, int64_t bits, int64_t dim,
+                                 bool qparams_fp16, const DeviceKind& device) {
+  const RowFormat f = row_format(bits, dim, qparams_fp16);
+  device.check(weights, at::kByte, "weights");
+  TORCH_CHECK(weights.dim() == 2 && weights.size(1) == f.row_bytes(),
+              "embcache: weights must be [rows, ", f.row_bytes(), "] bytes, got ",
+              weights.sizes());
+  return f;
+}
+
+}  // namespace embcache

@@ -1,0 +1,346 @@
+"""The table-batched driver of cached tables (docs/design.md, "The step path"): one C++ call
+per phase (forward, backward, update, flush) for all the tables of a group, and the gradient
+they hold between a backward and the update that applies it.
+
+Every :class:`~embcache.CachedLowPrecisionEmbedding` belongs to exactly one
+:class:`TableGroup`: a table made on its own is a group of one; a
+:class:`~embcache.CachedLowPrecisionEmbeddingBagCollection` makes one group of all its
+tables, which then holds their gradients. A table's own methods (``step``, ``zero_grad``,
+``pending_grads``, ...) act on its part of its group's gradient, so one table and a collection
+of them run the same ops and the same code.
+
+The group reads its tables through their public door: ``spec`` (their packed configuration),
+``counters`` (their statistics, which the ops add to), ``state_tensors()`` and ``config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
+
+_ops = torch.ops.embcache
+_NO_HINT = torch.empty(0, dtype=torch.int64)
+
+
+class EmbeddingUpdateError(ValueError):
+    """A training step the tables refused; the tables, caches and optimizer state are unchanged."""
+
+
+class PendingGradient(NamedTuple):
+    """One table's stored gradient: unique rows (ascending), their summed gradients
+    ``[rows, dim]`` and how often each occurs."""
+
+    rows: torch.Tensor
+    grads: torch.Tensor
+    occurrences: torch.Tensor
+
+
+class _Backward(NamedTuple):
+    """One backward's gradient for every feature as multi_dedup_backward made it: feature f's
+    unique rows are ``rows[row_starts[f]:row_starts[f + 1]]``, with their occurrences and
+    (unless ``slots`` is empty) the cache slots the forward found at the same positions, and
+    their gradients a block of rows x dim values of the 1-D ``grads``, blocks in feature order.
+    Also what the forward saw: each feature's table (its position in the group), the group's
+    cache epoch, and each feature's largest |value| read."""
+
+    feature_tables: list[int]
+    rows: torch.Tensor
+    grads: torch.Tensor
+    occurrences: torch.Tensor
+    slots: torch.Tensor
+    row_starts: list[int]
+    epoch: int
+    bounds: list[float]
+
+
+class TableGroup:
+    """Tables driven together, and their pending gradient.
+
+    The gradient of the latest backward is kept whole, as the C++ backward made it (handing
+    26 tables their parts costs Python time every step); older ones, and any a table's own
+    method asked for, are kept per table. Slot hints and value bounds from the forward go to
+    the update only when it applies one backward of every table and no cache has changed
+    since its forward (the cache epoch: bumped by every commit, flush and
+    :meth:`cache_changed`)."""
+
+    def __init__(self, tables: Sequence) -> None:
+        self.tables = list(tables)
+        self.specs = torch.stack([t.spec for t in self.tables])
+        self._counters = [t.counters for t in self.tables]
+        self._dims = [t.config.embedding_dim for t in self.tables]
+        self._every = list(range(len(self.tables)))
+        self._anchor = torch.empty(0, requires_grad=True)  # makes the outputs require grad
+        self._backward: _Backward | None = None
+        self._parts: list[list[PendingGradient]] = [[] for _ in self.tables]
+        self._epoch = 0
+        for t in self.tables:
+            t.group = self
+
+    def state(self, chosen: list[int] | None = None) -> list[torch.Tensor]:
+        """The state tensors of the tables (all, or those at the positions ``chosen``), in the
+        order the ops take them."""
+        tables = self.tables if chosen is None else [self.tables[i] for i in chosen]
+        return [x for t in tables for x in t.state_tensors()]
+
+    def position(self, table) -> int:
+        """``table``'s position in the group (by identity: a group may be copied or pickled
+        with its tables)."""
+        return next(i for i, t in enumerate(self.tables) if t is table)
+
+    def cache_changed(self) -> None:
+        """Tells the group that a table's cache may have changed outside its ops (a load, a
+        copy of rows): the forward's slot hints are stale."""
+        self._epoch += 1
+
+    # ------------------------------------------------------------------ forward / backward
+
+    def lookup(
+        self,
+        indices: torch.Tensor,
+        lengths: torch.Tensor,
+        psw: torch.Tensor | None,
+        feature_tables: list[int],
+        batch: int,
+        training: bool,
+        psw_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled embeddings ``[batch, sum of the features' dims]``: feature f is bags
+        ``[f * batch, (f + 1) * batch)`` of ``lengths`` over ``indices`` (int64), with
+        per-sample weights ``psw`` (float32) or none, looked up in table
+        ``feature_tables[f]``. In training the tables count lookups and hits, and the backward
+        stores the deduplicated gradient here. ``psw_input`` is the caller's tensor of which
+        ``psw`` is the float32 value: the output's gradient reaches it if it requires one.
+        Raises RuntimeError (from C++) on bad input, having changed nothing."""
+        pooled, offsets, slots, bounds = _ops.multi_lookup_forward(
+            self.state(),
+            self.specs,
+            indices,
+            lengths,
+            psw,
+            feature_tables,
+            batch,
+            self._counters if training else [],
+        )
+        anchor = self._anchor if training else self._anchor.detach()
+        lookup = (self, feature_tables, pooled, indices, offsets, psw, slots, bounds, self._epoch)
+        return _Lookup.apply(anchor, psw_input, lookup)
+
+    def _store(self, backward: _Backward) -> None:
+        """Keeps a backward's gradient; one kept before it goes to the tables' parts first."""
+        self._hand_over()
+        self._backward = backward
+
+    def _hand_over(self) -> None:
+        """Splits the kept backward into the parts of its features' tables."""
+        b = self._backward
+        if b is None:
+            return
+        self._backward = None
+        counts = [e - s for s, e in zip(b.row_starts, b.row_starts[1:])]
+        dims = [self._dims[t] for t in b.feature_tables]
+        rows, occ = b.rows.split(counts), b.occurrences.split(counts)
+        grads = b.grads.split([n * d for n, d in zip(counts, dims)])
+        for f, t in enumerate(b.feature_tables):
+            g = grads[f].view(counts[f], dims[f])
+            self._parts[t].append(PendingGradient(rows[f], g, occ[f]))
+
+    def _merged(self, t: int) -> PendingGradient:
+        """Table t's parts summed per unique row (rows ascending), kept as its one part."""
+        parts = self._parts[t]
+        if len(parts) > 1:
+            rows = torch.cat([p.rows for p in parts])
+            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+            grads = rows.new_zeros(unique.numel(), self._dims[t], dtype=torch.float32)
+            grads.index_add_(0, inverse, torch.cat([p.grads for p in parts]))
+            occ = rows.new_zeros(unique.numel())
+            occ.index_add_(0, inverse, torch.cat([p.occurrences for p in parts]))
+            parts[:] = [PendingGradient(unique, grads, occ)]
+        return parts[0]
+
+    # ------------------------------------------------------------------ the pending gradient
+
+    def pending(self, table) -> list[PendingGradient]:
+        """``table``'s stored gradient, in parts (one per backward not yet applied)."""
+        self._hand_over()
+        return list(self._parts[self.position(table)])
+
+    def pending_grads(self, table=None) -> list[torch.Tensor]:
+        """The stored FP32 gradient tensors of every table, or of ``table`` alone."""
+        if table is not None:
+            return [p.grads for p in self.pending(table)]
+        grads = [p.grads for parts in self._parts for p in parts]
+        return grads if self._backward is None else grads + [self._backward.grads]
+
+    def has_nonfinite_grad(self, table=None) -> bool:
+        return any(not bool(torch.isfinite(g).all()) for g in self.pending_grads(table))
+
+    def unscale_grad_(self, inv_scale: float, table=None) -> None:
+        grads = self.pending_grads(table)
+        if grads:
+            torch._foreach_mul_(grads, inv_scale)  # each tensor as g.mul_(inv_scale) would
+
+    def zero_grad(self, table=None) -> None:
+        """Drops the stored gradient of every table, or of ``table`` alone."""
+        if table is None:
+            self._backward = None
+            for parts in self._parts:
+                parts.clear()
+        else:
+            self._hand_over()
+            self._parts[self.position(table)].clear()
+
+    # ------------------------------------------------------------------ update and flush
+
+    def update(self, commit: bool = True, table=None) -> None:
+        """Applies the stored gradient of every table (or of ``table`` alone) in one
+        multi_update call, all or nothing: if any table refuses its update (non-finite or
+        unstorable values), no table changes and the :class:`EmbeddingUpdateError` names the
+        table and the row. With ``commit=False`` only checks (a dry run: the gradient stays)."""
+        b = self._backward
+        if (
+            table is None
+            and b is not None
+            and b.feature_tables == self._every
+            and b.epoch == self._epoch
+            and not any(self._parts)
+        ):  # the usual step: one backward, the caches as its forward saw them
+            bad = _ops.multi_update(
+                self.state(),
+                self.specs,
+                b.rows,
+                b.grads,
+                b.occurrences,
+                b.slots,
+                b.row_starts,
+                b.bounds,
+                self._counters,
+                commit,
+            )
+            self._finish(self._every, bad, commit)
+            return
+        # Otherwise each table's parts merged, and no slot hints (the update finds the slots).
+        self._hand_over()
+        chosen = self._every if table is None else [self.position(table)]
+        chosen = [t for t in chosen if self._parts[t]]
+        if not chosen:
+            return
+        parts = [self._merged(t) for t in chosen]
+        row_starts = [0]
+        for p in parts:
+            row_starts.append(row_starts[-1] + p.rows.numel())
+        every = chosen == self._every
+        bad = _ops.multi_update(
+            self.state(None if every else chosen),
+            self.specs if every else self.specs[chosen],
+            torch.cat([p.rows for p in parts]),
+            torch.cat([p.grads.flatten() for p in parts]),
+            torch.cat([p.occurrences for p in parts]),
+            _NO_HINT,
+            row_starts,
+            [-1.0] * len(chosen),
+            self._counters if every else [self._counters[t] for t in chosen],
+            commit,
+        )
+        self._finish(chosen, bad, commit)
+
+    def _finish(self, chosen: list[int], bad: list[int], commit: bool) -> None:
+        """After multi_update on the tables ``chosen``: raise for the first that refused
+        (nothing was changed then); else, if it committed, their gradients are used and the
+        caches may have changed."""
+        if max(bad) >= 0:
+            self._hand_over()  # the tables' parts name the row
+            t, row = next((t, row) for t, row in zip(chosen, bad) if row >= 0)
+            p = self._merged(t)
+            at = int(torch.searchsorted(p.rows, row))
+            config = self.tables[t].config
+            what = (
+                "non-finite gradient"
+                if not bool(torch.isfinite(p.grads[at]).all())
+                else f"new value that {config.stored_precision} cannot store (out of range)"
+            )
+            raise EmbeddingUpdateError(
+                f"table '{config.name}': {what} for row {row}; nothing was changed"
+            )
+        if commit:
+            self._backward = None
+            for t in chosen:
+                self._parts[t].clear()
+            self._epoch += 1
+
+    def flush(self, table=None) -> list[int]:
+        """Rounds every cached row of every table (or of ``table`` alone) into its table and
+        empties the caches; returns the rows written per table."""
+        chosen = self._every if table is None else [self.position(table)]
+        every = chosen == self._every
+        written = _ops.cache_flush(
+            self.state(None if every else chosen),
+            self.specs if every else self.specs[chosen],
+            self._counters if every else [self._counters[t] for t in chosen],
+        )
+        self._epoch += 1
+        return written
+
+
+class _Lookup(torch.autograd.Function):
+    """Returns the table-batched forward's output (``pooled``) with this node as its gradient
+    function; backward deduplicates every feature's gradient in one table-batched call and
+    stores it in the group, with each row's cache slot as the forward found it, and returns
+    the gradient of the per-sample weights if they require one. ``lookup`` is what the
+    forward made and saw: (group, feature tables, pooled, ids, offsets, float32 per-sample
+    weights or None, every lookup's slot, each feature's value bound, the cache epoch). The
+    ids and weights may be the caller's tensors, so they are saved (autograd refuses a
+    backward after they change in place); the rest are the forward's own, kept on ``ctx``."""
+
+    @staticmethod
+    def forward(ctx, anchor, psw_input, lookup):
+        (ctx.group, ctx.feature_tables, pooled, indices, ctx.offsets, psw) = lookup[:6]
+        ctx.slots, ctx.bounds, ctx.epoch = lookup[6:]
+        ctx.psw_dtype = None if psw_input is None else psw_input.dtype
+        ctx.save_for_backward(indices, *(() if psw is None else (psw,)))
+        return pooled
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, feature_tables = ctx.group, ctx.feature_tables
+        indices, *psw = ctx.saved_tensors
+        psw = psw[0] if psw else None
+        grad = grad.float().contiguous()
+        if ctx.needs_input_grad[0]:
+            # The CUDA forward gives neither slots nor value bounds.
+            slots = ctx.slots if ctx.slots.numel() else None
+            rows, grads, occ, row_slots, row_starts = _ops.multi_dedup_backward(
+                indices, ctx.offsets, psw, grad, group.specs, feature_tables, slots
+            )
+            bounds = ctx.bounds.tolist() or [-1.0] * len(feature_tables)
+            starts = row_starts.tolist()
+            group._store(
+                _Backward(feature_tables, rows, grads, occ, row_slots, starts, ctx.epoch, bounds)
+            )
+        grad_psw = None
+        if ctx.needs_input_grad[1]:
+            grad_psw = _psw_grad(group, feature_tables, indices, ctx.offsets, grad)
+            grad_psw = grad_psw.to(ctx.psw_dtype)
+        return None, grad_psw, None
+
+
+def _psw_grad(group: TableGroup, feature_tables, indices, offsets, grad) -> torch.Tensor:
+    """d pooled[b, feature f's columns] / d psw[l] for lookup l of bag b: the value the lookup
+    read, which each feature's lookups give when looked up as bags of their own."""
+    batch = grad.shape[0]
+    bags = torch.arange(offsets.numel() - 1, device=offsets.device)
+    sample = torch.repeat_interleave(bags, offsets.diff()) % batch  # of each lookup
+    out, col = [], 0
+    for f, t in enumerate(feature_tables):
+        first, last = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
+        ids = indices[first:last]
+        values = _ops.multi_lookup_forward(
+            group.state(), group.specs, ids, torch.ones_like(ids), None, [t], ids.numel(), []
+        )[0]
+        dim = values.shape[1]
+        out.append((grad[sample[first:last], col : col + dim] * values).sum(dim=1))
+        col += dim
+    return torch.cat(out)

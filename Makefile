@@ -8,7 +8,7 @@ BUILD_STAMP := $(VENV)/.built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 ARGS ?=
 
-.PHONY: install train test lint bench clean cuda-check
+.PHONY: install train test lint bench clean cuda-check gpu-check
 
 install: $(BUILD_STAMP)
 
@@ -52,6 +52,14 @@ cuda-check: $(DEPS_STAMP)
 	$(CXX) -std=c++20 -fsyntax-only csrc/cuda/binding.cpp -Icsrc/include \
 		$$($(PY) -c "from torch.utils.cpp_extension import include_paths as p; import sysconfig; print(' '.join('-I' + d for d in p() + [sysconfig.get_paths()['include']]))") \
 		-I$(CUDA_CHECK)/stub -I$(CUDA_HOME)/include
+
+# The one-call GPU check, on a CUDA machine whose Python has torch (not FBGEMM or TorchRec): it
+# builds the kernels for the GPU present, runs the CUDA tests and compute-sanitizer, and writes
+# logs and gpu_check.json into OUT (bench/gpu_check.py). Without CUDA it says so and exits 0.
+# It uses the machine's own python3 and torch: nothing is installed.
+OUT ?= gpu-check
+gpu-check:
+	python3 bench/gpu_check.py $(OUT)
 
 bench: install
 	$(PY) bench/embedding_step.py $(ARGS)

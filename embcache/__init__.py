@@ -9,7 +9,6 @@ See docs/contract.md §2-5 for the numerics. Public API:
   :func:`memory_breakdown` and :func:`fp32_bytes`, its numerator's parts and its denominator.
 """
 
-from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
 from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding, check_state_dict
 from embcache.group import EmbeddingUpdateError
@@ -25,3 +24,13 @@ __all__ = [
     "fp32_bytes",
     "memory_breakdown",
 ]
+
+
+def __getattr__(name: str):
+    # The collection needs TorchRec; a table and everything else do not, so that `import
+    # embcache` works where only torch is installed (a GPU machine without TorchRec).
+    if name == "CachedLowPrecisionEmbeddingBagCollection":
+        from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+
+        return CachedLowPrecisionEmbeddingBagCollection
+    raise AttributeError(f"module 'embcache' has no attribute {name!r}")

@@ -1,0 +1,128 @@
+"""The one-call GPU check (`make gpu-check OUT=dir`), for the first GPU machine the project gets.
+
+On a CUDA machine whose Python has torch (FBGEMM and TorchRec are not needed), in this order,
+each step logged into OUT and bounded in time so that the whole stays under 9 minutes:
+
+1. ``environment``: the GPU (nvidia-smi), the driver, torch and CUDA versions;
+2. ``build``: the extension for the GPU present, in place (``setup.py build_ext --inplace``,
+   the CUDA kernels and the warp emulator);
+3. ``tests``: the CUDA tests (``tests/test_cuda_kernels.py``, ``tests/test_cuda_modules.py``),
+   the kernels against the CPU ops bit for bit;
+4. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
+   script with ``--driver [DEVICE]``: tables of every format behind a cache, trained a few
+   steps, flushed; the tests run it on the CPU with TorchRec and FBGEMM hidden);
+5. ``bandwidth``: ``bench/bandwidth.py --device cuda``, once that benchmark exists.
+
+``OUT/gpu_check.json`` says each step's status (``passed``, ``failed``, ``skipped``, with the
+reason), its seconds and its log. Without a CUDA device it says so and exits 0; otherwise the
+exit status is 1 if a step failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+# seconds each step may take: build 240, tests 150, each sanitizer 40, bandwidth 60 (< 9 min)
+LIMITS = {"environment": 20, "build": 240, "tests": 150, "bandwidth": 60}
+SANITIZER_LIMIT = 40
+
+
+def driver(device: str) -> None:
+    """Every table-batched op on ``device``: one table of each format behind an LFU and an
+    LRU cache, a few training steps, a flush and a dequantizing read."""
+    import torch
+
+    from embcache import CachedLowPrecisionEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    for precision in ("fp32", "fp16", "int8", "int4", "int2"):
+        for policy in ("lfu", "lru"):
+            table = CachedLowPrecisionEmbedding(
+                4096,
+                16,
+                precision=precision,
+                policy=policy,
+                cache_ratio=0.05,
+                associativity=32,
+                optimizer="rowwise_adagrad",
+                min_rows_for_low_precision=0,
+            ).to(device)
+            for _ in range(3):
+                ids = (torch.rand(64, 4, generator=gen) ** 3 * 4096).long().to(device)
+                table(ids).pow(2).sum().backward()
+                table.step()
+            table.flush()
+            assert torch.isfinite(table.current_weight()).all()
+    print(f"driver: every op ran on {device}")
+
+
+def _step(name: str, cmd: list[str], out: Path, limit: float, env: dict | None = None) -> dict:
+    log = out / f"{name}.log"
+    start = time.perf_counter()
+    try:
+        with open(log, "w") as f:
+            done = subprocess.run(
+                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=limit, env=env
+            )
+        status = "passed" if done.returncode == 0 else f"failed (exit {done.returncode})"
+    except subprocess.TimeoutExpired:
+        status = f"failed (over its {limit:.0f} s)"
+    except OSError as e:  # the tool is missing
+        status = f"skipped ({e.strerror}: {cmd[0]})"
+    return {"status": status, "seconds": round(time.perf_counter() - start, 1), "log": log.name}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--driver"]:
+        driver(argv[1] if len(argv) > 1 else "cuda")
+        return 0
+    if len(argv) != 1:
+        print("usage: python bench/gpu_check.py OUT", file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    report: dict = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
+    if not report["cuda"]:
+        print("gpu-check: no CUDA device here; nothing to check (run it on a GPU machine)")
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        return 0
+    report["device"] = torch.cuda.get_device_name()
+    report["cuda_version"] = torch.version.cuda
+    python = sys.executable
+    here = {**os.environ, "PYTHONPATH": str(ROOT), "MAX_JOBS": str(os.cpu_count() or 4)}
+    steps = report["steps"] = {}
+    steps["environment"] = _step("environment", ["nvidia-smi"], out, LIMITS["environment"])
+    build = [python, "setup.py", "build_ext", "--inplace"]
+    steps["build"] = _step("build", build, out, LIMITS["build"], here)
+    if steps["build"]["status"] == "passed":
+        tests = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+        tests += ["tests/test_cuda_kernels.py", "tests/test_cuda_modules.py"]
+        steps["tests"] = _step("tests", tests, out, LIMITS["tests"], here)
+        sanitizer = shutil.which("compute-sanitizer")
+        for tool in SANITIZER_TOOLS:
+            cmd = [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
+            cmd += [python, "bench/gpu_check.py", "--driver"]
+            steps[tool] = _step(tool, cmd, out, SANITIZER_LIMIT, here)
+        if (ROOT / "bench" / "bandwidth.py").exists():
+            bandwidth = [python, "bench/bandwidth.py", "--device", "cuda", "--out", str(out)]
+            steps["bandwidth"] = _step("bandwidth", bandwidth, out, LIMITS["bandwidth"], here)
+        else:
+            steps["bandwidth"] = {"status": "skipped (bench/bandwidth.py does not exist yet)"}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    for name, step in steps.items():
+        print(f"{name}: {step['status']}")
+    return 1 if any(s["status"].startswith("failed") for s in steps.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""The one-call GPU check (bench/gpu_check.py, `make gpu-check`) as far as a machine without a
+GPU can try it: it says there is no GPU and exits 0, and its driver -- with `import embcache`
+and a table -- runs where neither TorchRec nor FBGEMM is installed, as on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Makes torchrec and fbgemm_gpu unimportable, then runs the GPU check's driver on the CPU.
+_HIDDEN = """
+import importlib.abc, runpy, sys
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torchrec", "fbgemm_gpu"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, Hide())
+sys.argv = ["gpu_check.py", "--driver", "cpu"]
+try:
+    runpy.run_path("bench/gpu_check.py", run_name="__main__")
+except SystemExit as e:
+    assert e.code == 0, e.code
+import embcache
+assert not [m for m in sys.modules if m.startswith(("torchrec", "fbgemm_gpu"))]
+try:
+    embcache.CachedLowPrecisionEmbeddingBagCollection
+except ModuleNotFoundError as e:
+    print("collection:", e)
+"""
+
+
+def test_a_table_trains_without_torchrec_or_fbgemm():
+    done = subprocess.run(
+        [sys.executable, "-c", _HIDDEN], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "driver: every op ran on cpu" in done.stdout
+    assert "collection: No module named 'torchrec" in done.stdout  # needs it, and says so
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here `make gpu-check` runs it whole")
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device here" in done.stdout
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["cuda"] is False

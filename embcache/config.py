@@ -98,6 +98,19 @@ class TableConfig:
     name: str = "table"
     table_id: int = 0
 
+    @classmethod
+    def of(cls, num_embeddings: int, embedding_dim: int, **options) -> TableConfig:
+        """The configuration of ``options`` (the fields below); ``ValueError`` naming the
+        table and the option for one that is not a field (rather than a ``TypeError``)."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"num_embeddings", "embedding_dim"}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(
+                f"table '{options.get('name', cls.name)}': unknown option {unknown[0]!r} "
+                f"(options: {', '.join(sorted(fields))})"
+            )
+        return cls(num_embeddings, embedding_dim, **options)
+
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
             value = getattr(self, field)

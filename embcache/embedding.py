@@ -72,7 +72,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.include_last_offset = include_last_offset
-        self.config = TableConfig(num_embeddings, embedding_dim, **options)
+        self.config = TableConfig.of(num_embeddings, embedding_dim, **options)
         cfg = self.config
         if weight is not None and tuple(weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(
@@ -380,7 +380,24 @@ class CachedLowPrecisionEmbedding(nn.Module):
         table.load_state_dict(state)
         return table
 
+    @classmethod
+    def from_pretrained(cls, weight: torch.Tensor, **options) -> CachedLowPrecisionEmbedding:
+        """A table of ``weight``'s rows (``[rows, dim]``, as ``nn.EmbeddingBag.from_pretrained``
+        takes), each stored by the table's rule: rounded into its format (``options``: any of
+        the constructor's) unless the table is FP32 or small enough to stay FP32."""
+        if weight.dim() != 2:
+            raise ValueError(
+                f"from_pretrained: weight must be [rows, dim], got {tuple(weight.shape)}"
+            )
+        return cls(weight.shape[0], weight.shape[1], weight=weight, **options)
+
     # ------------------------------------------------------------------ inspection
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Every row's current FP32 value, ``[rows, dim]`` (a copy: read-only, as
+        :meth:`current_weight`), for code written against ``nn.EmbeddingBag.weight``."""
+        return self.current_weight()
 
     def current_weight(self) -> torch.Tensor:
         """The FP32 value of every row as a forward pass sees it (cache over table)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from embcache import CachedLowPrecisionEmbedding, EmbeddingUpdateError
+from embcache import CachedLowPrecisionEmbedding, EmbeddingUpdateError, reference
 
 
 def _skewed_batch(gen, rows, bags, max_len):
@@ -328,3 +328,61 @@ def test_the_ops_refuse_a_bad_spec(field, value):
     with pytest.raises(RuntimeError, match=f"table 0: spec field {field} is out of range"):
         torch.ops.embcache.cache_flush(list(m.state_tensors()), spec[None], [m.counters.clone()])
     _assert_same_state(before, _state(m))
+
+
+# --------------------------------------------------------------------------- nn.EmbeddingBag's doors
+
+
+def test_from_pretrained_is_embedding_bags_and_trains_like_it():
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(300, 6, generator=gen)
+    ref = nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode="sum", sparse=True)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    ours = CachedLowPrecisionEmbedding.from_pretrained(
+        weight, precision="fp32", cache_ratio=0, lr=0.2, min_rows_for_low_precision=0
+    )
+    assert torch.equal(ours.weight, weight)
+    for _ in range(4):
+        indices, offsets = _skewed_batch(gen, 300, 16, 3)
+        grad = torch.randn(16, 6, generator=gen)
+        out, out_ref = ours(indices, offsets), ref(indices, offsets)
+        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=4e-6)
+        opt.zero_grad()
+        out_ref.backward(grad)
+        opt.step()
+        out.backward(grad)
+        ours.step()
+    torch.testing.assert_close(ours.weight, ref.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4", "int2"])
+def test_from_pretrained_rounds_by_the_tables_rule(precision):
+    weight = torch.randn(2000, 8, generator=torch.Generator().manual_seed(3))
+    table = CachedLowPrecisionEmbedding.from_pretrained(
+        weight, precision=precision, rounding="nearest", qparams="fp16"
+    )
+    stored = reference.quantize_rows(weight, range(2000), precision, "fp16")
+    assert torch.equal(table.weights, stored)
+    assert torch.equal(table.weight, reference.dequantize_rows(stored, precision, 8, "fp16"))
+
+
+def test_weight_is_every_rows_current_value_cache_included():
+    """After training with a cache, ``weight`` holds what a forward reads for each row: the
+    kernels' lookup of single-row bags is the oracle."""
+    gen = torch.Generator().manual_seed(5)
+    table = CachedLowPrecisionEmbedding(3000, 8, precision="int8", cache_ratio=0.05, lr=0.3)
+    for _ in range(4):
+        indices, offsets = _skewed_batch(gen, 3000, 64, 3)
+        table(indices, offsets).pow(2).sum().backward()
+        table.step()
+    assert (table.cache_tags >= 0).any()
+    table.eval()
+    with torch.no_grad():
+        each_row = table(torch.arange(3000).view(-1, 1))
+    assert torch.equal(table.weight, each_row)
+
+
+@pytest.mark.parametrize("option", ["precisoin", "padding_idx", "sparse"])
+def test_an_unknown_option_is_a_value_error_naming_it(option):
+    with pytest.raises(ValueError, match=f"table 'mine': unknown option '{option}'"):
+        CachedLowPrecisionEmbedding(100, 4, name="mine", **{option: 1})

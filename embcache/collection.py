@@ -70,6 +70,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                     raise ValueError(f"table '{t.name}': feature '{f}' is used by two tables")
                 seen.add(f)
             options = {"table_id": i, **defaults, **per_table.get(t.name, {})}
+            if "padding_idx" in options:  # nn.EmbeddingBag's, not TorchRec's: refused, not lost
+                raise ValueError(f"table '{t.name}': padding_idx is not a collection option")
             self.embedding_bags[t.name] = CachedLowPrecisionEmbedding(
                 t.num_embeddings,
                 t.embedding_dim,

@@ -67,6 +67,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         *,
         weight: torch.Tensor | None = None,
         include_last_offset: bool = False,
+        padding_idx: int | None = None,
         device: torch.device | str | None = None,
         **options,
     ) -> None:
@@ -74,6 +75,16 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.include_last_offset = include_last_offset
         self.config = TableConfig.of(num_embeddings, embedding_dim, **options)
         cfg = self.config
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"table '{cfg.name}': padding_idx={padding_idx} is out of range "
+                    f"[{-num_embeddings}, {num_embeddings})"
+                )
+            padding_idx %= num_embeddings
+        # as nn.EmbeddingBag: entries equal to it are left out of every bag (not counted by
+        # mean) and its row is never updated
+        self.padding_idx = padding_idx
         if weight is not None and tuple(weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(
                 f"table '{cfg.name}': initial weight has shape {tuple(weight.shape)}, "
@@ -232,6 +243,16 @@ class CachedLowPrecisionEmbedding(nn.Module):
                     f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
                     f"expected {tuple(indices.shape)}"
                 )
+        if self.padding_idx is not None and bool((indices == self.padding_idx).any()):
+            keep = indices != self.padding_idx
+            bag_of = torch.repeat_interleave(
+                torch.arange(offsets.numel() - 1, device=indices.device), offsets.diff()
+            )
+            kept = torch.bincount(bag_of[keep], minlength=offsets.numel() - 1)
+            offsets = torch.cat([offsets[:1], kept.cumsum(0)])
+            indices = indices[keep]
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights[keep]
         return indices, offsets.contiguous(), per_sample_weights
 
     # ------------------------------------------------------------------ forward / backward

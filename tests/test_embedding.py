@@ -382,7 +382,36 @@ def test_weight_is_every_rows_current_value_cache_included():
     assert torch.equal(table.weight, each_row)
 
 
-@pytest.mark.parametrize("option", ["precisoin", "padding_idx", "sparse"])
+@pytest.mark.parametrize("option", ["precisoin", "max_norm", "sparse"])
 def test_an_unknown_option_is_a_value_error_naming_it(option):
     with pytest.raises(ValueError, match=f"table 'mine': unknown option '{option}'"):
         CachedLowPrecisionEmbedding(100, 4, name="mine", **{option: 1})
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_padding_idx_is_embedding_bags(mode):
+    """Entries equal to padding_idx are left out of their bag (mean does not count them) and
+    its row is never updated: nn.EmbeddingBag(padding_idx=...) + SGD over several steps."""
+    gen = torch.Generator().manual_seed(11)
+    weight, pad = torch.randn(200, 5, generator=gen), 7
+    ref = nn.EmbeddingBag.from_pretrained(
+        weight.clone(), freeze=False, mode=mode, sparse=True, padding_idx=pad
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    ours = CachedLowPrecisionEmbedding.from_pretrained(
+        weight, precision="fp32", mode=mode, lr=0.2, padding_idx=pad - 200
+    )
+    for _ in range(4):
+        indices, offsets = _skewed_batch(gen, 200, 24, 4)
+        indices[torch.rand(indices.shape, generator=gen) < 0.3] = pad
+        indices[offsets[1]] = pad  # a bag of padding only (if one entry long)
+        grad = torch.randn(24, 5, generator=gen)
+        out, out_ref = ours(indices, offsets), ref(indices, offsets)
+        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=4e-6)
+        opt.zero_grad()
+        out_ref.backward(grad)
+        opt.step()
+        out.backward(grad)
+        ours.step()
+    torch.testing.assert_close(ours.weight, ref.weight.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(ours.weight[pad], weight[pad])  # never updated

@@ -1,7 +1,9 @@
 """Full embedding training step (forward, backward, update) on a skewed Criteo-like trace.
 
 26 tables with the Criteo-Kaggle cardinalities (capped by --max-rows), batch 2048, one id per
-table per sample, ids drawn from a per-table power law. In one run it times:
+table per sample, ids drawn from a per-table power law (--trace powerlaw) or from the
+calibrated synthetic Kaggle generator (--trace kaggle: the hit rate training sees). In one run
+it times:
 
 * ours: INT8 + 5% 32-way LFU cache (stochastic rounding, SGD)
 * ours: FP32, no cache (SGD)
@@ -75,6 +77,20 @@ from tqdm import tqdm  # noqa: E402
 
 import embcache  # noqa: E402
 from dlrm.data.criteo import KAGGLE_CARDINALITIES  # noqa: E402
+
+
+def kaggle_trace(cards, batch, steps, seed):
+    """Per step, per table: int64 ids of the calibrated synthetic Kaggle generator
+    (dlrm.data.synthetic, fitted to the skew of real Criteo rows: the hit rate training
+    sees), folded into ``cards`` rows where --max-rows caps a table."""
+    from dlrm.data.synthetic import SyntheticCriteo
+
+    sparse = torch.from_numpy(SyntheticCriteo(scale=1.0, seed=seed).rows(0, batch * steps)[1])
+    sparse = sparse.long() % torch.tensor(cards)
+    return [
+        [sparse[k * batch : (k + 1) * batch, t].contiguous() for t in range(len(cards))]
+        for k in range(steps)
+    ]
 
 
 def trace(cards, batch, steps, alpha, seed):
@@ -197,6 +213,12 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=300, help="untimed steps first (cache fill)")
+    p.add_argument(
+        "--trace",
+        choices=["powerlaw", "kaggle"],
+        default="powerlaw",
+        help="ids from a power law (--alpha), or from the calibrated synthetic Kaggle generator",
+    )
     p.add_argument("--alpha", type=float, default=4.0, help="power-law exponent of the trace")
     p.add_argument("--json", help="also write the results here")
     p.add_argument(
@@ -206,7 +228,10 @@ def main():
     env = environment(__file__, threads=torch.get_num_threads())
     cards = [min(n, args.max_rows) if args.max_rows else n for n in KAGGLE_CARDINALITIES]
     total_steps = args.warmup + args.rounds * args.steps
-    batches = trace(cards, args.batch, total_steps, args.alpha, seed=0)
+    if args.trace == "kaggle":
+        batches = kaggle_trace(cards, args.batch, total_steps, seed=0)
+    else:
+        batches = trace(cards, args.batch, total_steps, args.alpha, seed=0)
     grad = torch.randn(args.batch, len(cards) * args.dim) * 1e-2
     engines = {
         "ours int8 + 5% 32-way LFU": Ours(
@@ -250,7 +275,12 @@ def main():
         environment_markdown(env),
         "",
         f"{len(cards)} tables, {sum(cards):,} rows, dim {args.dim}, batch {args.batch}, "
-        f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
+        + (
+            "ids of the calibrated synthetic Kaggle generator, "
+            if args.trace == "kaggle"
+            else f"power-law ids (alpha {args.alpha}), "
+        )
+        + f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
         f"median of {args.rounds} rounds of {args.steps} steps, "
         f"huge pages {'on' if HUGE_PAGES else 'off'} and freed memory "
         f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine.",

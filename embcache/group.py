@@ -149,15 +149,21 @@ class TableGroup:
             self._parts[t].append(PendingGradient(rows[f], g, occ[f]))
 
     def _merged(self, t: int) -> PendingGradient:
-        """Table t's parts summed per unique row (rows ascending), kept as its one part."""
+        """Table t's parts summed per unique row (rows ascending), kept as its one part. A row's
+        gradient is the sum of its parts' in the order they came (``((0 + g0) + g1) + g2``), on
+        every device: parts are added one after another, and within a part each row occurs
+        once, so no two additions to a row race (``index_add_`` would use atomics on CUDA, in
+        no fixed order)."""
         parts = self._parts[t]
         if len(parts) > 1:
-            rows = torch.cat([p.rows for p in parts])
-            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-            grads = rows.new_zeros(unique.numel(), self._dims[t], dtype=torch.float32)
-            grads.index_add_(0, inverse, torch.cat([p.grads for p in parts]))
-            occ = rows.new_zeros(unique.numel())
-            occ.index_add_(0, inverse, torch.cat([p.occurrences for p in parts]))
+            unique, inverse = torch.unique(
+                torch.cat([p.rows for p in parts]), sorted=True, return_inverse=True
+            )
+            grads = unique.new_zeros(unique.numel(), self._dims[t], dtype=torch.float32)
+            occ = torch.zeros_like(unique)
+            for part, at in zip(parts, inverse.split([p.rows.numel() for p in parts])):
+                grads[at] += part.grads
+                occ[at] += part.occurrences
             parts[:] = [PendingGradient(unique, grads, occ)]
         return parts[0]
 

@@ -415,3 +415,31 @@ def test_padding_idx_is_embedding_bags(mode):
         ours.step()
     torch.testing.assert_close(ours.weight, ref.weight.detach(), rtol=1e-6, atol=1e-6)
     assert torch.equal(ours.weight[pad], weight[pad])  # never updated
+
+
+def test_three_backwards_before_a_step_sum_in_the_order_they_came():
+    """A table's gradient in three parts (three backwards, one step): each row's gradient is
+    ((0 + g0) + g1) + g2 in float32, the order fixed on every device (no atomics); the oracle
+    adds each backward's own deduplicated gradient row by row."""
+    gen = torch.Generator().manual_seed(9)
+    table = CachedLowPrecisionEmbedding(
+        500, 4, precision="fp32", cache_ratio=0, lr=1.0, min_rows_for_low_precision=0
+    )
+    before = table.weight
+    expected = torch.zeros(500, 4)
+    for _ in range(3):
+        indices, offsets = _skewed_batch(gen, 500, 40, 5)
+        grad = torch.randn(40, 4, generator=gen) * 10 ** torch.randint(
+            -3, 4, (40, 1), generator=gen
+        )
+        one = CachedLowPrecisionEmbedding(
+            500, 4, precision="fp32", cache_ratio=0, weight=before, min_rows_for_low_precision=0
+        )
+        one(indices, offsets).backward(grad)
+        (part,) = one.group.pending(one)
+        for row, g in zip(part.rows.tolist(), part.grads):
+            expected[row] = expected[row] + g  # float32, part after part
+        table(indices, offsets).backward(grad)
+    assert len(table.group.pending(table)) == 3
+    table.step()  # SGD with lr 1: w - g, exactly where g's rows are
+    assert torch.equal(table.weight, before - expected)

@@ -7,12 +7,15 @@ See docs/contract.md §2-5 for the numerics. Public API:
   drop-in (``KeyedJaggedTensor`` in, ``KeyedTensor`` out).
 * :func:`compression_factor` — the paper's memory compression factor (Appendix A);
   :func:`memory_breakdown` and :func:`fp32_bytes`, its numerator's parts and its denominator.
+* :func:`swap` and :class:`TableOptimizer` — ours in place of a model's ``nn.EmbeddingBag`` and
+  TorchRec ``EmbeddingBagCollection`` tables, in one call, and one ``step()`` for them.
 """
 
 from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding, check_state_dict
 from embcache.group import EmbeddingUpdateError
 from embcache.memory import compression_factor, fp32_bytes, memory_breakdown
+from embcache.swap import TableOptimizer, swap
 
 __all__ = [
     "TableConfig",
@@ -23,6 +26,8 @@ __all__ = [
     "compression_factor",
     "fp32_bytes",
     "memory_breakdown",
+    "swap",
+    "TableOptimizer",
 ]
 
 

@@ -1,0 +1,121 @@
+"""One call to put cached low-precision tables into a model that has ``nn.EmbeddingBag`` or
+TorchRec ``EmbeddingBagCollection`` tables, and an optimizer that drives them.
+
+:func:`swap` replaces every such module of a model, in place, by ours with the same rows
+(rounded into the stored format by the table's rule; tables under
+``min_rows_for_low_precision`` rows stay FP32), the same pooling and input conventions, and
+returns what it did per table. Our tables update themselves in their own ``step()`` (the
+optimizer is fused into the update and the rows are rounded as they are written), so they
+leave the model's ``parameters()``; :class:`TableOptimizer` gives the training loop one
+``step()`` and ``zero_grad()`` for all of them, beside the torch optimizer of the rest::
+
+    summary = embcache.swap(model, precision="int8", cache_ratio=0.05, lr=0.05)
+    dense = torch.optim.Adagrad(model.parameters(), lr=0.01)   # the tables are not in it
+    tables = embcache.TableOptimizer(model)
+    loss.backward(); dense.step(); tables.step(); dense.zero_grad(); tables.zero_grad()
+
+``nn.Embedding`` and TorchRec's ``EmbeddingCollection`` (unpooled lookups) and ``mode="max"``
+are not swapped yet: :func:`swap` refuses them, naming the module, rather than leave them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from embcache.embedding import CachedLowPrecisionEmbedding
+
+
+def swap(model: nn.Module, per_table: Mapping[str, Mapping] | None = None, **options) -> dict:
+    """Replace, in place, every ``nn.EmbeddingBag`` and TorchRec ``EmbeddingBagCollection`` of
+    ``model`` by ours, carrying their weights; ``options`` apply to every table and
+    ``per_table`` (by a bag's module name, or a collection's table name) overrides them. Returns
+    ``{table: {"rows", "precision", "cache_slots", "bytes_before", "bytes_after"}}``.
+    Refuses (``ValueError`` naming the module, before anything is replaced) what it cannot
+    swap: ``nn.Embedding``, ``EmbeddingCollection``, ``mode="max"``, ``max_norm``."""
+    per_table = dict(per_table or {})
+    plans = []
+    for name, module in model.named_modules():
+        if any(name.startswith(planned + ".") for planned, _ in plans):
+            continue  # inside a collection being replaced (TorchRec's holds nn.EmbeddingBags)
+        new = _replacement(name, module, per_table, options)
+        if new is not None:
+            plans.append((name, new))
+    summary = {}
+    for name, new in plans:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        tables = [new] if isinstance(new, CachedLowPrecisionEmbedding) else new.tables()
+        for table in tables:
+            c = table.config
+            summary[c.name] = {
+                "rows": c.num_embeddings,
+                "precision": c.stored_precision,
+                "cache_slots": c.num_slots,
+                "bytes_before": c.num_embeddings * c.embedding_dim * 4,
+                "bytes_after": table.memory_bytes()["total"],
+            }
+    return summary
+
+
+def _replacement(name: str, module: nn.Module, per_table: Mapping, options: dict):
+    """Ours for ``module`` (named ``name`` in the model), None if it is not a table, or
+    ValueError if it is one we cannot take."""
+    if isinstance(module, nn.Embedding):
+        raise ValueError(f"{name}: nn.Embedding (unpooled lookups) is not supported yet")
+    if isinstance(module, nn.EmbeddingBag):
+        if module.mode == "max" or module.max_norm is not None:
+            what = "mode='max'" if module.mode == "max" else "max_norm"
+            raise ValueError(f"{name}: nn.EmbeddingBag with {what} is not supported yet")
+        return CachedLowPrecisionEmbedding.from_pretrained(
+            module.weight.detach().float().cpu(),
+            mode=module.mode,
+            padding_idx=module.padding_idx,
+            include_last_offset=module.include_last_offset,
+            **{"name": name, **options, **per_table.get(name, {})},
+        )
+    kind = type(module).__name__  # TorchRec's, by name: without TorchRec there are none
+    if kind == "EmbeddingCollection":
+        raise ValueError(f"{name}: TorchRec's EmbeddingCollection is not supported yet")
+    if kind != "EmbeddingBagCollection":
+        return None
+    from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+
+    weights = {t: bag.weight.detach().float().cpu() for t, bag in module.embedding_bags.items()}
+    return CachedLowPrecisionEmbeddingBagCollection(
+        module.embedding_bag_configs(),
+        per_table={t: {"weight": w, **per_table.get(t, {})} for t, w in weights.items()},
+        **options,
+    )
+
+
+class TableOptimizer:
+    """``step()`` and ``zero_grad()`` for every cached table of ``model``: a collection's as
+    one table-batched call (all or nothing), a table on its own by itself. Call ``step()``
+    after ``backward()``, beside the torch optimizer of the other parameters."""
+
+    def __init__(self, model: nn.Module):
+        try:
+            from embcache.collection import CachedLowPrecisionEmbeddingBagCollection as ours
+        except ImportError:  # without TorchRec there are no collections
+            ours = ()
+        self.units = []
+        inside = set()
+        for module in model.modules():
+            if isinstance(module, ours):  # its tables step together, all or nothing
+                self.units.append(module)
+                inside.update(id(t) for t in module.tables())
+        for module in model.modules():
+            if isinstance(module, CachedLowPrecisionEmbedding) and id(module) not in inside:
+                self.units.append(module)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for unit in self.units:
+            unit.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            unit.zero_grad()

@@ -1,0 +1,100 @@
+"""embcache.swap and TableOptimizer: a model's nn.EmbeddingBag and TorchRec
+EmbeddingBagCollection tables replaced in one call, carrying their weights; with FP32 tables
+and no cache the swapped model trains exactly as the original does with SGD (the oracle)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import embcache
+
+
+class TwoTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items = nn.EmbeddingBag(3000, 8, mode="mean", sparse=True)
+        self.users = nn.EmbeddingBag(50, 8, mode="sum", sparse=True, padding_idx=0)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, items, users):
+        return self.head(torch.cat([self.items(items), self.users(users)], 1)).squeeze(1)
+
+
+def _batch(gen):
+    items = (torch.rand(32, 3, generator=gen) ** 3 * 3000).long()
+    users = torch.randint(0, 50, (32, 2), generator=gen)
+    return items, users, torch.randint(0, 2, (32,), generator=gen).float()
+
+
+def test_fp32_swap_trains_like_the_original_with_sgd():
+    torch.manual_seed(0)
+    original = TwoTower()
+    swapped = copy.deepcopy(original)
+    summary = embcache.swap(swapped, precision="fp32", cache_ratio=0, lr=0.1)
+    assert isinstance(swapped.items, embcache.CachedLowPrecisionEmbedding)
+    assert set(summary) == {"items", "users"}
+    assert [n for n, _ in swapped.named_parameters()] == ["head.weight", "head.bias"]
+    opt = torch.optim.SGD(original.parameters(), lr=0.1)
+    dense, tables = torch.optim.SGD(swapped.parameters(), lr=0.1), embcache.TableOptimizer(swapped)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn = nn.functional.binary_cross_entropy_with_logits
+    for _ in range(5):
+        items, users, labels = _batch(gen)
+        a, b = original(items, users), swapped(items, users)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        loss_fn(a, labels).backward()
+        loss_fn(b, labels).backward()
+        opt.step()
+        opt.zero_grad()
+        dense.step()
+        tables.step()
+        dense.zero_grad()
+        tables.zero_grad()
+    for name in ("items", "users"):
+        ours, theirs = getattr(swapped, name).weight, getattr(original, name).weight.detach()
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_low_precision_swap_reports_what_it_saved():
+    model = TwoTower()
+    users_weight = model.users.weight.detach().clone()
+    summary = embcache.swap(
+        model, precision="int8", cache_ratio=0.05, per_table={"items": {"precision": "int4"}}
+    )
+    items, users = summary["items"], summary["users"]
+    assert items["precision"] == "int4" and items["cache_slots"] == 128  # 150, in sets of 32
+    assert items["bytes_before"] == 3000 * 8 * 4 and items["bytes_after"] < items["bytes_before"]
+    assert items["bytes_after"] == model.items.memory_bytes()["total"]
+    assert users["precision"] == "fp32"  # 50 rows: under the minimum, kept FP32, exactly
+    assert torch.equal(model.users.weight, users_weight)
+
+
+def test_what_cannot_be_swapped_is_refused_before_anything_changes():
+    model = nn.ModuleDict({"bag": nn.EmbeddingBag(100, 4), "seq": nn.Embedding(100, 4)})
+    with pytest.raises(ValueError, match="seq: nn.Embedding"):
+        embcache.swap(model)
+    assert isinstance(model["bag"], nn.EmbeddingBag)  # untouched
+
+
+def test_a_torchrec_collection_is_swapped_with_its_weights():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=2000, feature_names=["f"])
+        ]
+    )
+    model = nn.ModuleDict({"ebc": ebc})
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=torch.tensor([1, 5, 7, 1999]), lengths=torch.tensor([2, 0, 2])
+    )
+    expected = ebc(kjt).values().detach()
+    summary = embcache.swap(model, precision="fp32", cache_ratio=0)
+    assert set(summary) == {"t"}
+    assert torch.equal(model["ebc"](kjt).values(), expected)
+    tables = embcache.TableOptimizer(model)
+    assert tables.units == [model["ebc"]]

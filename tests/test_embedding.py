@@ -29,6 +29,21 @@ def _assert_same_state(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+def _step_beside(ours, ref, opt, indices, offsets, grad, psw=None):
+    """One training step of ``ours`` and of ``ref`` (an nn.EmbeddingBag with its SGD ``opt``)
+    on the same bags and output gradient; their outputs agree."""
+    out_ref = ref(indices, offsets, per_sample_weights=psw)
+    out = ours(indices, offsets, per_sample_weights=psw)
+    # nn.EmbeddingBag's kernels and SGD's add may fuse multiply-adds: a few ulps of the
+    # summands (|x| ~ 4 after some steps) apart
+    torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=4e-6)
+    opt.zero_grad()
+    out_ref.backward(grad)
+    opt.step()
+    out.backward(grad)
+    ours.step()
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fp32_sgd_equals_embedding_bag(mode, weighted):
@@ -54,16 +69,7 @@ def test_fp32_sgd_equals_embedding_bag(mode, weighted):
         indices, offsets = _skewed_batch(gen, rows, 32, 4)
         psw = torch.rand(indices.numel(), generator=gen) if weighted else None
         grad = torch.randn(32, dim, generator=gen)
-        out_ref = ref(indices, offsets, per_sample_weights=psw)
-        out = ours(indices, offsets, per_sample_weights=psw)
-        # nn.EmbeddingBag's kernels and SGD's add may fuse multiply-adds: a few ulps of the
-        # summands (|x| ~ 4 after some steps) apart
-        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=4e-6)
-        opt.zero_grad()
-        out_ref.backward(grad)
-        opt.step()
-        out.backward(grad)
-        ours.step()
+        _step_beside(ours, ref, opt, indices, offsets, grad, psw)
         torch.testing.assert_close(ours.current_weight(), ref.weight.detach(), rtol=1e-6, atol=1e-6)
 
 
@@ -345,13 +351,7 @@ def test_from_pretrained_is_embedding_bags_and_trains_like_it():
     for _ in range(4):
         indices, offsets = _skewed_batch(gen, 300, 16, 3)
         grad = torch.randn(16, 6, generator=gen)
-        out, out_ref = ours(indices, offsets), ref(indices, offsets)
-        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=4e-6)
-        opt.zero_grad()
-        out_ref.backward(grad)
-        opt.step()
-        out.backward(grad)
-        ours.step()
+        _step_beside(ours, ref, opt, indices, offsets, grad)
     torch.testing.assert_close(ours.weight, ref.weight.detach(), rtol=1e-6, atol=1e-6)
 
 
@@ -406,13 +406,7 @@ def test_padding_idx_is_embedding_bags(mode):
         indices[torch.rand(indices.shape, generator=gen) < 0.3] = pad
         indices[offsets[1]] = pad  # a bag of padding only (if one entry long)
         grad = torch.randn(24, 5, generator=gen)
-        out, out_ref = ours(indices, offsets), ref(indices, offsets)
-        torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=4e-6)
-        opt.zero_grad()
-        out_ref.backward(grad)
-        opt.step()
-        out.backward(grad)
-        ours.step()
+        _step_beside(ours, ref, opt, indices, offsets, grad)
     torch.testing.assert_close(ours.weight, ref.weight.detach(), rtol=1e-6, atol=1e-6)
     assert torch.equal(ours.weight[pad], weight[pad])  # never updated
 

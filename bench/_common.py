@@ -32,12 +32,6 @@ import pandas as pd
 # torch.fx's import-time notice concerns neither us nor the user (as in dlrm.cli).
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
-from dlrm.build import resolve_data  # noqa: E402
-from dlrm.cli import add_data_options  # noqa: E402
-from dlrm.config import RunConfig  # noqa: E402
-from dlrm.data import batches  # noqa: E402
-
-DEFAULTS = RunConfig()
 ROOT = Path(__file__).resolve().parent.parent
 # The paths whose uncommitted changes make a result "dirty" (results themselves excluded).
 CODE_PATHS = ("bench", "embcache", "dlrm", "csrc", "setup.py", "pyproject.toml")
@@ -77,13 +71,30 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def environment(script: str, argv: list[str] | None = None, threads: int | None = None) -> dict:
+def gpu_description() -> dict:
+    """The current CUDA device: its name, the driver version (from nvidia-smi) and torch's
+    CUDA version."""
+    import torch
+
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        done = subprocess.run(query, capture_output=True, text=True, timeout=30)
+        driver = done.stdout.strip().splitlines()[0] if done.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        driver = "unknown"
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda}
+
+
+def environment(
+    script: str, argv: list[str] | None = None, threads: int | None = None, gpu: bool = False
+) -> dict:
     """Where and with what a result was made, for its JSON (``"environment"``) and the top of its
     Markdown (``environment_markdown``): the command line (``python bench/<script> argv``; argv
     defaults to sys.argv[1:]), the git commit and whether the code differs from it (``dirty``,
     ``dirty_paths``: uncommitted changes under CODE_PATHS, bench/results left out), the CPU model,
-    cores, ``threads`` if given, the torch / fbgemm_gpu / torchrec / Python versions and the UTC
-    date."""
+    cores, ``threads`` if given, the GPU if ``gpu`` (gpu_description), the torch / fbgemm_gpu /
+    torchrec / Python versions and the UTC date. Where the tree has no git metadata (a copy
+    sent to a GPU machine), the commit is $EMBCACHE_COMMIT if set."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     path = Path(script).resolve()
     try:
@@ -94,7 +105,8 @@ def environment(script: str, argv: list[str] | None = None, threads: int | None 
     dirty = sorted({line[3:] for line in status.splitlines() if line.strip()}) if status else []
     env = {
         "command": shlex.join(["python", path.as_posix(), *argv]),
-        "commit": (_git("rev-parse", "--short", "HEAD") or "").strip() or "unknown",
+        "commit": (_git("rev-parse", "--short", "HEAD") or "").strip()
+        or os.environ.get("EMBCACHE_COMMIT", "unknown"),
         "dirty": bool(dirty) if status is not None else "unknown",
         "dirty_paths": dirty,
         "cpu_model": cpu_model(),
@@ -102,6 +114,8 @@ def environment(script: str, argv: list[str] | None = None, threads: int | None 
     }
     if threads is not None:
         env["threads"] = threads
+    if gpu:
+        env.update(gpu_description())
     env.update({key: _version(names) for key, names in PACKAGES.items()})
     env["python"] = platform.python_version()
     env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -117,14 +131,16 @@ def environment_markdown(env: dict) -> str:
     )
     n = env.get("threads")
     threads = "" if n is None else f", {n} thread{'' if n == 1 else 's'}"
-    return "\n".join(
-        [
-            f"Command: `{env['command']}`  ",
-            f"Commit {commit}, {env['date']}  ",
-            f"Machine: {env['cpu_model']}, {env['cores']} cores{threads}; Python {env['python']}, "
-            f"torch {env['torch']}, fbgemm_gpu {env['fbgemm_gpu']}, torchrec {env['torchrec']}",
-        ]
-    )
+    lines = [
+        f"Command: `{env['command']}`  ",
+        f"Commit {commit}, {env['date']}  ",
+        f"Machine: {env['cpu_model']}, {env['cores']} cores{threads}; Python {env['python']}, "
+        f"torch {env['torch']}, fbgemm_gpu {env['fbgemm_gpu']}, torchrec {env['torchrec']}",
+    ]
+    if "gpu" in env:
+        lines[-1] += "  "
+        lines.append(f"GPU: {env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -140,6 +156,12 @@ class Source:
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
+    # dlrm (and through it TorchRec) only where a data source is read: the environment record
+    # and the writers serve bench/bandwidth.py on a GPU machine that has neither.
+    from dlrm.cli import add_data_options
+    from dlrm.config import RunConfig
+
+    defaults = RunConfig()
     g = p.add_argument_group(
         "data source", "dlrm train's data options; --data may also be a trace .npy of ids"
     )
@@ -147,7 +169,7 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seed",
         type=int,
-        default=DEFAULTS.seed,
+        default=defaults.seed,
         help="seed of the synthetic data and of dlrm train's shuffle (default: %(default)s)",
     )
     g.add_argument(
@@ -165,7 +187,7 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--min-rows",
         type=int,
-        default=DEFAULTS.min_rows_for_low_precision,
+        default=defaults.min_rows_for_low_precision,
         help="tables with fewer rows have no cache in training and are left out "
         "(default: %(default)s)",
     )
@@ -183,6 +205,10 @@ def load_source(args: argparse.Namespace) -> Source:
             raise SystemExit(f"{args.data}: negative ids")
         cards = [int(m) + 1 for m in ids.max(axis=0)] if len(ids) else [1] * ids.shape[1]
         return Source(ids, cards, f"trace {args.data} ({len(ids):,} rows)", False)
+    from dlrm.build import resolve_data
+    from dlrm.config import RunConfig
+    from dlrm.data import batches
+
     cfg = RunConfig(
         data=args.data,
         synthetic_rows=args.synthetic_rows,

@@ -1,0 +1,463 @@
+"""The paper's Figure 9: effective bandwidth of a cached low-precision table against its hit rate.
+
+For each dim, precision (FP16, INT8, INT4, INT2) and policy (LFU, LRU) a table of --rows rows
+behind a 5% 32-way cache is driven, at each forced hit rate (0, 25, 50, 75, 90, 95, 99 and
+100%), through training steps (forward, backward, SGD update); the forward and the backward plus
+update are timed apart. Effective bandwidth is bytes of embedding rows moved per second,
+counted as the paper counts them:
+
+* forward: per lookup, a hit reads its FP32 cache row (dim x 4 bytes), a miss its stored row
+  (the packed values and their qparams);
+* backward + update: per unique updated row, the row is read and written once, at FP32 if it
+  was cached and at its stored size if not.
+
+The pooled outputs and gradients are not counted (they are the same for every engine).
+
+The trace: each lookup draws, with probability p, a row of a hot set of half the cache's
+capacity, else a row of the rest of the table, uniformly. The cold rows are too many to be
+found cached again, and the hot rows, once cached, stay (LFU: their counts are the highest;
+LRU: they are the most recent). So the hit rate follows p; p is then corrected from the hit
+rate the table counts (``stats()``) over a few calibration steps, until the measured rate is
+within a point of the target. The measured rate is what the results report.
+
+Beside the cached tables, on the same traces and in the same run: our uncached table at each
+precision; ``nn.EmbeddingBag(mode="sum", sparse=True)`` FP32 with ``torch.optim.SGD``; FBGEMM's
+TBE FP32 (``EXACT_SGD``) where fbgemm_gpu is installed; and the machine's ceilings, a sequential
+copy (bytes read plus written) and a random-row gather of FP32 rows of the same dim (bytes
+read), which is the physical limit of a lookup.
+
+``--device cuda`` runs the same on a GPU (tables in device memory; the ceiling is a
+device-to-device copy). Results: ``OUT/bandwidth.json``, ``bandwidth.md`` and ``bandwidth.png``
+(GB/s against hit rate, the ceilings as lines), under the command, commit, CPU (and GPU) and
+library versions. Examples:
+
+    python bench/bandwidth.py --out bench/results/bandwidth
+    python bench/bandwidth.py --device cuda --out bench/results/bandwidth_gpu
+    python bench/bandwidth.py --dims 16 --precisions int8 --policies lfu --rows 100000  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from _common import environment, environment_markdown, save_figure, write_text
+from torch import nn
+from tqdm import tqdm
+
+import embcache
+
+HIT_RATES = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+CACHE_RATIO, WAYS = 0.05, 32
+CALIBRATION_ROUNDS, CALIBRATION_STEPS, TOLERANCE = 6, 4, 0.01
+
+
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def default_rows(device: torch.device, dim: int) -> int:
+    """Rows of a table whose INT8 store is at least 100x the CPU's last-level cache, or on a GPU
+    10x its L2 cache (tables are made on the host, and 100x an H100's L2 would take minutes
+    each to make; 10x already leaves nine random rows in ten out of L2)."""
+    if device.type == "cuda":
+        cache, times = torch.cuda.get_device_properties(device).L2_cache_size, 10
+    else:
+        cache, times = last_level_cache_bytes(), 100
+    int8_row = dim + 8
+    return min(2**31 - 1, -(-times * cache // int8_row))
+
+
+class Clock:
+    """Wall seconds of device work: synchronizes the device before each reading."""
+
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def __call__(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+
+class Trace:
+    """Batches of ``bags`` bags of ``pooling`` ids each over ``rows`` rows: with probability p
+    a row of the hot set (``hot`` rows), else one of the other rows; the rows are a fixed
+    random permutation, so the hot set is scattered over the table."""
+
+    def __init__(self, rows: int, hot: int, bags: int, pooling: int, device: torch.device):
+        self.rows, self.hot, self.device = rows, hot, device
+        self.lookups = bags * pooling
+        self.offsets = torch.arange(0, self.lookups + 1, pooling, device=device)
+        self.gen = torch.Generator(device=device).manual_seed(0)
+        self.perm = torch.randperm(rows, generator=self.gen, device=device)
+
+    def batch(self, p: float) -> torch.Tensor:
+        n, g, dev = self.lookups, self.gen, self.device
+        hot = torch.randint(0, self.hot, (n,), generator=g, device=dev)
+        cold = torch.randint(self.hot, self.rows, (n,), generator=g, device=dev)
+        pick = torch.rand(n, generator=g, device=dev) < p
+        return self.perm[torch.where(pick, hot, cold)]
+
+
+class Ours:
+    """Our table (``CachedLowPrecisionEmbedding``), SGD; bytes per the module docstring."""
+
+    def __init__(self, rows, dim, device, **options):
+        self.table = embcache.CachedLowPrecisionEmbedding(
+            rows, dim, device=device, lr=0.01, min_rows_for_low_precision=0, **options
+        )
+        self.stored_row = self.table.config.row_bytes
+        self.fp32_row = dim * 4
+
+    def forward(self, ids, offsets):
+        return self.table(ids, offsets[:-1])  # nn.EmbeddingBag's convention: bag starts
+
+    def update(self, out, grad):
+        out.backward(grad)
+        self.table.step()
+
+    def counts(self) -> dict:
+        return self.table.stats()
+
+    def forward_bytes(self, before, after, ids):
+        hits = after["hits"] - before["hits"]
+        misses = after["lookups"] - before["lookups"] - hits
+        return hits * self.fp32_row + misses * self.stored_row
+
+    def update_bytes(self, before, after, ids):
+        hits = after["unique_hits"] - before["unique_hits"]
+        misses = after["unique_misses"] - before["unique_misses"]
+        return 2 * (hits * self.fp32_row + misses * self.stored_row)
+
+
+class Peer:
+    """An FP32 peer on the same trace: every lookup reads an FP32 row, every unique row is
+    read and written once by the update."""
+
+    def __init__(self, dim):
+        self.fp32_row = dim * 4
+
+    def counts(self) -> dict:
+        return {}
+
+    def forward_bytes(self, before, after, ids):
+        return ids.numel() * self.fp32_row
+
+    def update_bytes(self, before, after, ids):
+        return 2 * torch.unique(ids).numel() * self.fp32_row
+
+
+class EmbeddingBagSGD(Peer):
+    def __init__(self, rows, dim, device):
+        super().__init__(dim)
+        self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device)
+        self.opt = torch.optim.SGD(self.bag.parameters(), lr=0.01)
+
+    def forward(self, ids, offsets):
+        return self.bag(ids, offsets[:-1])
+
+    def update(self, out, grad):
+        self.opt.zero_grad()
+        out.backward(grad)
+        self.opt.step()
+
+
+class FbgemmTBE(Peer):
+    """FBGEMM's training TBE, FP32, EXACT_SGD fused into the backward; its table in host
+    memory on the CPU, in device memory on a GPU."""
+
+    def __init__(self, rows, dim, device):
+        super().__init__(dim)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        on_gpu = device.type == "cuda"
+        where = (
+            (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+            if on_gpu
+            else (
+                EmbeddingLocation.HOST,
+                ComputeDevice.CPU,
+            )
+        )
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(rows, dim, *where)],
+            optimizer=EmbOptimType.EXACT_SGD,
+            learning_rate=0.01,
+            pooling_mode=PoolingMode.SUM,
+            device=device,
+        )
+
+    def forward(self, ids, offsets):
+        return self.tbe(ids, offsets)
+
+    def update(self, out, grad):
+        out.backward(grad)
+
+
+def fbgemm_available() -> bool:
+    try:
+        import fbgemm_gpu  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def calibrate(engine, trace: Trace, target: float) -> float:
+    """The hot-set probability whose measured hit rate is within TOLERANCE of ``target``
+    (the best found in CALIBRATION_ROUNDS rounds), the cache warmed on the way."""
+    grad = torch.ones(trace.offsets.numel() - 1, engine.fp32_row // 4, device=trace.device)
+    p, best = target, (2.0, target)
+    for _ in range(CALIBRATION_ROUNDS):
+        before = engine.counts()
+        for _ in range(CALIBRATION_STEPS):
+            engine.update(engine.forward(trace.batch(p), trace.offsets), grad)
+        after = engine.counts()
+        measured = (after["hits"] - before["hits"]) / max(1, after["lookups"] - before["lookups"])
+        best = min(best, (abs(measured - target), p))
+        if abs(measured - target) <= TOLERANCE / 2:
+            break
+        p = min(1.0, max(0.0, p + (target - measured)))
+    return best[1]
+
+
+def measure(engine, trace: Trace, p: float, steps: int, rounds: int, clock: Clock) -> dict:
+    """Median over ``rounds`` of the forward's and the backward + update's GB/s over ``steps``
+    fresh steps each, and the hit rate the table counted over all of them."""
+    grad = torch.randn(trace.offsets.numel() - 1, engine.fp32_row // 4, device=trace.device)
+    first = engine.counts()
+    fwd, upd = [], []
+    for _ in range(rounds):
+        batches = [trace.batch(p) for _ in range(steps)]
+        seconds, moved = [0.0, 0.0], [0, 0]
+        for ids in batches:
+            before = engine.counts()
+            t0 = clock()
+            out = engine.forward(ids, trace.offsets)
+            t1 = clock()
+            middle = engine.counts()
+            engine.update(out, grad)
+            t2 = clock()
+            after = engine.counts()
+            seconds[0] += t1 - t0
+            seconds[1] += t2 - t1
+            moved[0] += engine.forward_bytes(before, middle, ids)
+            moved[1] += engine.update_bytes(middle, after, ids)
+        fwd.append(moved[0] / seconds[0] / 1e9)
+        upd.append(moved[1] / seconds[1] / 1e9)
+    last = engine.counts()
+    lookups = last["lookups"] - first["lookups"] if last else 0
+    return {
+        "forward_gbs": statistics.median(fwd),
+        "update_gbs": statistics.median(upd),
+        "forward_gbs_rounds": fwd,
+        "update_gbs_rounds": upd,
+        "hit_rate": (last["hits"] - first["hits"]) / lookups if lookups else None,
+    }
+
+
+def ceilings(rows: int, dim: int, lookups: int, device: torch.device, clock: Clock) -> dict:
+    """GB/s of a sequential copy (read plus written) and of a random gather of FP32 rows of
+    ``dim`` from a [rows, dim] table (read): medians of 10."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 26)  # 1 GiB / 256 MiB of floats
+    src = torch.rand(n, device=device)
+    dst = torch.empty_like(src)
+    table = torch.rand(rows, dim, device=device)
+    ids = torch.randint(0, rows, (10, lookups), device=device)
+
+    def rate(work, nbytes) -> float:
+        work(0)
+        times = []
+        for k in range(10):
+            t0 = clock()
+            work(k)
+            times.append(clock() - t0)
+        return nbytes / statistics.median(times) / 1e9
+
+    copy = rate(lambda k: dst.copy_(src), 2 * src.nbytes)
+    gather = rate(lambda k: table.index_select(0, ids[k]), lookups * dim * 4)
+    return {"copy_gbs": copy, "gather_gbs": gather}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted(results["dims"], key=int)
+    fig, axes = plt.subplots(2, len(dims), figsize=(6.5 * len(dims), 9), squeeze=False)
+    for col, dim in enumerate(dims):
+        r = results["dims"][dim]
+        for row, (phase, title) in enumerate(
+            [("forward_gbs", "forward"), ("update_gbs", "backward + update")]
+        ):
+            ax = axes[row][col]
+            for name, points in r["engines"].items():
+                xs = [
+                    100 * (pt["hit_rate"] if pt["hit_rate"] is not None else pt["target"])
+                    for pt in points
+                ]
+                style = "-o" if "cache" in name else "--"
+                ax.plot(xs, [pt[phase] for pt in points], style, label=name, markersize=3)
+            ax.axhline(
+                r["ceilings"]["gather_gbs"], color="k", ls=":", label="random-row gather (FP32)"
+            )
+            ax.axhline(r["ceilings"]["copy_gbs"], color="gray", ls="-.", label="sequential copy")
+            ax.set_yscale("log")
+            ax.set_xlabel("hit rate (%)")
+            ax.set_ylabel("effective bandwidth (GB/s)")
+            ax.set_title(f"dim {dim}, {r['rows']:,} rows: {title}")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"Effective bandwidth on {results['where']}")
+    save_figure(fig, path)
+
+
+def markdown(results: dict, env: dict) -> str:
+    lines = [
+        f"# Effective bandwidth against hit rate ({results['where']})",
+        "",
+        environment_markdown(env),
+        "",
+    ]
+    lines.append(results["note"])
+    for dim, r in sorted(results["dims"].items(), key=lambda kv: int(kv[0])):
+        targets = [f"{100 * t:g}%" for t in results["hit_rates"]]
+        c = r["ceilings"]
+        lines += [
+            "",
+            f"## dim {dim}, {r['rows']:,} rows",
+            "",
+            f"Ceilings: sequential copy {c['copy_gbs']:.1f} GB/s, random-row gather "
+            f"{c['gather_gbs']:.1f} GB/s.",
+            "",
+            "GB/s forward / backward + update (measured hit rate) at each target hit rate:",
+            "",
+            "| engine | " + " | ".join(targets) + " |",
+            "|---|" + "---:|" * len(targets),
+        ]
+        for name, points in r["engines"].items():
+            cells = []
+            for pt in points:
+                hr = "" if pt["hit_rate"] is None else f" ({100 * pt['hit_rate']:.1f}%)"
+                cells.append(f"{pt['forward_gbs']:.1f} / {pt['update_gbs']:.1f}{hr}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--dims", default="16,128")
+    p.add_argument("--precisions", default="fp16,int8,int4,int2")
+    p.add_argument("--policies", default="lfu,lru")
+    p.add_argument("--hit-rates", default=",".join(f"{h:g}" for h in HIT_RATES))
+    p.add_argument(
+        "--rows",
+        type=int,
+        help="rows of every table (default: an INT8 store 100x the last-level cache, 10x the "
+        "L2 cache on a GPU)",
+    )
+    p.add_argument("--bags", type=int, help="bags per step (default: 2048, 16384 on a GPU)")
+    p.add_argument("--pooling", type=int, default=8, help="ids per bag (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, help="write bandwidth.json, .md and .png here")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bandwidth.py: --device cuda, but torch sees no CUDA device")
+    bags = args.bags or (16384 if device.type == "cuda" else 2048)
+    targets = [float(h) for h in args.hit_rates.split(",")]
+    clock = Clock(device)
+    env = environment(__file__, threads=torch.get_num_threads(), gpu=device.type == "cuda")
+    where = env.get("gpu", env["cpu_model"]) + (" (device memory)" if device.type == "cuda" else "")
+    results = {
+        "where": where,
+        "hit_rates": targets,
+        "cache": {"ratio": CACHE_RATIO, "ways": WAYS},
+        "bags": bags,
+        "pooling": args.pooling,
+        "note": (
+            f"Batches of {bags} bags x {args.pooling} ids, SGD; a {CACHE_RATIO:.0%} {WAYS}-way "
+            "cache; the median of "
+            f"{args.rounds} rounds of {args.steps} steps, after calibration steps that bring the "
+            "measured hit rate within a point of the target. Bytes are counted as the paper "
+            "counts them (see bench/bandwidth.py)."
+        ),
+        "dims": {},
+    }
+    for dim in (int(d) for d in args.dims.split(",")):
+        rows = args.rows or default_rows(device, dim)
+        engines = [
+            (
+                f"ours {prec} + {CACHE_RATIO:.0%} {WAYS}-way {pol.upper()} cache",
+                "cached",
+                dict(precision=prec, policy=pol, cache_ratio=CACHE_RATIO, associativity=WAYS),
+            )
+            for prec in args.precisions.split(",")
+            for pol in args.policies.split(",")
+        ]
+        engines += [
+            (f"ours {prec}, no cache", "ours", dict(precision=prec, cache_ratio=0.0))
+            for prec in ["fp32", *args.precisions.split(",")]
+        ]
+        engines.append(("nn.EmbeddingBag fp32 + SGD", "bag", {}))
+        if fbgemm_available():
+            engines.append(("FBGEMM TBE fp32 EXACT_SGD", "tbe", {}))
+        slots = embcache.CachedLowPrecisionEmbedding(
+            rows, dim, device="meta", cache_ratio=CACHE_RATIO, associativity=WAYS
+        ).config.num_slots
+        trace = Trace(rows, max(1, slots // 2), bags, args.pooling, device)
+        r = results["dims"][str(dim)] = {"rows": rows, "hot_rows": trace.hot, "engines": {}}
+        for name, kind, options in tqdm(engines, desc=f"dim {dim}", unit="engine"):
+            if kind in ("cached", "ours"):
+                engine = Ours(rows, dim, device, **options)
+            elif kind == "bag":
+                engine = EmbeddingBagSGD(rows, dim, device)
+                r["ceilings"] = ceilings(rows, dim, trace.lookups, device, clock)
+            else:
+                engine = FbgemmTBE(rows, dim, device)
+            points = []
+            for target in targets:
+                p_hot = calibrate(engine, trace, target) if kind == "cached" else target
+                point = measure(engine, trace, p_hot, args.steps, args.rounds, clock)
+                points.append({"target": target, "p_hot": p_hot, **point})
+            r["engines"][name] = points
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.out:  # after each dim, so that a run cut short keeps what it measured
+            write_results(results, env, args.out)
+    print(markdown(results, env))
+    if args.out:
+        print(f"wrote {args.out}/bandwidth.json, bandwidth.md, bandwidth.png")
+
+
+def write_results(results: dict, env: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "bandwidth.json", json.dumps({"environment": env, **results}, indent=2))
+    write_text(out / "bandwidth.md", markdown(results, env))
+    plot(results, out / "bandwidth.png")
+
+
+if __name__ == "__main__":
+    main()

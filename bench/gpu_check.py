@@ -11,7 +11,8 @@ each step logged into OUT and bounded in time so that the whole stays under 9 mi
 4. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
    script with ``--driver [DEVICE]``: tables of every format behind a cache, trained a few
    steps, flushed; the tests run it on the CPU with TorchRec and FBGEMM hidden);
-5. ``bandwidth``: ``bench/bandwidth.py --device cuda``, once that benchmark exists.
+5. ``bandwidth``: ``bench/bandwidth.py --device cuda`` into ``OUT/bandwidth/`` (results are
+   written after each dim, so a step cut at its limit keeps the dims it finished).
 
 ``OUT/gpu_check.json`` says each step's status (``passed``, ``failed``, ``skipped``, with the
 reason), its seconds and its log. Without a CUDA device it says so and exits 0; otherwise the
@@ -30,8 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
-# seconds each step may take: build 240, tests 150, each sanitizer 40, bandwidth 60 (< 9 min)
-LIMITS = {"environment": 20, "build": 240, "tests": 150, "bandwidth": 60}
+# seconds each step may take: build 120, tests 120, each sanitizer 40, bandwidth 180 (< 9 min);
+# on an H200 they took 45, 41, 5 to 26 and 142.
+LIMITS = {"environment": 20, "build": 120, "tests": 120, "bandwidth": 180}
 SANITIZER_LIMIT = 40
 
 
@@ -98,6 +100,8 @@ def main(argv: list[str]) -> int:
         return 0
     report["device"] = torch.cuda.get_device_name()
     report["cuda_version"] = torch.version.cuda
+    # the C++ compiler the build uses (torch.utils.cpp_extension: $CXX, else c++)
+    report["cxx"] = shutil.which(os.environ.get("CXX", "c++"))
     python = sys.executable
     here = {**os.environ, "PYTHONPATH": str(ROOT), "MAX_JOBS": str(os.cpu_count() or 4)}
     steps = report["steps"] = {}
@@ -113,11 +117,9 @@ def main(argv: list[str]) -> int:
             cmd = [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
             cmd += [python, "bench/gpu_check.py", "--driver"]
             steps[tool] = _step(tool, cmd, out, SANITIZER_LIMIT, here)
-        if (ROOT / "bench" / "bandwidth.py").exists():
-            bandwidth = [python, "bench/bandwidth.py", "--device", "cuda", "--out", str(out)]
-            steps["bandwidth"] = _step("bandwidth", bandwidth, out, LIMITS["bandwidth"], here)
-        else:
-            steps["bandwidth"] = {"status": "skipped (bench/bandwidth.py does not exist yet)"}
+        bandwidth = [python, "bench/bandwidth.py", "--device", "cuda", "--steps", "3"]
+        bandwidth += ["--out", str(out / "bandwidth")]
+        steps["bandwidth"] = _step("bandwidth", bandwidth, out, LIMITS["bandwidth"], here)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     for name, step in steps.items():
         print(f"{name}: {step['status']}")

@@ -9,6 +9,9 @@
 
 import os
 import platform
+import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import torch
@@ -49,6 +52,26 @@ def _with_cuda() -> bool:
     )
 
 
+def _check_cxx() -> None:
+    """Refuses, in one line, a C++ compiler that links libstdc++ statically into shared
+    libraries (a wrapper adding -static-libstdc++, as one CUDA image's $CXX does): the extension
+    then carries its own copy of libstdc++, whose streams crash in torch's process the first
+    time they format a number, i.e. at the first error message with an index in it."""
+    cxx = os.environ.get("CXX", "c++")
+    named_by = "$CXX" if "CXX" in os.environ else "the default"
+    dry_run = [*shlex.split(cxx), "-shared", "-###", "-x", "c++", os.devnull, "-o", os.devnull]
+    try:
+        done = subprocess.run(dry_run, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return  # no such compiler: the build itself says so
+    if re.search(r'-Bstatic\s+"?-lstdc\+\+', done.stderr):
+        raise SystemExit(
+            f"embcache: the C++ compiler {cxx!r} ({named_by}) links libstdc++ statically into shared "
+            "libraries, and an extension built so crashes inside torch; set CXX (and CC) to one "
+            "that links it dynamically, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc"
+        )
+
+
 def _main_extension():
     # each file of csrc/cpu is one phase (or the library's definition) and registers its ops
     sources = sorted(str(p.relative_to(ROOT)) for p in Path(ROOT, "csrc", "cpu").glob("*.cpp"))
@@ -84,6 +107,7 @@ def _emulator_extension():
     )
 
 
+_check_cxx()
 extensions = [_main_extension()]
 if os.environ.get("EMBCACHE_NO_EMULATOR") != "1":
     extensions.append(_emulator_extension())

@@ -5,7 +5,9 @@ each step logged into OUT and bounded in time so that the whole stays under 9 mi
 
 1. ``environment``: the GPU (nvidia-smi), the driver, torch and CUDA versions;
 2. ``build``: the extension for the GPU present, in place (``setup.py build_ext --inplace``,
-   the CUDA kernels and the warp emulator);
+   the CUDA kernels and the warp emulator). Where setup.py refuses $CXX because it links
+   libstdc++ statically (the workplace's CUDA image sets CXX to such a wrapper), the build is
+   retried once with the distribution's /usr/bin/g++;
 3. ``tests``: the CUDA tests (``tests/test_cuda_kernels.py``, ``tests/test_cuda_modules.py``),
    the kernels against the CPU ops bit for bit;
 4. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
@@ -35,6 +37,9 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 # on an H200 they took 45, 41, 5 to 26 and 142.
 LIMITS = {"environment": 20, "build": 120, "tests": 120, "bandwidth": 180}
 SANITIZER_LIMIT = 40
+# setup.py's refusal of a compiler whose shared libraries carry their own libstdc++
+STATIC_LIBSTDCXX = "links libstdc++ statically"
+SYSTEM_COMPILERS = {"CXX": "/usr/bin/g++", "CC": "/usr/bin/gcc"}
 
 
 def driver(device: str) -> None:
@@ -98,16 +103,21 @@ def main(argv: list[str]) -> int:
         print("gpu-check: no CUDA device here; nothing to check (run it on a GPU machine)")
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
         return 0
-    report["device"] = torch.cuda.get_device_name()
-    report["cuda_version"] = torch.version.cuda
-    # the C++ compiler the build uses (torch.utils.cpp_extension: $CXX, else c++)
-    report["cxx"] = shutil.which(os.environ.get("CXX", "c++"))
+    from _common import environment  # bench/, beside this script
+
+    report["environment"] = environment(__file__, [str(out)], gpu=True)
     python = sys.executable
     here = {**os.environ, "PYTHONPATH": str(ROOT), "MAX_JOBS": str(os.cpu_count() or 4)}
     steps = report["steps"] = {}
     steps["environment"] = _step("environment", ["nvidia-smi"], out, LIMITS["environment"])
     build = [python, "setup.py", "build_ext", "--inplace"]
     steps["build"] = _step("build", build, out, LIMITS["build"], here)
+    if steps["build"]["status"] != "passed" and STATIC_LIBSTDCXX in (out / "build.log").read_text():
+        report["cxx_refused"] = os.environ.get("CXX")
+        here.update(SYSTEM_COMPILERS)
+        steps["build"] = _step("build", build, out, LIMITS["build"], here)
+    # the C++ compiler the build used (torch.utils.cpp_extension: $CXX, else c++)
+    report["cxx"] = shutil.which(here.get("CXX", "c++"))
     if steps["build"]["status"] == "passed":
         tests = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
         tests += ["tests/test_cuda_kernels.py", "tests/test_cuda_modules.py"]

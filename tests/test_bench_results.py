@@ -76,3 +76,29 @@ def test_environment_versions_and_dirty_state(monkeypatch):
     monkeypatch.setitem(_common.PACKAGES, "torchrec", ("no-such-distribution",))
     assert _common.environment("bench/x.py", [])["torchrec"] == "not installed"
     assert "threads" not in _common.environment("bench/x.py", [])
+
+
+def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_path):
+    argv = ["--dims", "8", "--precisions", "int8", "--policies", "lfu,lru", "--rows", "200000"]
+    argv += ["--hit-rates", "0,0.5,0.9", "--bags", "256", "--pooling", "4", "--steps", "2"]
+    argv += ["--rounds", "1", "--out", str(tmp_path)]
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bandwidth.py"), *argv],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    result = json.loads((tmp_path / "bandwidth.json").read_text())
+    _check(result["environment"], "python bench/bandwidth.py " + " ".join(argv))
+    engines = result["dims"]["8"]["engines"]
+    for policy in ("LFU", "LRU"):
+        points = engines[f"ours int8 + 5% 32-way {policy} cache"]
+        assert [p["target"] for p in points] == [0.0, 0.5, 0.9]
+        for p in points:  # measured by the table's own counters, over the timed steps
+            assert abs(p["hit_rate"] - p["target"]) <= 0.02, (policy, p)
+            assert p["forward_gbs"] > 0 and p["update_gbs"] > 0
+    assert {p["hit_rate"] for p in engines["ours int8, no cache"]} == {0.0}
+    assert "nn.EmbeddingBag fp32 + SGD" in engines and "FBGEMM TBE fp32 EXACT_SGD" in engines
+    assert (tmp_path / "bandwidth.png").stat().st_size > 0
+    md = (tmp_path / "bandwidth.md").read_text().splitlines()
+    assert md[2] == f"Command: `python bench/bandwidth.py {' '.join(argv)}`  "

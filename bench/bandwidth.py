@@ -41,6 +41,7 @@ library versions. Examples:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -52,6 +53,7 @@ from torch import nn
 from tqdm import tqdm
 
 import embcache
+from embcache.config import PRECISION_BITS
 
 HIT_RATES = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 CACHE_RATIO, WAYS = 0.05, 32
@@ -409,7 +411,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dims", default="16,128")
-    p.add_argument("--precisions", default="fp16,int8,int4,int2")
+    p.add_argument(
+        "--precisions",
+        default=",".join(f for f in PRECISION_BITS if f != "fp32"),
+        help="formats behind a cache (default: the low-precision ones, %(default)s)",
+    )
     p.add_argument("--policies", default="lfu,lru")
     p.add_argument("--hit-rates", default=",".join(f"{h:g}" for h in HIT_RATES))
     p.add_argument(
@@ -490,6 +496,7 @@ def main() -> None:
                 points.append({"target": target, "p_hot": p_hot, **point})
             r["engines"][name] = points
             del engine
+            gc.collect()  # a table and its group refer to each other: only the collector frees it
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if args.out:  # after each dim, so that a run cut short keeps what it measured

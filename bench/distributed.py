@@ -3,7 +3,9 @@ step, ours against TorchRec's own sharded FP32 EmbeddingBagCollection, in one ru
 
 Both engines train the same DLRM (preset kaggle, FP32 dense: TorchRec has no FP16
 master-weight path; dense AdaGrad) on the same global batches, each rank reading its part of
-every batch from the same memory-mapped dataset:
+every batch from the same memory-mapped dataset, chosen by dlrm train's data options
+(--data, --synthetic-rows, --synthetic-scale, also taken as --rows, --scale; here 2M
+synthetic rows by default, generated once under --data-root):
 
 * ours: INT8 tables behind a 5% 32-way LFU cache, row-wise AdaGrad, sharded by our sharder
   with the plan of TorchRec's planner fed our bytes (``dlrm.distributed.shard``), trained by
@@ -197,22 +199,30 @@ def run(engine: str, world: int, args: dict, data: str) -> list[dict]:
 
 
 def main() -> None:
+    from dlrm.build import resolve_data
+    from dlrm.cli import add_data_options
+    from dlrm.config import RunConfig
+
     p = parser(__doc__)
-    p.add_argument("--scale", type=float, default=1.0, help="Kaggle cardinalities times this")
-    p.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows to generate")
+    add_data_options(p, old_names=True)  # docs/scaling.md's command says --scale, --rows
+    p.set_defaults(synthetic_rows=2_000_000)
     p.add_argument("--batch-size", type=int, default=2048, help="global batch")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3, help="runs of each; the median is shown")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--data-root", type=Path, default=Path("runs/bench-distributed"))
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        default=Path("runs/bench-distributed"),
+        help="the synthetic data goes to DATA_ROOT/data/ (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, help="write distributed.md and distributed.json here")
     args = p.parse_args()
-    from dlrm.data.synthetic import SyntheticCriteo
-
-    data = args.data_root / f"synthetic-scale{args.scale}-rows{args.rows}"
-    if not (data / "meta.json").exists():
-        SyntheticCriteo(scale=args.scale, seed=0).write(data, args.rows)
+    cfg = RunConfig(
+        data=args.data, synthetic_rows=args.synthetic_rows, synthetic_scale=args.synthetic_scale
+    )
+    data = resolve_data(cfg, args.data_root)
     env = environment(__file__, threads=args.threads)
     shared = {k: getattr(args, k) for k in ("batch_size", "steps", "warmup", "threads")}
     results: dict[str, list] = {}  # name -> one list of every rank's figures per repeat
@@ -246,12 +256,17 @@ def main() -> None:
 
 def _markdown(env: dict, args, data: Path, results: dict) -> str:
     meta = json.loads((data / "meta.json").read_text())
+    what = (
+        f"Synthetic data at scale {args.synthetic_scale}"
+        if args.data == "synthetic"
+        else f"Data {args.data}"
+    )
     lines = [
         "# Distributed DLRM training (gloo, CPU)",
         "",
         environment_markdown(env),
         "",
-        f"Synthetic data at scale {args.scale} ({sum(meta['cardinalities']):,} rows in 26 "
+        f"{what} ({sum(meta['cardinalities']):,} rows in 26 "
         f"tables, dim 16), global batch {args.batch_size}, {args.warmup} warm-up and "
         f"{args.steps} timed steps, {args.threads} threads shared by the processes; "
         f"{args.repeats} runs of each, interleaved.",

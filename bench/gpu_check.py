@@ -48,10 +48,11 @@ def driver(device: str) -> None:
     import torch
 
     from embcache import CachedLowPrecisionEmbedding
+    from embcache.config import POLICIES, PRECISION_BITS
 
     gen = torch.Generator().manual_seed(0)
-    for precision in ("fp32", "fp16", "int8", "int4", "int2"):
-        for policy in ("lfu", "lru"):
+    for precision in PRECISION_BITS:
+        for policy in POLICIES:
             table = CachedLowPrecisionEmbedding(
                 4096,
                 16,

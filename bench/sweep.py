@@ -62,12 +62,13 @@ from tqdm import tqdm
 from dlrm.build import resolve_data
 from dlrm.cli import add_data_options
 from dlrm.config import RunConfig
+from dlrm.model import PRESETS
 from dlrm.run_dir import latest_checkpoint, remove_checkpoints
 from dlrm.train import train
 from embcache import TableConfig, compression_factor
+from embcache.config import POLICIES, PRECISION_BITS, ROUNDINGS
 
-PRECISIONS = ["fp32", "fp16", "int8", "int4", "int2"]
-ROUNDINGS = ["nearest", "stochastic"]
+PRECISIONS = tuple(PRECISION_BITS)  # fp32 (the reference) first, then the low precisions
 NEUTRAL = 0.02  # % relative accuracy drop
 PAPER_TABLE = {("lfu", 32): 3, ("lru", 1): 4, ("lfu", 1): 5}
 CONFIG = ["precision", "rounding", "cache", "policy", "ways"]
@@ -541,8 +542,8 @@ def write_outputs(out: Path, base: dict, env: dict | None = None) -> pd.DataFram
 def main(argv=None) -> int:
     p = parser(__doc__)
     g = p.add_argument_group("grid (fp32 = the reference, always run once per seed)")
-    g.add_argument("--precision", nargs="+", choices=PRECISIONS, default=PRECISIONS[1:])
-    g.add_argument("--rounding", nargs="+", choices=ROUNDINGS, default=ROUNDINGS)
+    g.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS[1:]))
+    g.add_argument("--rounding", nargs="+", choices=ROUNDINGS, default=list(ROUNDINGS))
     g.add_argument(
         "--cache",
         type=float,
@@ -550,7 +551,7 @@ def main(argv=None) -> int:
         default=[0, 5, 10, 30, 50],
         help="%% of each table's rows; 0 = none",
     )
-    g.add_argument("--policy", nargs="+", choices=["lfu", "lru"], default=["lfu"])
+    g.add_argument("--policy", nargs="+", choices=POLICIES, default=["lfu"])
     g.add_argument("--ways", type=int, nargs="+", default=[32], help="associativities")
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     g = p.add_argument_group("shared by every run (fixed by the sweep's first invocation)")
@@ -560,7 +561,7 @@ def main(argv=None) -> int:
         "--steps", type=int, default=d.steps, help="training steps per run (default: one epoch)"
     )
     g.add_argument("--batch-size", type=int, default=d.batch_size)
-    g.add_argument("--preset", choices=["kaggle", "paper"], default=d.preset)
+    g.add_argument("--preset", choices=list(PRESETS), default=d.preset)
     p.add_argument(
         "--checkpoint-every",
         type=int,

@@ -9,6 +9,11 @@ table prints samples/s and the ratio (target >= 1.0), under
 the command, commit, machine and library versions (bench/_common.environment); --out DIR also
 writes them to DIR/train_throughput.md and DIR/train_throughput.json.
 
+The batches are drawn in memory from the synthetic generator, as many as the steps take, not
+read from a data directory: so the script has --scale (Kaggle cardinalities times this,
+default 0.01, tables small enough for a quick CPU comparison) rather than dlrm train's data
+options, whose --data and --synthetic-rows would mean nothing here.
+
     python bench/train_throughput.py                       # scale 0.01: tables up to ~100k rows
     python bench/train_throughput.py --dense-precision fp32 --scale 0.05
     python bench/train_throughput.py --out bench/results/train_throughput
@@ -33,6 +38,8 @@ from _common import environment, environment_markdown, write_text  # noqa: E402
 from dlrm.build import build_model, build_trainer  # noqa: E402
 from dlrm.config import RunConfig  # noqa: E402
 from dlrm.data.synthetic import SyntheticCriteo  # noqa: E402
+from dlrm.mixed_precision import DENSE_PRECISIONS  # noqa: E402
+from dlrm.model import PRESETS  # noqa: E402
 
 
 def train_steps(trainer, batches) -> float:
@@ -50,8 +57,8 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="timed steps per engine per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    p.add_argument("--dense-precision", choices=["fp32", "fp16"], default="fp16")
-    p.add_argument("--preset", choices=["kaggle", "paper"], default="kaggle")
+    p.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default="fp16")
+    p.add_argument("--preset", choices=list(PRESETS), default="kaggle")
     p.add_argument("--json", help="also write the results here")
     p.add_argument(
         "--out",

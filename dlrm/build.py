@@ -17,7 +17,7 @@ from dlrm.data.criteo import DataError
 from dlrm.data.synthetic import SyntheticCriteo
 from dlrm.errors import RunError
 from dlrm.mixed_precision import MixedPrecisionTrainer, make_scaler
-from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, make_torchrec_ebc
+from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, TABLE_NAMES, make_torchrec_ebc
 from embcache import CachedLowPrecisionEmbeddingBagCollection
 
 
@@ -61,8 +61,8 @@ def build_model(cfg: RunConfig, cardinalities: list[int], device: str | None = N
     if cfg.embeddings == "torchrec":  # the FP32 baseline; else ours (RunConfig.validate)
         return DLRM.from_preset(cfg.preset, make_torchrec_ebc(cardinalities, dim))
     tables = [
-        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[key])
-        for i, (n, key) in enumerate(zip(cardinalities, SPARSE_KEYS))
+        EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=n, feature_names=[key])
+        for name, n, key in zip(TABLE_NAMES, cardinalities, SPARSE_KEYS)
     ]
     collection = CachedLowPrecisionEmbeddingBagCollection(
         tables, per_table=cfg.tables, device=device, **cfg.table_defaults()

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import signal
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 from dlrm.config import EMBEDDINGS, RunConfig  # noqa: E402
 from dlrm.errors import RunError, Stopped  # noqa: E402
 from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS  # noqa: E402
-from dlrm.model import PRESETS  # noqa: E402
+from dlrm.model import PRESETS, TABLE_NAMES  # noqa: E402
 from embcache.config import OPTIMIZERS as TABLE_OPTIMIZERS  # noqa: E402
 from embcache.config import POLICIES, PRECISION_BITS, QPARAMS, ROUNDINGS  # noqa: E402
 
@@ -53,16 +52,6 @@ def _int_at_least(low: int):
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
-    return value
-
-
 def _table_override(text: str) -> tuple[str, dict]:
     """``NAME:key=value,key=value`` -> (NAME, {key: value}) with numbers parsed."""
     try:
@@ -84,24 +73,35 @@ def _table_override(text: str) -> tuple[str, dict]:
         ) from None
 
 
-def add_data_options(g) -> None:
+def add_data_options(g, *, old_names: bool = False) -> None:
     """The options that choose a run's data (``--data``, ``--synthetic-rows``,
     ``--synthetic-scale``, RunConfig's fields of those names), for ``g`` a parser or an
-    argument group: the command line and the benchmark scripts share them."""
-    d = _DEFAULTS
+    argument group: the command line and the benchmark scripts share them. ``old_names``:
+    as in :func:`add_synthetic_options`."""
     g.add_argument(
         "--data",
-        default=d.data,
+        default=_DEFAULTS.data,
         help="a preprocessed directory, or 'synthetic' (default: generated once, deterministic)",
     )
+    add_synthetic_options(g, old_names=old_names)
+
+
+def add_synthetic_options(g, *, old_names: bool = False) -> None:
+    """``--synthetic-rows`` and ``--synthetic-scale``, the synthetic data's size (RunConfig's
+    fields of those names, which ``RunConfig.validate`` checks), for ``g`` a parser or an
+    argument group; with ``old_names`` also taken as ``--rows`` and ``--scale``, the names
+    ``dlrm generate`` and ``bench/distributed.py`` had first (and documented commands use)."""
+    d = _DEFAULTS
     g.add_argument(
         "--synthetic-rows",
+        *(["--rows"] if old_names else []),
         type=int,
         default=d.synthetic_rows,
         help="rows of the synthetic data (default: %(default)s)",
     )
     g.add_argument(
         "--synthetic-scale",
+        *(["--scale"] if old_names else []),
         type=float,
         default=d.synthetic_scale,
         help="Kaggle cardinalities times this (default: %(default)s)",
@@ -133,7 +133,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME:key=value,...",
-        help="per-table override, e.g. t_2:precision=int4,cache_ratio=0.1 (tables are t_0..t_25)",
+        help="per-table override, e.g. t_2:precision=int4,cache_ratio=0.1 "
+        f"(tables are {TABLE_NAMES[0]}..{TABLE_NAMES[-1]})",
     )
     g = p.add_argument_group("training")
     g.add_argument("--preset", choices=list(PRESETS), default=d.preset)
@@ -295,11 +296,14 @@ def main(argv=None) -> int:
         help="hash ids modulo this (0: no hashing)",
     )
 
-    p = sub.add_parser("generate", help="write the synthetic Criteo-like data set to a directory")
+    p = sub.add_parser(
+        "generate",
+        help="write the synthetic Criteo-like data set to a directory: the data dlrm train "
+        "generates with the same options",
+    )
     p.add_argument("out", type=Path)
-    p.add_argument("--rows", type=_int_at_least(1), default=_DEFAULTS.synthetic_rows)
-    p.add_argument("--scale", type=_positive_float, default=_DEFAULTS.synthetic_scale)
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    add_synthetic_options(p, old_names=True)
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
 
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
@@ -376,7 +380,15 @@ def _dispatch(args) -> int:
         elif args.command == "generate":
             from dlrm.data.synthetic import SyntheticCriteo
 
-            meta = SyntheticCriteo(scale=args.scale, seed=args.seed).write(args.out, args.rows)
+            cfg = RunConfig(
+                synthetic_rows=args.synthetic_rows,
+                synthetic_scale=args.synthetic_scale,
+                seed=args.seed,
+            )
+            cfg.validate()
+            meta = SyntheticCriteo(scale=cfg.synthetic_scale, seed=cfg.seed).write(
+                args.out, cfg.synthetic_rows
+            )
             print(
                 json.dumps(
                     {k: meta[k] for k in ("rows", "cardinalities", "bayes_auc") if k in meta}

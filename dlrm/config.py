@@ -9,10 +9,13 @@ import math
 from dlrm.data.synthetic import scaled_cardinalities
 from dlrm.errors import RunError
 from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS
-from dlrm.model import PRESETS, SPARSE_KEYS
+from dlrm.model import PRESETS, TABLE_NAMES
 from embcache.config import TableConfig
 
 EMBEDDINGS = ("embcache", "torchrec")  # ours, or TorchRec's FP32 collection (the baseline)
+# TableConfig's defaults, stated there once: a run's table options take them, all but the
+# embedding optimizer and its learning rate (emb_optimizer, emb_lr), which are a run's own
+_TABLECONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TableConfig)}
 
 
 @dataclasses.dataclass
@@ -26,15 +29,15 @@ class RunConfig:
     synthetic_scale: float = 1.0
     preset: str = "kaggle"
     embeddings: str = "embcache"  # or "torchrec" (FP32 baseline)
-    precision: str = "int8"
-    rounding: str = "stochastic"
-    cache_ratio: float = 0.05
-    associativity: int = 32
-    policy: str = "lfu"
+    precision: str = _TABLECONFIG_DEFAULTS["precision"]
+    rounding: str = _TABLECONFIG_DEFAULTS["rounding"]
+    cache_ratio: float = _TABLECONFIG_DEFAULTS["cache_ratio"]
+    associativity: int = _TABLECONFIG_DEFAULTS["associativity"]
+    policy: str = _TABLECONFIG_DEFAULTS["policy"]
     emb_optimizer: str = "rowwise_adagrad"
     emb_lr: float = 0.05
-    qparams: str = "fp32"
-    min_rows_for_low_precision: int = 1000
+    qparams: str = _TABLECONFIG_DEFAULTS["qparams"]
+    min_rows_for_low_precision: int = _TABLECONFIG_DEFAULTS["min_rows_for_low_precision"]
     tables: dict = dataclasses.field(default_factory=dict)
     dense_precision: str = "fp16"
     loss_scaler: str = "backoff"
@@ -123,10 +126,12 @@ class RunConfig:
                     f"--synthetic-scale {self.synthetic_scale:g}: the largest table would have "
                     f"{rows:,} rows, and a table's rows must be {rule}"
                 ) from None
-        tables = [f"t_{i}" for i in range(len(SPARSE_KEYS))]
         for table, options in self.tables.items():
-            if table not in tables:
-                raise RunError(f"--table {table}: no such table (tables are t_0 ... {tables[-1]})")
+            if table not in TABLE_NAMES:
+                raise RunError(
+                    f"--table {table}: no such table "
+                    f"(tables are {TABLE_NAMES[0]} ... {TABLE_NAMES[-1]})"
+                )
             unknown = set(options) - _TABLE_OPTIONS
             if unknown:
                 raise RunError(

@@ -25,6 +25,7 @@ from dlrm.mixed_precision import Linear, bmm
 __all__ = [
     "NUM_DENSE",
     "SPARSE_KEYS",
+    "TABLE_NAMES",
     "DLRMConfig",
     "PRESETS",
     "make_torchrec_ebc",
@@ -35,6 +36,7 @@ __all__ = [
 
 NUM_DENSE = 13
 SPARSE_KEYS = tuple(f"cat_{i}" for i in range(26))
+TABLE_NAMES = tuple(f"t_{i}" for i in range(len(SPARSE_KEYS)))  # table t_k serves feature cat_k
 
 
 @dataclasses.dataclass(frozen=True)

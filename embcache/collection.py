@@ -105,14 +105,13 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
     @staticmethod
     def _check_lengths(features: KeyedJaggedTensor) -> list[int]:
-        """Each feature's number of ids from the lengths, checked: one length per feature and
+        """Each feature's number of ids from the lengths of ``features`` (one batch size for
+        every feature: the forward checks that first), checked: one length per feature and
         sample, none negative, as many ids as the lengths add up to, and a length_per_key or
         offset_per_key the KeyedJaggedTensor carries agreeing with them; else a ValueError
         naming the feature. Not on the per-step path: run before a permute reads the lengths,
         and when the C++ forward (which checks lengths against values, but does not read a
         length_per_key) has refused the input."""
-        if features.variable_stride_per_key():
-            raise ValueError("variable batch size per feature is not supported")
         keys, batch, lengths = features.keys(), features.stride(), features.lengths()
         if lengths.dim() != 1 or lengths.numel() != len(keys) * batch:
             raise ValueError(
@@ -152,14 +151,13 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
     def _check(self, features: KeyedJaggedTensor, names: list[str], table_of: list[int]) -> None:
         """Consistent lengths, every id in range for its table: else a ValueError naming the
-        feature. (Run only when the C++ forward, which checks the same, has refused the input.)"""
+        feature. (Run only when the C++ forward, which checks the same, has refused input whose
+        batch size and id dtype the forward has already checked.)"""
         for t in self._table_list:
             if t.weights.is_meta:
                 raise ValueError(f"table '{t.config.name}': {META_TABLE}")
         per_key = self._check_lengths(features)
         values = features.values()
-        if values.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"ids must be int64 or int32, got {values.dtype}")
         weights = features.weights_or_none()
         if weights is not None and weights.numel() != values.numel():
             raise ValueError(
@@ -185,6 +183,8 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
         All tables run in one table-batched C++ call (tables in parallel)."""
         names, table_of, dims = self._layout
+        if features.variable_stride_per_key():
+            raise ValueError("variable batch size per feature is not supported")
         keys = features.keys()
         if keys != names:
             missing = [n for n in names if n not in keys]
@@ -192,8 +192,6 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"features {missing} are missing from the input")
             self._check_lengths(features)  # the permute trusts them
             features = features.permute([keys.index(n) for n in names])
-        if features.variable_stride_per_key():
-            raise ValueError("variable batch size per feature is not supported")
         if features.values().dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {features.values().dtype}")
         values = features.values().long().contiguous()

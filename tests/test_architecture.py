@@ -1,7 +1,8 @@
 """The layering of embcache/ and dlrm/ (docs/design.md, "Architecture"): no two modules
 import each other, directly or through others, and no module imports or reads another
-module's private names. Imports are read from the source (inside functions too), so a
-circle hidden in a function-level import is found as well."""
+module's private names, its module-level ones or its objects' private attributes. Imports are
+read from the source (inside functions too), so a circle hidden in a function-level import is
+found as well."""
 
 from __future__ import annotations
 
@@ -47,6 +48,58 @@ def _imports(name: str, tree: ast.Module, modules) -> list[tuple[str, str | None
     return [(m, n) for m, n in found if m != name]
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _private_members(tree: ast.Module) -> set[str]:
+    """The private attributes a module gives its objects: ``def _x`` (a method, or a function),
+    ``self._x = ...`` / ``cls._x = ...``, and ``_x = ...`` in a class body."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if _is_self(node.value):
+                found.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign):
+                    targets = stmt.targets
+                elif isinstance(stmt, ast.AnnAssign):
+                    targets = [stmt.target]
+                else:
+                    continue
+                found |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return {n for n in found if _private(n)}
+
+
+def _private_attribute_uses(
+    name: str, tree: ast.Module, modules, members: dict[str, set[str]]
+) -> list[str]:
+    """Every ``x._a`` in module ``name`` (``x`` anything but ``self`` or ``cls``) where ``_a``
+    is another module's private attribute: ``members`` (each module's
+    :func:`_private_members`) has ``_a`` in a module M other than this one, and either this
+    module defines no ``_a`` of its own or it imports M (so ``x`` may well be M's object). Names
+    no module here defines (torch's, TorchRec's privates) are not looked at."""
+    imported = {m for m, _ in _imports(name, tree, modules)}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)) or _is_self(node.value):
+            continue
+        owners = {m for m, attrs in members.items() if m != name and node.attr in attrs}
+        if node.attr in members.get(name, ()):
+            owners &= imported
+        found += [
+            f"{name} line {node.lineno} reads {m}'s {ast.unparse(node)}" for m in sorted(owners)
+        ]
+    return found
+
+
 def test_no_module_imports_itself_through_others():
     modules = _modules()
     graph = {name: {m for m, _ in _imports(name, tree, modules)} for name, tree in modules.items()}
@@ -74,8 +127,10 @@ def test_no_module_imports_itself_through_others():
 
 def test_no_module_uses_another_modules_private_names():
     modules = _modules()
+    members = {name: _private_members(tree) for name, tree in modules.items()}
     found = []
     for name, tree in modules.items():
+        found += _private_attribute_uses(name, tree, modules, members)
         imports = _imports(name, tree, modules)
         found += [
             f"{name} imports {m}.{n}"
@@ -108,9 +163,39 @@ def test_no_module_uses_another_modules_private_names():
 
 
 def test_the_checks_find_what_they_look_for(tmp_path, monkeypatch):
-    """The walkers see a circle through a function-level import and a private import."""
+    """The walkers see a circle through a function-level import, a private import, and a
+    read of another module's object's private attribute (also where the reading module has
+    an attribute of that name of its own, as trainer.py once read its scaler's ``_state``)."""
     a = ast.parse("def f():\n    from dlrm import b\n")
     b = ast.parse("from dlrm.a import _hidden\n")
     modules = {"dlrm.a": a, "dlrm.b": b}
     assert _imports("dlrm.a", a, modules) == [("dlrm.b", None)]
     assert _imports("dlrm.b", b, modules) == [("dlrm.a", "_hidden")]
+
+    owner = ast.parse("class S:\n    _state = ()\n    def _load(self):\n        self._n = 1\n")
+    reader = ast.parse(
+        "from dlrm.s import S\n"
+        "class T:\n"
+        "    def __init__(self):\n"
+        "        self._state = {}\n"  # its own _state, and its own reads of it
+        "        self.s = S()\n"
+        "    def f(self, other):\n"
+        "        return self._state, self.s._state, other._n, other._load, other._mine\n"
+    )
+    apart = ast.parse(  # defines _state too, and imports nothing of dlrm.s: its own
+        "class U:\n    _state = 0\n    def f(self, other):\n        return other._state\n"
+    )
+    modules = {"dlrm.s": owner, "dlrm.t": reader, "dlrm.u": apart}
+    members = {name: _private_members(tree) for name, tree in modules.items()}
+    assert members == {
+        "dlrm.s": {"_state", "_load", "_n"},
+        "dlrm.t": {"_state"},
+        "dlrm.u": {"_state"},
+    }
+    reads = _private_attribute_uses("dlrm.t", reader, modules, members)
+    assert reads == [
+        "dlrm.t line 7 reads dlrm.s's self.s._state",
+        "dlrm.t line 7 reads dlrm.s's other._n",
+        "dlrm.t line 7 reads dlrm.s's other._load",
+    ]
+    assert _private_attribute_uses("dlrm.u", apart, modules, members) == []

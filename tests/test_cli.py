@@ -55,8 +55,8 @@ def _strict_json(path):
         (["train", "--table", "t_2"], "--table"),
         (["train", "--nproc-per-node", "0"], "--nproc-per-node"),
         (["train", "--nproc-per-node", "2", "--batch-size", "255"], "--nproc-per-node (2)"),
-        (["generate", "OUT", "--scale", "-1"], "--scale"),
-        (["generate", "OUT", "--rows", "0"], "--rows"),
+        (["generate", "OUT", "--synthetic-scale", "-1"], "--synthetic-scale"),
+        (["generate", "OUT", "--rows", "0"], "--synthetic-rows"),  # its old name, the same check
         (["preprocess", "SRC", "OUT", "--min-count", "0"], "--min-count"),
     ],
 )

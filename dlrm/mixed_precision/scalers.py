@@ -19,11 +19,11 @@ class LossScaler:
     applied and skipped steps alike: ``found_inf`` is true iff a dense or embedding gradient was
     non-finite, and ``max_abs_grad`` is the largest unscaled |gradient| (non-finite on overflow,
     0 when every gradient is zero). The new ``scale`` is used from the next step on.
-    ``state_dict`` holds the mutable state only; the configuration comes from the constructor.
-    Scales are Python floats (double precision).
+    ``state_dict`` holds the mutable state only, the attributes named by ``state_keys``; the
+    configuration comes from the constructor. Scales are Python floats (double precision).
     """
 
-    _state: tuple[str, ...] = ("scale",)
+    state_keys: tuple[str, ...] = ("scale",)
 
     def __init__(self, scale: float) -> None:
         if not (math.isfinite(scale) and scale > 0):
@@ -34,10 +34,10 @@ class LossScaler:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self._state}
+        return {name: getattr(self, name) for name in self.state_keys}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in self._state:
+        for name in self.state_keys:
             setattr(self, name, state[name])
 
     def __repr__(self) -> str:
@@ -63,7 +63,7 @@ class BackoffScaler(LossScaler):
     as a float32 tensor and refuses a growth to inf; here scales are doubles).
     """
 
-    _state = ("scale", "growth_tracker")
+    state_keys = ("scale", "growth_tracker")
 
     def __init__(
         self,
@@ -117,7 +117,7 @@ class LogMaxScaler(LossScaler):
     Arithmetic is in double precision (OpenSeq2Seq: float32).
     """
 
-    _state = ("scale", "t", "m1", "m1s", "m2")
+    state_keys = ("scale", "t", "m1", "m1s", "m2")
 
     def __init__(
         self,

@@ -504,7 +504,7 @@ class MixedPrecisionTrainer:
                     raise ValueError(
                         f"the saved optimizer state '{key}' does not fit its parameter"
                     )
-        if not set(self.scaler._state) <= set(state["scaler"]):
+        if not set(self.scaler.state_keys) <= set(state["scaler"]):
             raise ValueError(f"the saved loss scaler is not a {type(self.scaler).__name__}")
         if (state["lr_scheduler"] is None) != (self.lr_scheduler is None):
             raise ValueError("the saved trainer and this one differ in having an LR scheduler")

@@ -58,15 +58,16 @@ from _common import (
 from tqdm import tqdm
 
 from embcache import TableConfig  # also registers torch.ops.embcache
-
-COUNTERS = ("lookups", "hits", "unique_rows", "unique_hits", "insertions", "evictions", "bypasses")
+from embcache.config import COUNTERS
 
 
 def replay(
     ids: torch.Tensor, num_rows: int, batch_size: int, cache_ratio: float, policy: str, ways: int
 ) -> tuple[dict, torch.Tensor]:
     """Replays ``ids`` (int64, steps of ``batch_size`` lookups) through a fresh cache of one
-    table; returns the counters (COUNTERS, slots, sets, seconds) and the final cache tags."""
+    table; returns the counters (``embcache.config.COUNTERS``, as the table's ``stats()``
+    would count them in training; ``flushed`` is 0), slots, sets and seconds, and the final
+    cache tags."""
     if len(ids) % batch_size:
         raise ValueError("ids must hold whole steps")
     cfg = TableConfig(
@@ -77,23 +78,16 @@ def replay(
         policy=policy,
         min_rows_for_low_precision=0,
     )
-    lfu = policy == "lfu"
     tags = torch.full((cfg.num_slots,), -1, dtype=torch.int32)
     priority = torch.zeros(cfg.num_slots, dtype=torch.int32)
-    counts = torch.zeros(num_rows if lfu else 0, dtype=torch.int32)
+    counts = torch.zeros(num_rows if cfg.keeps_counts else 0, dtype=torch.int32)
     offsets = torch.arange(0, len(ids) + 1, batch_size)
+    counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
     start = time.perf_counter()
-    if cfg.num_sets:
-        out = torch.ops.embcache.cache_replay(
-            tags, priority, counts, ids, offsets, lfu, cfg.num_sets, ways, 1
-        ).tolist()
-    else:  # no cache: every updated row goes to the table
-        per_step = np.sort(ids.numpy().reshape(-1, batch_size), axis=1)
-        unique = int(len(per_step) + (per_step[:, 1:] != per_step[:, :-1]).sum())
-        out = [len(ids), 0, unique, 0, 0, 0, unique]
+    torch.ops.embcache.cache_replay(tags, priority, counts, cfg.spec(), ids, offsets, counters)
     seconds = time.perf_counter() - start
     return {
-        **dict(zip(COUNTERS, out)),
+        **dict(zip(COUNTERS, counters.tolist())),
         "slots": cfg.num_slots,
         "sets": cfg.num_sets,
         "seconds": seconds,

@@ -1,6 +1,7 @@
 // The schemas of the table ops, written once: the CPU library (torch.ops.embcache, whose CUDA
 // implementations register under the same names) and the emulated CUDA kernels
-// (torch.ops.embcache_emu) define the same ops.
+// (torch.ops.embcache_emu) define the same ops (define_cache_ops); the CPU library alone
+// defines define_cpu_only_ops.
 //
 // Table-batched ops take their tables as `state` (kNumStateTensors tensors per table, in the
 // order of EMBCACHE_STATE_TENSORS, table after table), `specs` (one spec row per table,
@@ -14,11 +15,14 @@
 namespace embcache {
 
 inline void define_cache_ops(torch::Library& m) {
-  // Row conversion: values to stored rows of a format, rounded with the stream
-  // (seed, step, table) when stochastic; stored rows back to float32.
-  m.def("quantize_rows(Tensor values, Tensor row_ids, int bits, bool qparams_fp16, "
-        "bool stochastic, int seed, int step, int table) -> Tensor");
-  m.def("dequantize_rows(Tensor weights, int bits, int dim, bool qparams_fp16) -> Tensor");
+  // Row conversion, in the format of one table's spec ([kNumSpecFields], or [1,
+  // kNumSpecFields]): float32 values [rows, dim] to stored rows, row_ids[r] being row r's
+  // row of the table (it keys the rounding stream; any int64). With a step, rounded as the
+  // table rounds at update `step` (the spec's rounding and stream, as an eviction then
+  // rounds); without one, to nearest (a table's initial rows). Then stored rows [rows, row
+  // bytes] back to float32.
+  m.def("quantize_rows(Tensor values, Tensor row_ids, Tensor spec, int? step=None) -> Tensor");
+  m.def("dequantize_rows(Tensor weights, Tensor spec) -> Tensor");
   // Bags come as lengths (int32 or int64), feature after feature; returns (pooled
   // [batch, sum of the features' dims], the bags' int64 offsets with the end appended, each
   // lookup's slot, each feature's value bound) and adds each feature's lookups and hits to its
@@ -43,6 +47,19 @@ inline void define_cache_ops(torch::Library& m) {
   // counters[t][kSteps]) and empties the caches; returns the rows written per table, which
   // it adds to their counters.
   m.def("cache_flush(Tensor(a!)[] state, Tensor specs, Tensor(b!)[] counters) -> int[]");
+}
+
+/// The ops of the CPU library only (no CUDA kernel yet; torch.ops.embcache).
+inline void define_cpu_only_ops(torch::Library& m) {
+  // The hit-rate replay of bench/hit_rate.py: a stream of training steps of one table (its
+  // spec, as quantize_rows takes it) through its cache alone, with the rule of the update's
+  // commit and no row values. Step s looks up indices[step_offsets[s] .. step_offsets[s+1]);
+  // a lookup hits when its row is cached before the step's update, as in a training forward.
+  // Steps are numbered on from counters[kSteps] (step counters[kSteps] + 1 first, as
+  // multi_update). It changes the cache's tags and priorities and the LFU counts as training
+  // does, and adds to `counters` what training would: every counter but kFlushed.
+  m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_priority, Tensor(c!) counts, "
+        "Tensor spec, Tensor indices, Tensor step_offsets, Tensor(d!) counters) -> ()");
 }
 
 }  // namespace embcache

@@ -45,11 +45,12 @@ inline std::vector<TableSpec> decode_specs(const at::Tensor& specs) {
   return out;
 }
 
-/// The row format of an op's arguments, checked (the ops that convert rows take no spec).
-inline RowFormat row_format(int64_t bits, int64_t dim, bool qparams_fp16) {
-  TORCH_CHECK(is_format_bits(bits), "embcache: unsupported number of bits ", bits);
-  TORCH_CHECK(dim > 0, "embcache: embedding dim must be positive, got ", dim);
-  return RowFormat{(int)bits, (int)dim, qparams_fp16};
+/// One table's spec, decoded and checked: its TableConfig.spec() ([kNumSpecFields]), or a
+/// specs tensor of that one table ([1, kNumSpecFields]).
+inline TableSpec decode_table_spec(const at::Tensor& spec) {
+  const std::vector<TableSpec> s = decode_specs(spec.dim() == 1 ? spec.unsqueeze(0) : spec);
+  TORCH_CHECK(s.size() == 1, "embcache: spec must be one table's, got ", s.size(), " tables");
+  return s[0];
 }
 
 /// The state of every table with `specs`, checked: `state` holds kNumStateTensors tensors per
@@ -245,21 +246,33 @@ inline void check_lookups(const at::Tensor& indices, const c10::optional<at::Ten
   }
 }
 
-/// quantize_rows's arguments, checked: float32 values [rows, dim] and one int64 row id per
-/// row; returns the rows' format.
-inline RowFormat quantize_args(const at::Tensor& values, const at::Tensor& row_ids, int64_t bits,
-                               bool qparams_fp16, const DeviceKind& device) {
+/// quantize_rows's arguments, checked, and how it rounds.
+struct QuantizeArgs {
+  RowFormat f;
+  bool stochastic;
+  RoundingStream stream;
+};
+
+/// quantize_rows's arguments, checked: float32 values [rows, the spec's dim] and one int64 row
+/// id per row on `device`. Rounded as the table rounds at update `step`, or to nearest
+/// without a step.
+inline QuantizeArgs quantize_args(const at::Tensor& values, const at::Tensor& row_ids,
+                                  const at::Tensor& spec, c10::optional<int64_t> step,
+                                  const DeviceKind& device) {
+  const TableSpec t = decode_table_spec(spec);
   device.check(values, at::kFloat, "values");
   device.check(row_ids, at::kLong, "row_ids");
-  TORCH_CHECK(values.dim() == 2 && row_ids.numel() == values.size(0),
-              "embcache: values must be [rows, dim] with one row id per row");
-  return row_format(bits, values.size(1), qparams_fp16);
+  TORCH_CHECK(values.dim() == 2 && values.size(1) == t.f.dim && row_ids.numel() == values.size(0),
+              "embcache: values must be [rows, ", t.f.dim, "] with one row id per row, got ",
+              values.sizes(), " and ", row_ids.numel(), " row ids");
+  return QuantizeArgs{t.f, step.has_value() && t.stochastic, t.stream(step.value_or(0))};
 }
 
-/// dequantize_rows's arguments, checked: uint8 weights [rows, row bytes]; returns their format.
-inline RowFormat dequantize_args(const at::Tensor& weights, int64_t bits, int64_t dim,
-                                 bool qparams_fp16, const DeviceKind& device) {
-  const RowFormat f = row_format(bits, dim, qparams_fp16);
+/// dequantize_rows's arguments, checked: uint8 weights [rows, row bytes] on `device`, in the
+/// format of `spec`; returns that format.
+inline RowFormat dequantize_args(const at::Tensor& weights, const at::Tensor& spec,
+                                 const DeviceKind& device) {
+  const RowFormat f = decode_table_spec(spec).f;
   device.check(weights, at::kByte, "weights");
   TORCH_CHECK(weights.dim() == 2 && weights.size(1) == f.row_bytes(),
               "embcache: weights must be [rows, ", f.row_bytes(), "] bytes, got ",

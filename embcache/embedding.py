@@ -75,6 +75,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.include_last_offset = include_last_offset
         self.config = TableConfig.of(num_embeddings, embedding_dim, **options)
         cfg = self.config
+        self.spec = cfg.spec()
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(
@@ -97,7 +98,6 @@ class CachedLowPrecisionEmbedding(nn.Module):
         if device.type != "meta":
             self._write_rows(0, _weight_blocks(weight) if weight is not None else None)
             self._reset_state()
-        self.spec = cfg.spec()
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)  # CPU, wherever the table is
         self.group = TableGroup([self])
         if device.type not in ("cpu", "meta"):
@@ -159,10 +159,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
         for start, block in blocks:
             at = start - first
             ids = torch.arange(at, at + block.shape[0], dtype=torch.int64)
-            try:  # rounded to nearest: the rounding stream's arguments are unused
-                self.weights[at : at + block.shape[0]] = _ops.quantize_rows(
-                    block, ids, cfg.bits, cfg.qparams_fp16, False, 0, 0, 0
-                )
+            try:  # no step: rounded to nearest
+                self.weights[at : at + block.shape[0]] = _ops.quantize_rows(block, ids, self.spec)
             except RuntimeError as e:
                 raise ValueError(f"table '{cfg.name}': initial weight: {e}") from None
 
@@ -422,8 +420,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def current_weight(self) -> torch.Tensor:
         """The FP32 value of every row as a forward pass sees it (cache over table)."""
-        cfg = self.config
-        out = _ops.dequantize_rows(self.weights, cfg.bits, cfg.embedding_dim, cfg.qparams_fp16)
+        out = _ops.dequantize_rows(self.weights, self.spec)
         resident = self.cache_tags >= 0
         out[self.cache_tags[resident].long()] = self.cache_rows[resident]
         return out

@@ -25,6 +25,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
+from embcache.config import PRECISION_BITS
 from embcache.embedding import CachedLowPrecisionEmbedding
 
 _FP16_MAX = 65504.0
@@ -47,10 +48,7 @@ class ExportedTable:
     def dim(self) -> int:
         if self.scale_bias is None:
             return self.weight.shape[1]
-        return self.weight.shape[1] * 8 // _BITS[self.precision]
-
-
-_BITS = {"int8": 8, "int4": 4, "int2": 2}
+        return self.weight.shape[1] * 8 // PRECISION_BITS[self.precision]
 
 
 def export(module: nn.Module) -> dict[str, ExportedTable]:

@@ -28,7 +28,7 @@ import torch
 
 import embcache  # noqa: F401  (registers torch.ops.embcache)
 from embcache import CachedLowPrecisionEmbedding
-from embcache.config import COUNTERS, STATE_TENSORS
+from embcache.config import COUNTERS, STATE_TENSORS, TableConfig
 
 CPU = torch.ops.embcache
 # CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet), the huge-page
@@ -537,28 +537,24 @@ def test_quantize_dequantize_rows(backend, qparams):
     x = torch.randn(70, 37, generator=gen) * 3
     x[5] = 1.25  # a constant row
     ids = torch.randperm(1000, generator=gen)[:70]
-    for bits in (32, 16, 8, 4, 2):
-        for stochastic in (False, True):
-            args = (bits, qparams == "fp16", stochastic, 99, 4, 3)
-            want = CPU.quantize_rows(x, ids, *args)
-            got = backend.ops.quantize_rows(backend.to(x), backend.to(ids), *args)
-            assert_same(got, want, f"quantize_rows {bits} bits stochastic={stochastic}")
-            dargs = (bits, 37, qparams == "fp16")
-            assert_same(
-                backend.ops.dequantize_rows(got, *dargs),
-                CPU.dequantize_rows(want, *dargs),
-                f"dequantize_rows {bits} bits",
-            )
+    for precision in PRECISIONS:
+        for rounding in ("nearest", "stochastic"):
+            options = dict(precision=precision, rounding=rounding, qparams=qparams, seed=99)
+            spec = TableConfig(1000, 37, table_id=3, **options).spec()
+            for step in (None, 4):
+                want = CPU.quantize_rows(x, ids, spec, step)
+                got = backend.ops.quantize_rows(backend.to(x), backend.to(ids), spec, step)
+                assert_same(got, want, f"quantize_rows {precision} {rounding} step {step}")
+                assert_same(
+                    backend.ops.dequantize_rows(got, spec),
+                    CPU.dequantize_rows(want, spec),
+                    f"dequantize_rows {precision}",
+                )
     with pytest.raises(RuntimeError, match="row 0 cannot be stored in 8 bits"):
         backend.ops.quantize_rows(
             backend.to(torch.full((2, 3), float("nan"))),
             backend.to(torch.arange(2)),
-            8,
-            False,
-            False,
-            0,
-            0,
-            0,
+            TableConfig(1000, 3, precision="int8").spec(),
         )
 
 

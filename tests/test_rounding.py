@@ -12,6 +12,7 @@ import torch
 
 import embcache  # noqa: F401  (registers torch.ops.embcache)
 from embcache import reference as ref
+from embcache.config import TableConfig
 
 fbgemm_gpu = pytest.importorskip("fbgemm_gpu")  # registers torch.ops.fbgemm
 
@@ -20,20 +21,37 @@ BITS = ref.PRECISION_BITS
 INT_PRECISIONS = ("int8", "int4", "int2")
 
 
+def spec(precision, dim, qparams="fp32", rounding="nearest", seed=0, table=0):
+    """The spec of a table of rows of ``dim`` values stored in ``precision`` (the ops take a
+    table's spec; its rows and cache do not matter to them)."""
+    return TableConfig(
+        1,
+        dim,
+        precision=precision,
+        qparams=qparams,
+        rounding=rounding,
+        seed=seed,
+        table_id=table,
+        cache_ratio=0.0,
+        min_rows_for_low_precision=1,
+    ).spec()
+
+
 def quantize(
     x, precision, qparams="fp32", rounding="nearest", seed=0, step=0, table=0, row_ids=None
 ):
-    """The op, with the reference's argument names."""
+    """The op, with the reference's argument names: rounded as a table of ``rounding``
+    rounds at update ``step``."""
     x = x.float().contiguous()
     if row_ids is None:
         row_ids = torch.arange(x.shape[0], dtype=torch.int64)
     return ops.quantize_rows(
-        x, row_ids, BITS[precision], qparams == "fp16", rounding == "stochastic", seed, step, table
+        x, row_ids, spec(precision, x.shape[1], qparams, rounding, seed, table), step
     )
 
 
 def dequantize(w, precision, dim, qparams="fp32"):
-    return ops.dequantize_rows(w, BITS[precision], dim, qparams == "fp16")
+    return ops.dequantize_rows(w, spec(precision, dim, qparams))
 
 
 def assert_bytes_equal(got, want, what=""):

@@ -62,6 +62,7 @@ bool advise_huge_pages(const at::Tensor& t) {
 
 TORCH_LIBRARY(embcache, m) {
   define_cache_ops(m);
+  define_cpu_only_ops(m);
   m.def("layout() -> (str[], int[], str[], str[], str[], str[], int)", &layout);
   m.def("advise_huge_pages(Tensor t) -> bool");
 }

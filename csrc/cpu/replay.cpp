@@ -1,5 +1,6 @@
-// The hit-rate replay of bench/hit_rate.py: a stream of training steps through the cache
-// alone, with the set rule of the update (csrc/cpu/set_rule.h) and no row values.
+// The hit-rate replay of bench/hit_rate.py (cache_replay of csrc/op_schemas.h): a stream of
+// training steps through the cache alone, with the set rule of the update
+// (csrc/cpu/set_rule.h) and no row values.
 #include <torch/library.h>
 
 #include "cpu_common.h"
@@ -9,39 +10,37 @@ namespace embcache {
 namespace cpu {
 namespace {
 
-/// Replays a stream of training steps through the cache alone, with the rule of the
-/// update's commit and no row values (the hit-rate benchmark). Step s looks up
-/// indices[step_offsets[s] .. step_offsets[s+1]); its lookups count as hits when their row
-/// is cached before the step's update, as in a training forward. Steps are numbered from
-/// first_step. Returns [lookups, hits, unique rows, unique hits, insertions, evictions,
-/// bypasses].
-at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor& counts,
-                        const at::Tensor& indices, const at::Tensor& step_offsets, bool lfu,
-                        int64_t num_sets, int64_t ways, int64_t first_step) {
-  kCpu.check(cache_tags, at::kInt, "cache_tags");
-  kCpu.check(cache_priority, at::kInt, "cache_priority");
-  kCpu.check(counts, at::kInt, "counts");
+/// Replays a stream of training steps of one table through its cache (cache_replay of
+/// csrc/op_schemas.h): every argument checked before anything is written.
+void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor& counts,
+                  const at::Tensor& spec, const at::Tensor& indices,
+                  const at::Tensor& step_offsets, at::Tensor& counters) {
+  const TableSpec t = decode_table_spec(spec);
+  const int64_t num_sets = t.num_sets, ways = t.ways;
+  const bool lfu = t.lfu;
+  auto check = [&](const at::Tensor& x, int64_t numel, const char* what) {
+    kCpu.check(x, at::kInt, what);
+    TORCH_CHECK(x.numel() == numel, "embcache: ", what, " must hold ", numel, " values, got ",
+                x.numel());
+  };
+  check(cache_tags, t.slots(), "cache_tags");
+  check(cache_priority, t.slots(), "cache_priority");
+  check(counts, lfu ? t.rows : 0, "counts");
   kCpu.check(indices, at::kLong, "indices");
   kCpu.check(step_offsets, at::kLong, "step_offsets");
-  TORCH_CHECK(is_valid_ways(ways), "embcache: ways must be a power of two in [1, ", kMaxWays,
-              "], got ", ways);
-  TORCH_CHECK(num_sets > 0 && cache_tags.numel() == num_sets * ways,
-              "embcache: cache_tags must hold num_sets * ways slots");
-  TORCH_CHECK(cache_priority.numel() == num_sets * ways,
-              "embcache: cache_priority must hold one priority per slot");
+  int64_t* counter = tables_counters(counters, 1, false)[0];
   const int64_t* idx = indices.data_ptr<int64_t>();
   const int64_t* so = step_offsets.data_ptr<int64_t>();
   const int64_t nsteps = step_offsets.numel() - 1;
   TORCH_CHECK(nsteps >= 0 && so[0] == 0 && so[nsteps] == indices.numel(),
               "embcache: step_offsets must run from 0 to len(indices)");
   for (int64_t l = 0; l < indices.numel(); ++l)
-    TORCH_CHECK(idx[l] >= 0 && idx[l] < (int64_t(1) << 31) && (!lfu || idx[l] < counts.numel()),
-                "embcache: index ", idx[l], " out of range");
+    TORCH_CHECK(idx[l] >= 0 && idx[l] < t.rows, "embcache: index ", idx[l],
+                " out of range [0, ", t.rows, ")");
   int32_t* tags = cache_tags.data_ptr<int32_t>();
   int32_t* prio = cache_priority.data_ptr<int32_t>();
   int32_t* cnt = counts.data_ptr<int32_t>();
   const Cache cache{tags, nullptr, num_sets, ways};
-  int64_t hits = 0, unique = 0, unique_hits = 0, ins = 0, evict = 0, bypass = 0;
   int64_t max_index = 0;
   for (int64_t l = 0; l < indices.numel(); ++l) max_index = std::max(max_index, idx[l]);
   const int index_bits = bits_for(max_index + 1);
@@ -50,7 +49,7 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
   std::vector<int64_t> rows, occ, cand;
   std::vector<int32_t> slot_prio(ways);
   for (int64_t s = 0; s < nsteps; ++s) {
-    const int64_t step = first_step + s;
+    const int64_t step = counter[kSteps] + 1;
     const RowPriority priority_of_row{lfu, cnt, step};
     keys.clear();
     for (int64_t l = so[s]; l < so[s + 1]; ++l) keys.push_back((uint64_t)idx[l] << 32);
@@ -65,14 +64,17 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
       ++occ.back();
     }
     const int64_t nu = (int64_t)rows.size();
-    unique += nu;
     if (lfu)
       for (int64_t u = 0; u < nu; ++u)
         cnt[rows[u]] = (int32_t)std::min<int64_t>((int64_t)cnt[rows[u]] + occ[u],
                                                   std::numeric_limits<int32_t>::max());
-    set_keys.resize(nu);  // (set, u) packed
-    for (int64_t u = 0; u < nu; ++u)
-      set_keys[u] = ((uint64_t)set_of_row(rows[u], num_sets) << 32) | (uint64_t)u;
+    int64_t hits = 0, unique_hits = 0, ins = 0, evict = 0, bypass = 0;
+    set_keys.clear();  // (set, u) packed
+    if (num_sets == 0)
+      bypass = nu;  // no cache: every updated row goes to the table
+    else
+      for (int64_t u = 0; u < nu; ++u)
+        set_keys.push_back(((uint64_t)set_of_row(rows[u], num_sets) << 32) | (uint64_t)u);
     const std::vector<int64_t> starts = sort_into_runs(set_keys, bits_for(num_sets), tmp);
     for (size_t gi = 0; gi + 1 < starts.size(); ++gi) {
       const int64_t base = (int64_t)(set_keys[starts[gi]] >> 32) * ways;
@@ -100,17 +102,14 @@ at::Tensor cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::
           },
           [&](int64_t) { ++bypass; });
     }
+    counter[kLookups] += so[s + 1] - so[s];
+    counter[kHits] += hits;
+    const int64_t commit_counts[] = {unique_hits, nu - unique_hits, ins, evict, bypass};
+    count_commit(counter, nu, commit_counts);
   }
-  return at::tensor({indices.numel(), hits, unique, unique_hits, ins, evict, bypass}, at::kLong);
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(embcache, m) {
-  m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_priority, Tensor(c!) counts, "
-        "Tensor indices, Tensor step_offsets, bool lfu, int num_sets, int ways, "
-        "int first_step) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(embcache, CPU, m) { m.impl("cache_replay", &cache_replay); }
 

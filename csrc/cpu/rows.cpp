@@ -9,30 +9,28 @@ namespace embcache {
 namespace cpu {
 namespace {
 
-at::Tensor quantize_rows(const at::Tensor& values, const at::Tensor& row_ids, int64_t bits,
-                         bool qparams_fp16, bool stochastic, int64_t seed, int64_t step,
-                         int64_t table) {
-  const RowFormat f = quantize_args(values, row_ids, bits, qparams_fp16, kCpu);
+at::Tensor quantize_rows(const at::Tensor& values, const at::Tensor& row_ids,
+                         const at::Tensor& spec, c10::optional<int64_t> step) {
+  const QuantizeArgs a = quantize_args(values, row_ids, spec, step, kCpu);
+  const RowFormat f = a.f;
   const int64_t n = values.size(0);
   const float* x = values.data_ptr<float>();
   const int64_t* ids = row_ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(row_is_storable(f, x + r * f.dim, stochastic), "embcache: row ", ids[r],
-                " cannot be stored in ", bits, " bits: non-finite or out of range");
+    TORCH_CHECK(row_is_storable(f, x + r * f.dim, a.stochastic), "embcache: row ", ids[r],
+                " cannot be stored in ", f.bits, " bits: non-finite or out of range");
   at::Tensor out = at::empty({n, (int64_t)f.row_bytes()}, values.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
-  const RoundingStream s{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
   at::parallel_for(0, n, kGrainRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      quantize_row(f, x + r * f.dim, stochastic, s, ids[r], o + r * f.row_bytes());
+      quantize_row(f, x + r * f.dim, a.stochastic, a.stream, ids[r], o + r * f.row_bytes());
   });
   return out;
 }
 
-at::Tensor dequantize_rows(const at::Tensor& weights, int64_t bits, int64_t dim,
-                           bool qparams_fp16) {
-  const RowFormat f = dequantize_args(weights, bits, dim, qparams_fp16, kCpu);
-  const int64_t n = weights.size(0);
+at::Tensor dequantize_rows(const at::Tensor& weights, const at::Tensor& spec) {
+  const RowFormat f = dequantize_args(weights, spec, kCpu);
+  const int64_t n = weights.size(0), dim = f.dim;
   at::Tensor out = at::empty({n, dim}, weights.options().dtype(at::kFloat));
   const uint8_t* w = weights.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();

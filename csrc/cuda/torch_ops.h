@@ -28,28 +28,26 @@ namespace ops {
 /// This build's device, for the checks of csrc/tables.h.
 inline constexpr DeviceKind kDevice{on_device, kDeviceName};
 
-inline at::Tensor quantize_rows(const at::Tensor& values, const at::Tensor& row_ids, int64_t bits,
-                                bool qparams_fp16, bool stochastic, int64_t seed, int64_t step,
-                                int64_t table) {
+inline at::Tensor quantize_rows(const at::Tensor& values, const at::Tensor& row_ids,
+                                const at::Tensor& spec, c10::optional<int64_t> step) {
   EMBCACHE_DEVICE_GUARD(values);
-  const RowFormat f = quantize_args(values, row_ids, bits, qparams_fp16, kDevice);
+  const QuantizeArgs a = quantize_args(values, row_ids, spec, step, kDevice);
   const int64_t n = values.size(0);
-  at::Tensor out = at::empty({n, (int64_t)f.row_bytes()}, values.options().dtype(at::kByte));
-  const RoundingStream s{(uint64_t)seed, (uint32_t)step, (uint32_t)table};
+  at::Tensor out = at::empty({n, (int64_t)a.f.row_bytes()}, values.options().dtype(at::kByte));
   const int64_t bad = EMBCACHE_GPU_NS::quantize_rows(values.data_ptr<float>(),
-                                                     row_ids.data_ptr<int64_t>(), n, f,
-                                                     stochastic, s, out.data_ptr<uint8_t>(),
-                                                     current_stream());
+                                                     row_ids.data_ptr<int64_t>(), n, a.f,
+                                                     a.stochastic, a.stream,
+                                                     out.data_ptr<uint8_t>(), current_stream());
   TORCH_CHECK(bad < 0, "embcache: row ", bad < 0 ? 0 : row_ids[bad].item<int64_t>(),
-              " cannot be stored in ", bits, " bits: non-finite or out of range");
+              " cannot be stored in ", a.f.bits, " bits: non-finite or out of range");
   return out;
 }
 
-inline at::Tensor dequantize_rows(const at::Tensor& weights, int64_t bits, int64_t dim,
-                                  bool qparams_fp16) {
+inline at::Tensor dequantize_rows(const at::Tensor& weights, const at::Tensor& spec) {
   EMBCACHE_DEVICE_GUARD(weights);
-  const RowFormat f = dequantize_args(weights, bits, dim, qparams_fp16, kDevice);
-  at::Tensor out = at::empty({weights.size(0), dim}, weights.options().dtype(at::kFloat));
+  const RowFormat f = dequantize_args(weights, spec, kDevice);
+  at::Tensor out =
+      at::empty({weights.size(0), (int64_t)f.dim}, weights.options().dtype(at::kFloat));
   EMBCACHE_GPU_NS::dequantize_rows(weights.data_ptr<uint8_t>(), weights.size(0), f,
                                    out.data_ptr<float>(), current_stream());
   return out;

@@ -39,16 +39,11 @@ class ExportedTable:
     weight: Tensor
     scale_bias: Tensor | None
     mode: str  # pooling: "sum" or "mean"
+    dim: int  # not the codes' width: INT4 dim 5 fills 3 bytes, room for 6 codes
 
     @property
     def rows(self) -> int:
         return self.weight.shape[0]
-
-    @property
-    def dim(self) -> int:
-        if self.scale_bias is None:
-            return self.weight.shape[1]
-        return self.weight.shape[1] * 8 // PRECISION_BITS[self.precision]
 
 
 def export(module: nn.Module) -> dict[str, ExportedTable]:
@@ -72,7 +67,7 @@ def _export_table(name: str, table: CachedLowPrecisionEmbedding) -> ExportedTabl
     if precision in ("fp32", "fp16"):
         dtype = torch.float32 if precision == "fp32" else torch.float16
         weight = rows.contiguous().view(dtype).reshape(config.num_embeddings, -1).clone()
-        return ExportedTable(precision, weight, None, config.mode)
+        return ExportedTable(precision, weight, None, config.mode, config.embedding_dim)
     codes = rows[:, : config.payload_bytes].clone()
     qparams = rows[:, config.payload_bytes :].contiguous()
     if config.qparams_fp16:
@@ -87,14 +82,22 @@ def _export_table(name: str, table: CachedLowPrecisionEmbedding) -> ExportedTabl
                 "be served with FP16 qparams"
             )
         scale_bias = scale_bias32.to(torch.float16)
-    return ExportedTable(precision, codes, scale_bias, config.mode)
+    return ExportedTable(precision, codes, scale_bias, config.mode, config.embedding_dim)
 
 
 def inference_tbe(tables: dict[str, ExportedTable]):
     """FBGEMM's inference TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``, CPU, FP32 output)
     holding ``tables`` in order, one feature per table; its forward takes
     ``(indices, offsets)`` over the features one after another, as TBE does. The tables must
-    pool alike (all sum or all mean)."""
+    pool alike (all sum or all mean), and an INT4 / INT2 table's row must fill whole bytes
+    (dim a multiple of 2 / 4: FBGEMM's rule)."""
+    for name, t in tables.items():
+        codes_per_byte = 8 // PRECISION_BITS[t.precision]
+        if t.scale_bias is not None and t.dim % codes_per_byte:
+            raise ValueError(
+                f"table '{name}': FBGEMM's inference TBE takes {t.precision} rows of whole "
+                f"bytes, so a dim that is a multiple of {codes_per_byte}; this one is {t.dim}"
+            )
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
         EmbeddingLocation,

@@ -29,12 +29,12 @@ CASES = [
 ]
 
 
-def _trained(precision: str, qparams: str, seed: int, mode: str = "sum"):
+def _trained(precision: str, qparams: str, seed: int, mode: str = "sum", dim: int = DIM):
     """A table after a few steps: rows in the cache and in the table."""
     gen = torch.Generator().manual_seed(seed)
     table = CachedLowPrecisionEmbedding(
         ROWS,
-        DIM,
+        dim,
         precision=precision,
         qparams=qparams,
         cache_ratio=0.05,
@@ -100,6 +100,20 @@ def test_fbgemm_serves_what_was_trained(precision, qparams, mode):
     torch.testing.assert_close(
         served, ours, rtol=0, atol=float(bound.max()) * 4 + 1e-6
     )  # bags of up to 4 rows
+
+
+@pytest.mark.parametrize("precision", ["int4", "int2"])
+def test_a_dim_of_part_bytes_is_exported_at_its_dim_and_refused_by_fbgemm(precision):
+    """Dim 5 packs into whole bytes with room to spare (INT4: 3 bytes, room for 6 codes): the
+    export says dim 5 (not 6 or 8), and loading it into FBGEMM's inference TBE, which packs
+    whole bytes only, is refused in one line naming the table (not an assert inside FBGEMM, nor
+    a TBE serving 6 columns)."""
+    table, _ = _trained(precision, "fp16", seed=5, dim=5)
+    exported = export(table)
+    bits = {"int4": 4, "int2": 2}[precision]
+    assert exported["t"].dim == 5 and exported["t"].weight.shape == (ROWS, -(-5 * bits // 8))
+    with pytest.raises(ValueError, match=r"^table 't': .* multiple of \d; this one is 5$"):
+        inference_tbe(exported)
 
 
 def test_an_fp32_export_is_an_embedding_bag():

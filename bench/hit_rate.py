@@ -58,7 +58,7 @@ from _common import (
 from tqdm import tqdm
 
 from embcache import TableConfig  # also registers torch.ops.embcache
-from embcache.config import COUNTERS
+from embcache.config import COUNTERS, POLICIES
 
 
 def replay(
@@ -465,7 +465,7 @@ def main(argv=None) -> dict:
         default=[1, 5, 10, 30, 50],
         help="cache sizes, %% of each table's rows (default: %(default)s)",
     )
-    p.add_argument("--policies", nargs="+", choices=["lru", "lfu"], default=["lru", "lfu"])
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument(
         "--ways",
         type=int,

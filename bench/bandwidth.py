@@ -402,7 +402,7 @@ def markdown(results: dict, env: dict) -> str:
             cells = []
             for pt in points:
                 hr = "" if pt["hit_rate"] is None else f" ({100 * pt['hit_rate']:.1f}%)"
-                cells.append(f"{pt['forward_gbs']:.1f} / {pt['update_gbs']:.1f}{hr}")
+                cells.append(f"{pt['forward_gbs']:.3g} / {pt['update_gbs']:.3g}{hr}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -41,7 +41,6 @@ library versions. Examples:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -496,7 +495,6 @@ def main() -> None:
                 points.append({"target": target, "p_hot": p_hot, **point})
             r["engines"][name] = points
             del engine
-            gc.collect()  # a table and its group refer to each other: only the collector frees it
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if args.out:  # after each dim, so that a run cut short keeps what it measured

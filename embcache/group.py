@@ -11,10 +11,16 @@ of them run the same ops and the same code.
 
 The group reads its tables through their public door: ``spec`` (their packed configuration),
 ``counters`` (their statistics, which the ops add to), ``state_tensors()`` and ``config``.
+
+A table holds its group and the group refers to its tables weakly, so that no reference cycle
+keeps a dropped table's memory (gigabytes, for the tables this is for) until Python's cycle
+collector happens to run: ``del table`` frees it at once.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -68,7 +74,7 @@ class TableGroup:
     :meth:`cache_changed`)."""
 
     def __init__(self, tables: Sequence) -> None:
-        self.tables = list(tables)
+        self._table_refs = [weakref.ref(t) for t in tables]
         self.specs = torch.stack([t.spec for t in self.tables])
         self._counters = [t.counters for t in self.tables]
         self._dims = [t.config.embedding_dim for t in self.tables]
@@ -79,6 +85,31 @@ class TableGroup:
         self._epoch = 0
         for t in self.tables:
             t.group = self
+
+    @property
+    def tables(self) -> list:
+        """The group's tables, in order (each held by its owner: a module, a collection)."""
+        tables = [ref() for ref in self._table_refs]
+        if any(t is None for t in tables):
+            raise RuntimeError("a table of this group has been deleted")
+        return tables
+
+    def __getstate__(self) -> dict:  # pickling: the tables themselves, not references
+        state = self.__dict__.copy()
+        state["_table_refs"] = self.tables
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["_table_refs"] = [weakref.ref(t) for t in state["_table_refs"]]
+        self.__dict__.update(state)
+
+    def __deepcopy__(self, memo: dict) -> TableGroup:
+        """A copy referring to the copies of its tables (made here, or already in ``memo``)."""
+        new = TableGroup.__new__(TableGroup)
+        memo[id(self)] = new
+        state = self.__getstate__()
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
 
     def state(self, chosen: list[int] | None = None) -> list[torch.Tensor]:
         """The state tensors of the tables (all, or those at the positions ``chosen``), in the

@@ -437,3 +437,30 @@ def test_three_backwards_before_a_step_sum_in_the_order_they_came():
     assert len(table.group.pending(table)) == 3
     table.step()  # SGD with lr 1: w - g, exactly where g's rows are
     assert torch.equal(table.weight, before - expected)
+
+
+def test_a_dropped_table_is_freed_at_once_and_a_copy_is_its_own():
+    """No reference cycle keeps a dropped table (and its gigabytes) alive until Python's cycle
+    collector runs: with the collector off, ``del`` frees it, trained or not; a deep copy's
+    group drives the copy, and a pickled table comes back driving itself."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(0)
+    m = CachedLowPrecisionEmbedding(500, 4, precision="int8", cache_ratio=0.1)
+    m(torch.randint(0, 500, (8, 3), generator=gen)).sum().backward()
+    m.step()
+    c = copy.deepcopy(m)
+    assert c.group.tables == [c] and m.group.tables == [m]
+    buffer = io.BytesIO()
+    torch.save(m, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.group.tables == [loaded]
+    gc.disable()
+    try:
+        refs = [weakref.ref(x) for x in (m, c, loaded)]
+        del m, c, loaded
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()

@@ -125,10 +125,10 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
                 f"sample {at % batch}: {int(lengths[at])}"
             )
         per_key = lengths.long().view(len(keys), batch).sum(1).tolist()
-        carried = features._length_per_key
-        if carried is None and features._offset_per_key is not None:
-            o = features._offset_per_key
-            carried = [b - a for a, b in zip(o, o[1:])]
+        carried = features.length_per_key_or_none()
+        offsets = features.offset_per_key_or_none()
+        if carried is None and offsets is not None:
+            carried = [b - a for a, b in zip(offsets, offsets[1:])]
         if carried is not None and list(carried) != per_key:
             carried = list(carried) + [None] * (len(per_key) - len(carried))
             f = next((f for f, (a, b) in enumerate(zip(carried, per_key)) if a != b), -1)

@@ -37,6 +37,20 @@ def _check(env: dict, command: str) -> None:
     assert env["date"].endswith("+00:00")
 
 
+def _run(script: str, argv: list[str], out: Path) -> dict:
+    """Runs bench/<script> with argv in a process of its own; its JSON result from ``out``,
+    whose environment is checked."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *argv],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    result = json.loads(out.read_text())
+    _check(result["environment"], f"python bench/{script} " + " ".join(argv))
+    return result
+
+
 def test_skew_json_and_markdown_carry_the_environment(tmp_path):
     trace = np.stack([np.arange(300) % 100, np.arange(300) % 7], axis=1)
     np.save(tmp_path / "trace.npy", trace)
@@ -56,14 +70,7 @@ def test_skew_json_and_markdown_carry_the_environment(tmp_path):
 def test_embedding_step_writes_its_environment(tmp_path):
     argv = ["--max-rows", "500", "--batch", "32", "--warmup", "2", "--steps", "2", "--rounds", "1"]
     argv += ["--out", str(tmp_path)]
-    subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "embedding_step.py"), *argv],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-    )
-    result = json.loads((tmp_path / "embedding_step.json").read_text())
-    _check(result["environment"], "python bench/embedding_step.py " + " ".join(argv))
+    result = _run("embedding_step.py", argv, tmp_path / "embedding_step.json")
     assert result["environment"]["threads"] >= 1
     assert result["results"]["FBGEMM TBE fp32 EXACT_SGD"]["speed_vs_fbgemm"] == 1.0
     md = (tmp_path / "embedding_step.md").read_text()
@@ -82,14 +89,7 @@ def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_pat
     argv = ["--dims", "8", "--precisions", "int8", "--policies", "lfu,lru", "--rows", "200000"]
     argv += ["--hit-rates", "0,0.5,0.9", "--bags", "256", "--pooling", "4", "--steps", "2"]
     argv += ["--rounds", "1", "--out", str(tmp_path)]
-    subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bandwidth.py"), *argv],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-    )
-    result = json.loads((tmp_path / "bandwidth.json").read_text())
-    _check(result["environment"], "python bench/bandwidth.py " + " ".join(argv))
+    result = _run("bandwidth.py", argv, tmp_path / "bandwidth.json")
     engines = result["dims"]["8"]["engines"]
     for policy in ("LFU", "LRU"):
         points = engines[f"ours int8 + 5% 32-way {policy} cache"]

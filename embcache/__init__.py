@@ -3,12 +3,14 @@
 See docs/contract.md §2-5 for the numerics. Public API:
 
 * :class:`CachedLowPrecisionEmbedding` — one table, ``nn.EmbeddingBag``-compatible.
+* :class:`CachedLowPrecisionUnpooledEmbedding` — the same table, ``nn.Embedding``-compatible.
 * :class:`CachedLowPrecisionEmbeddingBagCollection` — TorchRec ``EmbeddingBagCollection``
   drop-in (``KeyedJaggedTensor`` in, ``KeyedTensor`` out).
 * :func:`compression_factor` — the paper's memory compression factor (Appendix A);
   :func:`memory_breakdown` and :func:`fp32_bytes`, its numerator's parts and its denominator.
-* :func:`swap` and :class:`TableOptimizer` — ours in place of a model's ``nn.EmbeddingBag`` and
-  TorchRec ``EmbeddingBagCollection`` tables, in one call, and one ``step()`` for them.
+* :func:`swap` and :class:`TableOptimizer` — ours in place of a model's ``nn.EmbeddingBag``,
+  ``nn.Embedding`` and TorchRec ``EmbeddingBagCollection`` tables, in one call, and one
+  ``step()`` for them.
 """
 
 from embcache.config import TableConfig
@@ -16,11 +18,13 @@ from embcache.embedding import CachedLowPrecisionEmbedding, check_state_dict
 from embcache.group import EmbeddingUpdateError
 from embcache.memory import compression_factor, fp32_bytes, memory_breakdown
 from embcache.swap import TableOptimizer, swap
+from embcache.unpooled import CachedLowPrecisionUnpooledEmbedding
 
 __all__ = [
     "TableConfig",
     "CachedLowPrecisionEmbedding",
     "CachedLowPrecisionEmbeddingBagCollection",
+    "CachedLowPrecisionUnpooledEmbedding",
     "EmbeddingUpdateError",
     "check_state_dict",
     "compression_factor",

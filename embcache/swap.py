@@ -1,5 +1,6 @@
-"""One call to put cached low-precision tables into a model that has ``nn.EmbeddingBag`` or
-TorchRec ``EmbeddingBagCollection`` tables, and an optimizer that drives them.
+"""One call to put cached low-precision tables into a model that has ``nn.EmbeddingBag``,
+``nn.Embedding`` or TorchRec ``EmbeddingBagCollection`` tables, and an optimizer that drives
+them.
 
 :func:`swap` replaces every such module of a model, in place, by ours with the same rows
 (rounded into the stored format by the table's rule; tables under
@@ -14,8 +15,9 @@ leave the model's ``parameters()``; :class:`TableOptimizer` gives the training l
     tables = embcache.TableOptimizer(model)
     loss.backward(); dense.step(); tables.step(); dense.zero_grad(); tables.zero_grad()
 
-``nn.Embedding`` and TorchRec's ``EmbeddingCollection`` (unpooled lookups) and ``mode="max"``
-are not swapped yet: :func:`swap` refuses them, naming the module, rather than leave them.
+TorchRec's ``EmbeddingCollection`` (unpooled lookups), ``mode="max"``, ``max_norm`` and
+``scale_grad_by_freq`` are not swapped yet: :func:`swap` refuses them, naming the module,
+rather than leave them.
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ import torch
 from torch import nn
 
 from embcache.embedding import CachedLowPrecisionEmbedding
+from embcache.unpooled import CachedLowPrecisionUnpooledEmbedding
 
 
 def swap(model: nn.Module, per_table: Mapping[str, Mapping] | None = None, **options) -> dict:
-    """Replace, in place, every ``nn.EmbeddingBag`` and TorchRec ``EmbeddingBagCollection`` of
-    ``model`` by ours, carrying their weights; ``options`` apply to every table and
-    ``per_table`` (by a bag's module name, or a collection's table name) overrides them. Returns
-    ``{table: {"rows", "precision", "cache_slots", "bytes_before", "bytes_after"}}``.
-    Refuses (``ValueError`` naming the module, before anything is replaced) what it cannot
-    swap: ``nn.Embedding``, ``EmbeddingCollection``, ``mode="max"``, ``max_norm``."""
+    """Replace, in place, every ``nn.EmbeddingBag``, ``nn.Embedding`` (by
+    :class:`~embcache.unpooled.CachedLowPrecisionUnpooledEmbedding`) and TorchRec
+    ``EmbeddingBagCollection`` of ``model`` by ours, carrying their weights; ``options`` apply
+    to every table and ``per_table`` (by a module's name, or a collection's table name)
+    overrides them. Returns ``{table: {"rows", "precision", "cache_slots", "bytes_before",
+    "bytes_after"}}``. Refuses (``ValueError`` naming the module, before anything is replaced)
+    what it cannot swap: ``EmbeddingCollection``, ``mode="max"``, ``max_norm``,
+    ``scale_grad_by_freq``."""
     per_table = dict(per_table or {})
     plans = []
     for name, module in model.named_modules():
@@ -63,18 +68,26 @@ def swap(model: nn.Module, per_table: Mapping[str, Mapping] | None = None, **opt
 def _replacement(name: str, module: nn.Module, per_table: Mapping, options: dict):
     """Ours for ``module`` (named ``name`` in the model), None if it is not a table, or
     ValueError if it is one we cannot take."""
-    if isinstance(module, nn.Embedding):
-        raise ValueError(f"{name}: nn.Embedding (unpooled lookups) is not supported yet")
-    if isinstance(module, nn.EmbeddingBag):
-        if module.mode == "max" or module.max_norm is not None:
-            what = "mode='max'" if module.mode == "max" else "max_norm"
-            raise ValueError(f"{name}: nn.EmbeddingBag with {what} is not supported yet")
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        unsupported = [
+            what
+            for what, present in (
+                ("mode='max'", getattr(module, "mode", None) == "max"),
+                ("max_norm", module.max_norm is not None),
+                ("scale_grad_by_freq", module.scale_grad_by_freq),
+            )
+            if present
+        ]
+        if unsupported:
+            kind = type(module).__name__
+            raise ValueError(f"{name}: nn.{kind} with {unsupported[0]} is not supported yet")
+        weight = module.weight.detach().float().cpu()
+        options = {"name": name, "padding_idx": module.padding_idx, **options}
+        options.update(per_table.get(name, {}))
+        if isinstance(module, nn.Embedding):
+            return CachedLowPrecisionUnpooledEmbedding.from_pretrained(weight, **options)
         return CachedLowPrecisionEmbedding.from_pretrained(
-            module.weight.detach().float().cpu(),
-            mode=module.mode,
-            padding_idx=module.padding_idx,
-            include_last_offset=module.include_last_offset,
-            **{"name": name, **options, **per_table.get(name, {})},
+            weight, mode=module.mode, include_last_offset=module.include_last_offset, **options
         )
     kind = type(module).__name__  # TorchRec's, by name: without TorchRec there are none
     if kind == "EmbeddingCollection":

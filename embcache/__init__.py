@@ -5,12 +5,13 @@ See docs/contract.md §2-5 for the numerics. Public API:
 * :class:`CachedLowPrecisionEmbedding` — one table, ``nn.EmbeddingBag``-compatible.
 * :class:`CachedLowPrecisionUnpooledEmbedding` — the same table, ``nn.Embedding``-compatible.
 * :class:`CachedLowPrecisionEmbeddingBagCollection` — TorchRec ``EmbeddingBagCollection``
-  drop-in (``KeyedJaggedTensor`` in, ``KeyedTensor`` out).
+  drop-in (``KeyedJaggedTensor`` in, ``KeyedTensor`` out); :class:`CachedLowPrecisionEmbeddingCollection`,
+  ``EmbeddingCollection``'s (unpooled: a ``JaggedTensor`` per feature out).
 * :func:`compression_factor` — the paper's memory compression factor (Appendix A);
   :func:`memory_breakdown` and :func:`fp32_bytes`, its numerator's parts and its denominator.
 * :func:`swap` and :class:`TableOptimizer` — ours in place of a model's ``nn.EmbeddingBag``,
-  ``nn.Embedding`` and TorchRec ``EmbeddingBagCollection`` tables, in one call, and one
-  ``step()`` for them.
+  ``nn.Embedding`` and TorchRec ``EmbeddingBagCollection`` / ``EmbeddingCollection`` tables,
+  in one call, and one ``step()`` for them.
 """
 
 from embcache.config import TableConfig
@@ -24,6 +25,7 @@ __all__ = [
     "TableConfig",
     "CachedLowPrecisionEmbedding",
     "CachedLowPrecisionEmbeddingBagCollection",
+    "CachedLowPrecisionEmbeddingCollection",
     "CachedLowPrecisionUnpooledEmbedding",
     "EmbeddingUpdateError",
     "check_state_dict",
@@ -38,8 +40,11 @@ __all__ = [
 def __getattr__(name: str):
     # The collection needs TorchRec; a table and everything else do not, so that `import
     # embcache` works where only torch is installed (a GPU machine without TorchRec).
-    if name == "CachedLowPrecisionEmbeddingBagCollection":
-        from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+    if name in (
+        "CachedLowPrecisionEmbeddingBagCollection",
+        "CachedLowPrecisionEmbeddingCollection",
+    ):
+        from embcache import collection
 
-        return CachedLowPrecisionEmbeddingBagCollection
+        return getattr(collection, name)
     raise AttributeError(f"module 'embcache' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""A drop-in for TorchRec's ``EmbeddingBagCollection`` made of cached low-precision tables."""
+"""Drop-ins for TorchRec's ``EmbeddingBagCollection`` and ``EmbeddingCollection`` made of
+cached low-precision tables."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from embcache.embedding import META_TABLE, CachedLowPrecisionEmbedding, check_state_dict
 from embcache.group import TableGroup
@@ -253,3 +254,66 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
         configs = [t.config for t in self._table_list]
         total = sum(memory_breakdown(c)["total"] for c in configs)
         return total / sum(fp32_bytes(c) for c in configs)
+
+
+class CachedLowPrecisionEmbeddingCollection(CachedLowPrecisionEmbeddingBagCollection):
+    """TorchRec's ``EmbeddingCollection`` interface (unpooled: ``KeyedJaggedTensor`` in, a
+    ``JaggedTensor`` of one row per id for each feature out) over the same tables as
+    :class:`CachedLowPrecisionEmbeddingBagCollection`, whose options, update, state dict and
+    statistics it has. Its forward makes a bag of each id: feature ``f``'s ``n_f`` ids are
+    bags ``[0, n_f)`` of a batch of ``max n_f`` bags, the rest empty (zeros, no gradient), so
+    one table-batched call serves every feature whatever its length; the empty bags cost
+    output rows when the features' lengths differ much. Not sharded yet."""
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingConfig],
+        *,
+        per_table: Mapping[str, Mapping] | None = None,
+        device: torch.device | str | None = None,
+        **defaults,
+    ) -> None:
+        if "mode" in defaults or any("mode" in o for o in (per_table or {}).values()):
+            raise ValueError("mode (pooling) does not apply to an unpooled collection")
+        self._unpooled_configs = list(tables)
+        bags = [
+            EmbeddingBagConfig(
+                name=t.name,
+                embedding_dim=t.embedding_dim,
+                num_embeddings=t.num_embeddings,
+                feature_names=list(t.feature_names),
+                pooling=PoolingType.SUM,
+            )
+            for t in tables
+        ]
+        super().__init__(bags, per_table=per_table, device=device, **defaults)
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self._unpooled_configs
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:  # type: ignore[override]
+        """Each feature's rows, ``{feature: JaggedTensor}`` with ``features``' lengths and
+        values ``[ids of the feature, dim]``."""
+        if features.variable_stride_per_key():
+            raise ValueError("variable batch size per feature is not supported")
+        names = self._layout[0]
+        jagged = features.to_dict()
+        missing = [n for n in names if n not in jagged]
+        if missing:
+            raise ValueError(f"features {missing} are missing from the input")
+        counts = [jagged[n].values().numel() for n in names]
+        width = max(counts, default=0)
+        lengths = torch.zeros(len(names), width, dtype=torch.int64)
+        for f, n in enumerate(counts):
+            lengths[f, :n] = 1
+        bags = KeyedJaggedTensor(
+            keys=names,
+            values=torch.cat([jagged[n].values() for n in names]),
+            lengths=lengths.view(-1).to(features.values().device),
+            stride=width,
+        )
+        pooled = super().forward(bags)
+        return {
+            n: JaggedTensor(values=pooled[n][:count], lengths=jagged[n].lengths())
+            for n, count in zip(names, counts)
+        }

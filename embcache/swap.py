@@ -1,6 +1,6 @@
 """One call to put cached low-precision tables into a model that has ``nn.EmbeddingBag``,
-``nn.Embedding`` or TorchRec ``EmbeddingBagCollection`` tables, and an optimizer that drives
-them.
+``nn.Embedding`` or TorchRec ``EmbeddingBagCollection`` / ``EmbeddingCollection`` tables, and
+an optimizer that drives them.
 
 :func:`swap` replaces every such module of a model, in place, by ours with the same rows
 (rounded into the stored format by the table's rule; tables under
@@ -15,9 +15,8 @@ leave the model's ``parameters()``; :class:`TableOptimizer` gives the training l
     tables = embcache.TableOptimizer(model)
     loss.backward(); dense.step(); tables.step(); dense.zero_grad(); tables.zero_grad()
 
-TorchRec's ``EmbeddingCollection`` (unpooled lookups), ``mode="max"``, ``max_norm`` and
-``scale_grad_by_freq`` are not swapped yet: :func:`swap` refuses them, naming the module,
-rather than leave them.
+``mode="max"``, ``max_norm`` and ``scale_grad_by_freq`` are not swapped yet: :func:`swap`
+refuses them, naming the module, rather than leave them.
 """
 
 from __future__ import annotations
@@ -34,12 +33,12 @@ from embcache.unpooled import CachedLowPrecisionUnpooledEmbedding
 def swap(model: nn.Module, per_table: Mapping[str, Mapping] | None = None, **options) -> dict:
     """Replace, in place, every ``nn.EmbeddingBag``, ``nn.Embedding`` (by
     :class:`~embcache.unpooled.CachedLowPrecisionUnpooledEmbedding`) and TorchRec
-    ``EmbeddingBagCollection`` of ``model`` by ours, carrying their weights; ``options`` apply
+    ``EmbeddingBagCollection`` and ``EmbeddingCollection`` of ``model`` by ours, carrying their
+    weights; ``options`` apply
     to every table and ``per_table`` (by a module's name, or a collection's table name)
     overrides them. Returns ``{table: {"rows", "precision", "cache_slots", "bytes_before",
     "bytes_after"}}``. Refuses (``ValueError`` naming the module, before anything is replaced)
-    what it cannot swap: ``EmbeddingCollection``, ``mode="max"``, ``max_norm``,
-    ``scale_grad_by_freq``."""
+    what it cannot swap: ``mode="max"``, ``max_norm``, ``scale_grad_by_freq``."""
     per_table = dict(per_table or {})
     plans = []
     for name, module in model.named_modules():
@@ -90,15 +89,19 @@ def _replacement(name: str, module: nn.Module, per_table: Mapping, options: dict
             weight, mode=module.mode, include_last_offset=module.include_last_offset, **options
         )
     kind = type(module).__name__  # TorchRec's, by name: without TorchRec there are none
-    if kind == "EmbeddingCollection":
-        raise ValueError(f"{name}: TorchRec's EmbeddingCollection is not supported yet")
-    if kind != "EmbeddingBagCollection":
-        return None
-    from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+    if kind == "EmbeddingBagCollection":
+        from embcache.collection import CachedLowPrecisionEmbeddingBagCollection as ours
 
-    weights = {t: bag.weight.detach().float().cpu() for t, bag in module.embedding_bags.items()}
-    return CachedLowPrecisionEmbeddingBagCollection(
-        module.embedding_bag_configs(),
+        configs, tables = module.embedding_bag_configs(), module.embedding_bags
+    elif kind == "EmbeddingCollection":
+        from embcache.collection import CachedLowPrecisionEmbeddingCollection as ours
+
+        configs, tables = module.embedding_configs(), module.embeddings
+    else:
+        return None
+    weights = {t: table.weight.detach().float().cpu() for t, table in tables.items()}
+    return ours(
+        configs,
         per_table={t: {"weight": w, **per_table.get(t, {})} for t, w in weights.items()},
         **options,
     )

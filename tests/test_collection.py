@@ -497,3 +497,91 @@ def test_a_dropped_collection_frees_its_tables_at_once():
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+def _unpooled_configs():
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+
+    return [
+        EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=300, feature_names=["a", "b"]),
+        EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=50, feature_names=["c"]),
+    ]
+
+
+def _sequences(gen, batch=5):
+    """Features of different total lengths (empty sequences included)."""
+    lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
+    values = torch.randint(0, 50, (int(lengths.sum()),), generator=gen)
+    return KeyedJaggedTensor.from_lengths_sync(keys=["a", "b", "c"], values=values, lengths=lengths)
+
+
+def test_unpooled_collection_trains_like_torchrec_embedding_collection_in_fp32():
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    from embcache import CachedLowPrecisionEmbeddingCollection
+
+    torch.manual_seed(0)
+    ref = EmbeddingCollection(_unpooled_configs())
+    weights = {t: {"weight": ref.embeddings[t].weight.detach().clone()} for t in ("t0", "t1")}
+    ours = CachedLowPrecisionEmbeddingCollection(
+        _unpooled_configs(), precision="fp32", cache_ratio=0, lr=0.1, per_table=weights
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        kjt = _sequences(gen)
+        a, b = ref(kjt), ours(kjt)
+        assert sorted(b) == ["a", "b", "c"]
+        for k in "abc":
+            assert torch.equal(b[k].lengths(), a[k].lengths())
+            torch.testing.assert_close(b[k].values(), a[k].values(), rtol=1e-6, atol=1e-6)
+        loss = [
+            sum((o[k].values() * (i + 1)).pow(2).sum() for i, k in enumerate("abc")) for o in (a, b)
+        ]
+        opt.zero_grad()
+        loss[0].backward()
+        opt.step()
+        loss[1].backward()
+        ours.step()
+    for t in ("t0", "t1"):
+        torch.testing.assert_close(
+            ours.embedding_bags[t].weight, ref.embeddings[t].weight.detach(), rtol=1e-6, atol=1e-6
+        )
+
+
+def test_unpooled_collection_equals_its_tables_fed_one_id_a_bag():
+    """Low precision behind a cache: each feature's rows are its table's lookups of one id a bag
+    (the unpooled table, tested bit for bit elsewhere), and only real ids are counted."""
+    from embcache import CachedLowPrecisionEmbeddingCollection
+
+    ours = CachedLowPrecisionEmbeddingCollection(
+        _unpooled_configs(), precision="int8", cache_ratio=0.2, min_rows_for_low_precision=0
+    )
+    ours.eval()
+    kjt = _sequences(torch.Generator().manual_seed(2))
+    out = ours(kjt)
+    for k, t in (("a", "t0"), ("b", "t0"), ("c", "t1")):
+        ids = kjt[k].values()
+        table = ours.embedding_bags[t]
+        expected = table(ids.long(), torch.arange(ids.numel() + 1))
+        assert torch.equal(out[k].values(), expected)
+    ours.train()
+    ours(kjt)
+    lookups = sum(t.stats()["lookups"] for t in ours.tables())
+    assert lookups == kjt.values().numel()
+
+
+def test_swap_replaces_a_torchrec_embedding_collection_with_its_weights():
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    import embcache
+
+    model = torch.nn.ModuleDict({"seq": EmbeddingCollection(_unpooled_configs())})
+    kjt = _sequences(torch.Generator().manual_seed(3))
+    before = model["seq"](kjt)
+    summary = embcache.swap(model, precision="fp32", cache_ratio=0)
+    assert isinstance(model["seq"], embcache.CachedLowPrecisionEmbeddingCollection)
+    assert set(summary) == {"t0", "t1"}
+    after = model["seq"](kjt)
+    for k in "abc":
+        assert torch.equal(after[k].values(), before[k].values().detach())

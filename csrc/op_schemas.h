@@ -60,6 +60,10 @@ inline void define_cpu_only_ops(torch::Library& m) {
   // does, and adds to `counters` what training would: every counter but kFlushed.
   m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_priority, Tensor(c!) counts, "
         "Tensor spec, Tensor indices, Tensor step_offsets, Tensor(d!) counters) -> ()");
+  // The overflow check's gradient range (dlrm's trainer): (max |g|, min non-zero |g|) over
+  // contiguous float32 tensors, in one pass on all threads; NaN in any makes both NaN, and
+  // with no non-zero element the min is inf (0 and inf with no element at all).
+  m.def("abs_range(Tensor[] tensors) -> (float, float)");
 }
 
 }  // namespace embcache

@@ -442,3 +442,31 @@ def test_fp16_underflow_needs_loss_scaling(precision, scaler, learns):
         assert losses[-1] == losses[0] == pytest.approx(math.log(2), abs=1e-4)
         assert trainer.report.max_abs_grad == 0.0
     assert trainer.report.skipped == 0
+
+
+def test_gradient_range_is_one_pass_equal_to_float64():
+    """The overflow check's (max |g|, min non-zero |g|), against numpy in float64: several
+    tensors of sizes around the op's chunk, zeros (signed), subnormals; then inf and NaN
+    (NaN wins both); empty tensors and none at all."""
+    import numpy as np
+
+    from dlrm.mixed_precision.trainer import _abs_range
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grads = [
+            torch.randn(n, generator=gen)
+            * 10.0 ** float(torch.randint(-30, 5, (1,), generator=gen))
+            for n in (0, 1, 65535, 65537, 200_000)
+        ]
+        grads[2][::7] = 0.0
+        grads[3][::5] = -0.0
+        grads[4][3] = 1e-42  # a subnormal: the smallest non-zero
+        flat = np.abs(np.concatenate([g.numpy().astype(np.float64) for g in grads]))
+        assert _abs_range(grads) == (flat.max(), flat[flat > 0].min())
+    grads[1][0] = -float("inf")
+    assert _abs_range(grads)[0] == float("inf")
+    grads[3][100] = float("nan")
+    assert all(math.isnan(x) for x in _abs_range(grads))
+    assert _abs_range([torch.zeros(3), torch.zeros(0)]) == (0.0, float("inf"))
+    assert _abs_range([]) == (0.0, float("inf"))

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from dlrm.mixed_precision.scalers import BackoffScaler, LossScaler, StaticScaler
-from embcache.embedding import check_state_dict
+from embcache.embedding import check_state_dict  # (also registers torch.ops.embcache)
 
 
 @runtime_checkable
@@ -144,9 +144,13 @@ class _Backup:
 
 
 def _abs_range(grads: list[Tensor]) -> tuple[float, float]:
-    """(max |g|, min non-zero |g|) over all tensors; NaN propagates into both."""
+    """(max |g|, min non-zero |g|) over all tensors; NaN propagates into both. On the CPU
+    (float32) one read of each tensor on all threads (``torch.ops.embcache.abs_range``);
+    elsewhere, where that op has no kernel yet, torch's reductions."""
     if not grads:
         return 0.0, math.inf
+    if all(g.device.type == "cpu" and g.dtype == torch.float32 for g in grads):
+        return torch.ops.embcache.abs_range([g.contiguous() for g in grads])
     max_abs = torch.stack([g.abs().amax() for g in grads]).amax()
     min_abs = torch.stack([torch.where(g != 0, g.abs(), math.inf).amin() for g in grads]).amin()
     return max_abs.item(), min_abs.item()

@@ -184,15 +184,7 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
 
         All tables run in one table-batched C++ call (tables in parallel)."""
         names, table_of, dims = self._layout
-        if features.variable_stride_per_key():
-            raise ValueError("variable batch size per feature is not supported")
-        keys = features.keys()
-        if keys != names:
-            missing = [n for n in names if n not in keys]
-            if missing:
-                raise ValueError(f"features {missing} are missing from the input")
-            self._check_lengths(features)  # the permute trusts them
-            features = features.permute([keys.index(n) for n in names])
+        features = self._in_feature_order(features)
         if features.values().dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {features.values().dtype}")
         values = features.values().long().contiguous()
@@ -206,6 +198,20 @@ class CachedLowPrecisionEmbeddingBagCollection(nn.Module):
             self._check(features, names, table_of)  # raises the error that names the table
             raise
         return KeyedTensor(keys=names, length_per_key=dims, values=pooled)
+
+    def _in_feature_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` with its keys in the collection's feature order (permuted if need be,
+        extra keys dropped); a ValueError for a variable batch size or a missing feature."""
+        if features.variable_stride_per_key():
+            raise ValueError("variable batch size per feature is not supported")
+        names, keys = self._layout[0], features.keys()
+        if keys == names:
+            return features
+        missing = [n for n in names if n not in keys]
+        if missing:
+            raise ValueError(f"features {missing} are missing from the input")
+        self._check_lengths(features)  # the permute trusts them
+        return features.permute([keys.index(n) for n in names])
 
     # -------------------------------------------------------------- the sparse optimizer
 
@@ -294,26 +300,20 @@ class CachedLowPrecisionEmbeddingCollection(CachedLowPrecisionEmbeddingBagCollec
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:  # type: ignore[override]
         """Each feature's rows, ``{feature: JaggedTensor}`` with ``features``' lengths and
         values ``[ids of the feature, dim]``."""
-        if features.variable_stride_per_key():
-            raise ValueError("variable batch size per feature is not supported")
-        names = self._layout[0]
-        jagged = features.to_dict()
-        missing = [n for n in names if n not in jagged]
-        if missing:
-            raise ValueError(f"features {missing} are missing from the input")
-        counts = [jagged[n].values().numel() for n in names]
+        features = self._in_feature_order(features)
+        names, device = self._layout[0], features.values().device
+        counts = features.length_per_key()
         width = max(counts, default=0)
-        lengths = torch.zeros(len(names), width, dtype=torch.int64)
-        for f, n in enumerate(counts):
-            lengths[f, :n] = 1
+        one_id_bags = torch.arange(width) < torch.tensor(counts, dtype=torch.int64).unsqueeze(1)
         bags = KeyedJaggedTensor(
             keys=names,
-            values=torch.cat([jagged[n].values() for n in names]),
-            lengths=lengths.view(-1).to(features.values().device),
+            values=features.values(),
+            lengths=one_id_bags.view(-1).long().to(device),
             stride=width,
         )
         pooled = super().forward(bags)
+        lengths = features.lengths().view(len(names), -1)
         return {
-            n: JaggedTensor(values=pooled[n][:count], lengths=jagged[n].lengths())
-            for n, count in zip(names, counts)
+            n: JaggedTensor(values=pooled[n][:count], lengths=lengths[f])
+            for f, (n, count) in enumerate(zip(names, counts))
         }

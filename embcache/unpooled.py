@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding
 
 
@@ -26,8 +27,8 @@ class CachedLowPrecisionUnpooledEmbedding(CachedLowPrecisionEmbedding):
         for option in ("mode", "include_last_offset"):
             if option in options:
                 raise ValueError(
-                    f"table '{options.get('name', 'table')}': {option} does not apply to an "
-                    "unpooled table"
+                    f"table '{options.get('name', TableConfig.name)}': {option} does not apply "
+                    "to an unpooled table"
                 )
         super().__init__(num_embeddings, embedding_dim, **options)
 

@@ -1,7 +1,7 @@
 """The one-call GPU check (`make gpu-check OUT=dir`), for the first GPU machine the project gets.
 
 On a CUDA machine whose Python has torch (FBGEMM and TorchRec are not needed), in this order,
-each step logged into OUT and bounded in time so that the whole stays under 9 minutes:
+each step logged into OUT and bounded in time so that the whole stays under 10 minutes:
 
 1. ``environment``: the GPU (nvidia-smi), the driver, torch and CUDA versions;
 2. ``build``: the extension for the GPU present, in place (``setup.py build_ext --inplace``,
@@ -13,7 +13,10 @@ each step logged into OUT and bounded in time so that the whole stays under 9 mi
 4. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
    script with ``--driver [DEVICE]``: tables of every format behind a cache, trained a few
    steps, flushed; the tests run it on the CPU with TorchRec and FBGEMM hidden);
-5. ``bandwidth``: ``bench/bandwidth.py --device cuda`` into ``OUT/bandwidth/`` (results are
+5. ``profile``: one training step of 26 tables, each phase's time and CUDA runtime calls
+   (syncs, copies, launches) against ``nn.EmbeddingBag`` (this script with ``--profile
+   PATH [DEVICE]``), into ``OUT/profile.json``;
+6. ``bandwidth``: ``bench/bandwidth.py --device cuda`` into ``OUT/bandwidth/`` (results are
    written after each dim, so a step cut at its limit keeps the dims it finished).
 
 ``OUT/gpu_check.json`` says each step's status (``passed``, ``failed``, ``skipped``, with the
@@ -33,9 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
-# seconds each step may take: build 120, tests 120, each sanitizer 40, bandwidth 180 (< 9 min);
+# seconds each step may take: build 120, tests 120, each sanitizer 40, profile 90, bandwidth 180
+# (< 10 min);
 # on an H200 they took 45, 41, 5 to 26 and 142.
-LIMITS = {"environment": 20, "build": 120, "tests": 120, "bandwidth": 180}
+LIMITS = {"environment": 20, "build": 120, "tests": 120, "profile": 90, "bandwidth": 180}
 SANITIZER_LIMIT = 40
 # setup.py's refusal of a compiler whose shared libraries carry their own libstdc++
 STATIC_LIBSTDCXX = "links libstdc++ statically"
@@ -72,6 +76,126 @@ def driver(device: str) -> None:
     print(f"driver: every op ran on {device}")
 
 
+# the profiled step: Criteo's 26 features, one id per sample each, batch 2048
+PROFILE = {"tables": 26, "rows": 100_000, "dim": 64, "batch": 2048, "steps": 10}
+# the CUDA runtime calls counted per phase of the step
+RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaLaunchKernel")
+
+
+def profile(path: Path, device: str, tables: int, rows: int, dim: int, batch: int, steps: int):
+    """One training step of ``tables`` INT8 tables (5% 32-way LFU cache, row-wise AdaGrad)
+    driven as one table group, as the collection drives them: each phase's median time
+    (ms, the device synchronized around it) and, under torch.profiler, its CUDA runtime calls
+    per step (``RUNTIME_CALLS``: the syncs and launches the phase costs the host). Beside it,
+    the same step with ``nn.EmbeddingBag`` (FP32, sparse gradients, SGD). Writes ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, record_function
+
+    from embcache import CachedLowPrecisionEmbedding
+    from embcache.group import TableGroup
+
+    def sync():
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.rand(tables * batch, generator=gen) ** 3 * rows).long().to(device)
+        for _ in range(steps)
+    ]
+    lengths = torch.ones(tables * batch, dtype=torch.int64, device=device)
+    grad = torch.randn(batch, tables * dim, generator=gen).to(device) * 1e-3
+    ours = [
+        CachedLowPrecisionEmbedding(
+            rows, dim, precision="int8", cache_ratio=0.05, associativity=32, seed=t
+        ).to(device)
+        for t in range(tables)
+    ]
+    group = TableGroup(ours)
+    features = list(range(tables))
+
+    def our_phases(ids):
+        kept = {}
+
+        def forward():
+            kept["pooled"] = group.lookup(ids, lengths, None, features, batch, True)
+
+        return forward, lambda: kept.pop("pooled").backward(grad), group.update
+
+    bags = [torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True).to(device) for _ in ours]
+    sgd = torch.optim.SGD([p for b in bags for p in b.parameters()], lr=0.01)
+    offsets = torch.arange(batch, device=device)
+
+    def their_phases(ids):
+        kept = {}
+
+        def forward():
+            kept["pooled"] = torch.cat(
+                [b(x, offsets) for b, x in zip(bags, ids.view(tables, batch))], 1
+            )
+
+        def update():
+            sgd.step()
+            sgd.zero_grad()
+
+        return forward, lambda: kept.pop("pooled").backward(grad), update
+
+    result = {
+        "setup": {
+            "tables": tables,
+            "rows": rows,
+            "dim": dim,
+            "batch": batch,
+            "steps": steps,
+            "device": device,
+            "precision": "int8",
+            "cache": "5% 32-way LFU",
+            "optimizer": "rowwise_adagrad",
+        }
+    }
+    phases = ("forward", "backward", "update")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    for name, make in (("embcache", our_phases), ("nn.EmbeddingBag", their_phases)):
+        for ids in batches[:3]:  # warm-up: the allocator's pools, the caches
+            for run in make(ids):
+                run()
+        times = {p: [] for p in phases}
+        for ids in batches:
+            for phase, run in zip(phases, make(ids)):
+                sync()
+                start = time.perf_counter()
+                run()
+                sync()
+                times[phase].append((time.perf_counter() - start) * 1e3)
+        with torch.profiler.profile(activities=activities) as prof:
+            for ids in batches:
+                for phase, run in zip(phases, make(ids)):
+                    with record_function(phase):
+                        run()
+            sync()
+        result[name] = {
+            "ms": {p: round(sorted(t)[len(t) // 2], 3) for p, t in times.items()},
+            "runtime_calls_per_step": _calls_per_phase(prof.events(), phases, steps),
+        }
+    result["embcache"]["updates_applied"] = ours[0].stats()["steps"]
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+def _calls_per_phase(events, phases, steps) -> dict:
+    """The RUNTIME_CALLS that start inside each phase's record_function ranges, per step."""
+    ranges = {p: [e.time_range for e in events if e.name == p] for p in phases}
+    calls = [e for e in events if e.name in RUNTIME_CALLS]
+    out = {}
+    for p, spans in ranges.items():
+        counts = {c: 0 for c in RUNTIME_CALLS}
+        for e in calls:
+            if any(r.start <= e.time_range.start <= r.end for r in spans):
+                counts[e.name] += 1
+        out[p] = {c: round(n / steps, 1) for c, n in counts.items()}
+    return out
+
+
 def _step(name: str, cmd: list[str], out: Path, limit: float, env: dict | None = None) -> dict:
     log = out / f"{name}.log"
     start = time.perf_counter()
@@ -91,6 +215,9 @@ def _step(name: str, cmd: list[str], out: Path, limit: float, env: dict | None =
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--driver"]:
         driver(argv[1] if len(argv) > 1 else "cuda")
+        return 0
+    if argv[:1] == ["--profile"] and len(argv) in (2, 3):
+        profile(Path(argv[1]), argv[2] if len(argv) > 2 else "cuda", **PROFILE)
         return 0
     if len(argv) != 1:
         print("usage: python bench/gpu_check.py OUT", file=sys.stderr)
@@ -128,6 +255,8 @@ def main(argv: list[str]) -> int:
             cmd = [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
             cmd += [python, "bench/gpu_check.py", "--driver"]
             steps[tool] = _step(tool, cmd, out, SANITIZER_LIMIT, here)
+        step_profile = [python, "bench/gpu_check.py", "--profile", str(out / "profile.json")]
+        steps["profile"] = _step("profile", step_profile, out, LIMITS["profile"], here)
         bandwidth = [python, "bench/bandwidth.py", "--device", "cuda", "--steps", "3"]
         bandwidth += ["--out", str(out / "bandwidth")]
         steps["bandwidth"] = _step("bandwidth", bandwidth, out, LIMITS["bandwidth"], here)

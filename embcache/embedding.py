@@ -172,7 +172,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
         offsets: torch.Tensor | None,
         per_sample_weights: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(indices int64 [L], offsets int64 [B+1], weights float32 [L] or None), checked."""
+        """(indices int64 [L], offsets int64 [B+1], weights float32 [L] or None), their types
+        and shapes checked. Their values (which reading would cost a device sync per check)
+        are checked by the C++ forward; :meth:`_check_values` names what it refused."""
         name = self.config.name
 
         def bad(msg: str) -> ValueError:
@@ -204,30 +206,11 @@ class CachedLowPrecisionEmbedding(nn.Module):
             offsets = offsets.long()
             if not self.include_last_offset:
                 offsets = torch.cat([offsets, offsets.new_tensor([input.numel()])])
-            elif offsets.numel() == 0 or int(offsets[-1]) != input.numel():
-                raise bad(
-                    f"with include_last_offset the last offset must be len(input)="
-                    f"{input.numel()}, got {offsets[-1:].tolist()}"
-                )
+            elif offsets.numel() == 0:
+                raise bad("with include_last_offset, offsets must end with len(input)")
         else:
             raise bad(f"input must be 1-D or 2-D, got {input.dim()}-D")
         indices = input.long().contiguous()
-        if indices.numel():
-            lo, hi = int(indices.min()), int(indices.max())
-            if lo < 0 or hi >= self.config.num_embeddings:
-                raise bad(
-                    f"index {lo if lo < 0 else hi} is out of range [0, {self.config.num_embeddings})"
-                )
-        if offsets.numel():  # (a single offset too: C++ would refuse it after counting)
-            if int(offsets[0]) != 0:
-                raise bad(f"offsets must start at 0, got {int(offsets[0])}")
-            steps = offsets[1:] - offsets[:-1]
-            if bool((steps < 0).any()):
-                at = int(torch.nonzero(steps < 0)[0])
-                raise bad(
-                    f"offsets decrease at bag {at} ({int(offsets[at])} > {int(offsets[at + 1])}) "
-                    f"or exceed len(input)={indices.numel()}"
-                )
         if per_sample_weights is not None:
             if self.config.mode != "sum":
                 raise bad("per_sample_weights are only supported with mode='sum'")
@@ -267,15 +250,43 @@ class CachedLowPrecisionEmbedding(nn.Module):
         """
         indices, offs, psw = self._bags(input, offsets, per_sample_weights)
         psw32 = None if psw is None else psw.detach().float().contiguous()
-        return self.group.lookup(
-            indices,
-            offs[1:] - offs[:-1],
-            psw32,
-            [self.group.position(self)],
-            offs.numel() - 1,
-            self.training,
-            psw,
-        )
+        try:
+            return self.group.lookup(
+                indices,
+                offs[1:] - offs[:-1],
+                psw32,
+                [self.group.position(self)],
+                offs.numel() - 1,
+                self.training,
+                psw,
+            )
+        except RuntimeError:
+            self._check_values(indices, offs)  # raises the error that names the table
+            raise
+
+    def _check_values(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Every index in range, offsets from 0 up to len(indices) without decreasing: else
+        a ValueError naming the table. (Run only when the C++ forward has refused them.)"""
+
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"table '{self.config.name}': {msg}")
+
+        rows = self.config.num_embeddings
+        out = (indices < 0) | (indices >= rows)
+        if bool(out.any()):
+            raise bad(f"index {int(indices[out][0])} is out of range [0, {rows})")
+        n = indices.numel()
+        if int(offsets[0]) != 0:
+            raise bad(f"offsets must start at 0, got {int(offsets[0])}")
+        if int(offsets[-1]) != n:
+            raise bad(f"the last offset must be len(input)={n}, got {int(offsets[-1])}")
+        steps = offsets.diff()
+        if bool((steps < 0).any()):
+            at = int(torch.nonzero(steps < 0)[0])
+            raise bad(
+                f"offsets decrease at bag {at} ({int(offsets[at])} > {int(offsets[at + 1])}) "
+                f"or exceed len(input)={n}"
+            )
 
     # ------------------------------------------------------------------ the update
 

@@ -59,3 +59,21 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "no CUDA device here" in done.stdout
     assert json.loads((tmp_path / "gpu_check.json").read_text())["cuda"] is False
+
+
+def test_the_step_profile_runs_every_phase_of_both_steps(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "profile.json"
+    gpu_check.profile(path, "cpu", tables=3, rows=3000, dim=8, batch=64, steps=2)
+    result = json.loads(path.read_text())
+    # the warm-up (the first 3 batches: here both), the timed pass and the profiled pass
+    assert result["embcache"]["updates_applied"] == 2 + 2 + 2
+    for peer in ("embcache", "nn.EmbeddingBag"):
+        assert set(result[peer]["ms"]) == {"forward", "backward", "update"}
+        assert all(ms > 0 for ms in result[peer]["ms"].values())
+        calls = result[peer]["runtime_calls_per_step"]["update"]
+        assert set(calls) == set(gpu_check.RUNTIME_CALLS)

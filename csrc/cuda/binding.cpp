@@ -2,6 +2,7 @@
 // tensors (the dispatcher picks them by device). Thin: the glue is csrc/cuda/torch_ops.h,
 // shared with the warp-emulator build that CI runs; the kernels are in cache_cuda.cu.
 // Compiled into embcache._C only when torch has CUDA and nvcc is found (setup.py).
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -14,6 +15,14 @@ inline bool on_device(const at::Tensor& t) { return t.device().is_cuda(); }
 inline Stream current_stream() { return (void*)c10::cuda::getCurrentCUDAStream().stream(); }
 constexpr const char* kDeviceName = "CUDA";
 #define EMBCACHE_DEVICE_GUARD(t) const c10::cuda::CUDAGuard device_guard_((t).device())
+
+// The kernels' scratch memory comes from PyTorch's caching allocator, ordered on the op's
+// stream: one pool for torch and the kernels.
+inline void* torch_alloc(size_t bytes, Stream s) {
+  return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(s));
+}
+inline void torch_free(void* p) { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+const bool allocator_installed = (set_allocator(Allocator{torch_alloc, torch_free}), true);
 }  // namespace gpu
 }  // namespace embcache
 

@@ -4,12 +4,20 @@
 // (namespace embcache::gpu) and the warp-emulator build (namespace embcache::emu, see
 // csrc/emulated/emu_ops.cpp).
 //
-// Every function checks every launch and throws std::runtime_error on a CUDA error or on
-// invalid input found by a kernel (bad offsets, out-of-range indices, unsorted unique
-// rows); functions that change state validate first and change nothing when they throw.
+// The functions only enqueue work on the given stream: none waits for the device. What the
+// host must learn from the device (error bits, hit counts, the number of unique rows) the
+// kernels write into a device buffer the caller passes (`flags`), which the caller reads back
+// once per op, after every table's launches (docs/design.md, "One readback per phase"). The
+// only exceptions: dedup_bags's count of unique rows is read at its end (it sizes the
+// outputs), and quantize_rows and flush_cache, off the training step, read their own result.
+// Launch errors throw std::runtime_error at once.
 #pragma once
 
+#include <stddef.h>
 #include <stdint.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "embcache/rowquant.h"
 #include "embcache/table_spec.h"
@@ -23,6 +31,15 @@ namespace EMBCACHE_GPU_NS {
 
 using Stream = void*;  // a cudaStream_t (unused by the emulator)
 
+/// Where scratch memory comes from: the torch binding installs PyTorch's caching allocator
+/// (memory ordered on the op's stream), so that the kernels and torch share one pool. The
+/// emulator allocates from the heap and needs none.
+struct Allocator {
+  void* (*alloc)(size_t bytes, Stream stream);
+  void (*free)(void* p);
+};
+void set_allocator(Allocator a);
+
 /// out[r] = the row x[r] stored in format f. Returns -1, or the first position r whose row
 /// cannot be stored (nothing is guaranteed about out then).
 int64_t quantize_rows(const float* x, const int64_t* ids, int64_t n, RowFormat f,
@@ -35,47 +52,77 @@ void dequantize_rows(const uint8_t* w, int64_t n, RowFormat f, float* out, Strea
 int64_t flush_cache(const TableSpec& t, const TableState& state, RoundingStream s,
                     Stream stream);
 
-/// Bags of lookups: bag b covers positions [off[b], off[b+1]) of idx and psw (psw may be
-/// null); the nb bags must tile positions [lo, hi) (checked by the kernels). A feature of a
-/// KeyedJaggedTensor is such a view of the global arrays.
+/// Error bits the kernels OR into flags[kErrorFlag]; the caller throws after reading them
+/// (throw_errors).
+enum ErrorBits : unsigned long long {
+  kBadIndex = 1,        // an index < 0 or >= rows
+  kBadOffsets = 2,      // offsets not starting at 0, decreasing, or not ending at len(indices)
+  kBadUniqueRows = 4,   // unique rows not ascending or out of range
+};
+constexpr int kErrorFlag = 0;
+
+/// Throws std::runtime_error naming the first error among `bits` (none: returns).
+inline void throw_errors(unsigned long long bits) {
+  const char* what = (bits & kBadOffsets) ? "offsets must start at 0, not decrease and end at len(indices)"
+                     : (bits & kBadIndex) ? "an index is out of range"
+                     : (bits & kBadUniqueRows) ? "unique rows must be ascending and in range"
+                                               : nullptr;
+  if (what) throw std::runtime_error(std::string("embcache (cuda): ") + what);
+}
+
+/// One feature's bags: bags [first, first + nb) of the op's global offsets `off`, over the
+/// op's n lookups `idx` and per-sample weights `psw` (or null). Every bag must lie in [0, n),
+/// the op's first bag start at 0 and its last (bag total - 1) end at n: the kernels check
+/// this, and as consecutive bags share an offset, the op's bags then tile [0, n).
 struct Bags {
   const int64_t* idx;
   const int64_t* off;
-  int64_t nb, lo, hi;
+  int64_t first, nb, total, n;
   const float* psw;
 };
 
 /// The forward: the bags pooled from table `t` (sum, or mean if t.mean) into
-/// out[b * out_stride + j]; returns the number of lookups that found their row cached.
-int64_t pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
-                  int64_t out_stride, Stream stream);
+/// out[b * out_stride + j]. *errors |= error bits; *hits += the lookups that found their row
+/// cached.
+void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
+               int64_t out_stride, unsigned long long* errors, unsigned long long* hits,
+               Stream stream);
 
-/// Where dedup_bags writes its outputs once it knows the number of unique rows.
+/// Where dedup_features writes its outputs once it knows their sizes: nu unique rows in all,
+/// and grad_floats gradient values (each feature's unique rows times its dim, summed).
 struct DedupOutputs {
   int64_t* rows;   // [nu]
-  float* grads;    // [nu, dim]
+  float* grads;    // [grad_floats]
   int64_t* occ;    // [nu]
 };
-using DedupAlloc = DedupOutputs (*)(void* ctx, int64_t nu);
+using DedupAlloc = DedupOutputs (*)(void* ctx, int64_t nu, int64_t grad_floats);
 
-/// The backward: the gradient per unique row of the bags, rows ascending, contributions
-/// summed in lookup order; the gradient of bag b is g[b * g_stride + j]. Returns nu.
-int64_t dedup_bags(const Bags& bags, const float* g, int64_t g_stride, int dim, bool mean,
-                   DedupAlloc alloc, void* alloc_ctx, Stream stream);
+/// The backward of a forward's nf features: feature f is bags [f * batch, (f + 1) * batch)
+/// of `bags` (which holds them all: first 0, nb = total), looked up in table feature_table[f]
+/// (its spec gives the dim and the pooling mode); the gradient of the feature's bag b is
+/// g[b * g_stride + (the feature's column) + j], the features' columns side by side in their
+/// order. Writes, feature after feature, the unique rows ascending, their occurrences and
+/// their gradient rows (contributions summed in lookup order), and row_starts (host, nf + 1
+/// entries): where each feature's unique rows start. One sort for every feature; the one
+/// read-back learns the errors and the sizes.
+void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* feature_table,
+                    const TableSpec* specs, const float* g, int64_t g_stride, DedupAlloc alloc,
+                    void* alloc_ctx, int64_t* row_starts, Stream stream);
 
 /// The update's first phase (changes nothing): every unique row's slot, new value and new
-/// optimizer state. Returns the smallest row whose new value cannot be stored, or -1.
-int64_t compute_update(const TableSpec& t, const TableState& state, const int64_t* rows,
-                       int64_t nu, const float* g, float* fresh, float* fresh_state,
-                       int64_t* slots, Stream stream);
+/// optimizer state. flags[kErrorFlag] |= error bits; flags[1] = min(flags[1], a row whose
+/// new value cannot be stored): the caller sets flags[1] to ~0 first.
+void compute_update(const TableSpec& t, const TableState& state, const int64_t* rows,
+                    int64_t nu, const float* g, float* fresh, float* fresh_state,
+                    int64_t* slots, unsigned long long* flags, Stream stream);
 
 /// The update's second phase: writes what compute_update computed: optimizer state, LFU
 /// counts, then one warp per touched set applies the insert/evict/bypass rule; update `step`
-/// keys the rounding and is LRU's priority. stats_out (host, 5 entries) = [unique hits,
-/// unique misses, insertions, evictions, bypasses].
+/// keys the rounding and is LRU's priority. counts[0..2] += the unique hits, insertions and
+/// evictions (every other unique row bypassed the cache).
 void commit_update(const TableSpec& t, const TableState& state, const int64_t* rows, int64_t nu,
                    const float* fresh, const float* fresh_state, const int64_t* slots,
-                   const int64_t* occ, int64_t step, int64_t* stats_out, Stream stream);
+                   const int64_t* occ, int64_t step, unsigned long long* counts, Stream stream);
 
 }  // namespace EMBCACHE_GPU_NS
 }  // namespace embcache

@@ -1,6 +1,6 @@
 // The cache kernels (cache_kernels.cuh) for a real GPU: the backend of the host
-// orchestration (stream-ordered memory, CUB sorts and scan) and the launch macro, which
-// checks every launch. No torch headers: the torch binding is csrc/cuda/binding.cpp.
+// orchestration (scratch memory from the installed allocator, CUB sorts and scan) and the
+// launch macro, which checks every launch. No torch headers: the torch binding is csrc/cuda/binding.cpp.
 //
 // Build with --fmad=false (no FMA contraction): results are bit-identical to the CPU ops.
 #include <cuda_runtime.h>
@@ -29,49 +29,37 @@ inline void check(cudaError_t e, const char* what) {
 
 inline cudaStream_t as_stream(Stream s) { return static_cast<cudaStream_t>(s); }
 
+// Scratch memory from the allocator the torch binding installs (cache_api.h).
+Allocator allocator{nullptr, nullptr};
+void set_allocator(Allocator a) { allocator = a; }
+
 inline void* dev_alloc(size_t bytes, Stream s) {
-  void* p = nullptr;
-  check(cudaMallocAsync(&p, bytes, as_stream(s)), "cudaMallocAsync");
-  return p;
+  if (!allocator.alloc) throw std::runtime_error("embcache (cuda): no allocator installed");
+  return bytes ? allocator.alloc(bytes, s) : nullptr;
 }
-inline void dev_free(void* p, Stream s) { cudaFreeAsync(p, as_stream(s)); }
-inline void dev_zero(void* p, size_t bytes, Stream s) {
-  check(cudaMemsetAsync(p, 0, bytes, as_stream(s)), "cudaMemsetAsync");
+inline void dev_free(void* p, Stream) {
+  if (p) allocator.free(p);
+}
+inline void dev_fill(void* p, int byte, size_t bytes, Stream s) {
+  check(cudaMemsetAsync(p, byte, bytes, as_stream(s)), "cudaMemsetAsync");
 }
 inline void copy_to_host(void* dst, const void* src, size_t bytes, Stream s) {
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, as_stream(s)), "cudaMemcpyAsync");
   check(cudaStreamSynchronize(as_stream(s)), "cudaStreamSynchronize");
 }
-inline void copy_to_device(void* dst, const void* src, size_t bytes, Stream s) {
-  // From pageable host memory: returns once the source has been read.
-  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, as_stream(s)), "cudaMemcpyAsync");
-  check(cudaStreamSynchronize(as_stream(s)), "cudaStreamSynchronize");
-}
 
-// Keys are sorted in place through a double buffer (CUB radix sort is stable).
-inline void sort_keys_u64(uint64_t* keys, int64_t n, Stream s) {
-  uint64_t* alt = static_cast<uint64_t*>(dev_alloc(n * sizeof(uint64_t), s));
-  cub::DoubleBuffer<uint64_t> kb(keys, alt);
-  size_t temp = 0;
-  check(cub::DeviceRadixSort::SortKeys(nullptr, temp, kb, n, 0, 64, as_stream(s)), "cub sort");
-  void* t = dev_alloc(temp, s);
-  check(cub::DeviceRadixSort::SortKeys(t, temp, kb, n, 0, 64, as_stream(s)), "cub sort");
-  if (kb.Current() != keys)
-    check(cudaMemcpyAsync(keys, kb.Current(), n * sizeof(uint64_t), cudaMemcpyDeviceToDevice,
-                          as_stream(s)), "cudaMemcpyAsync");
-  dev_free(t, s);
-  dev_free(alt, s);
-}
-
-inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, Stream s) {
+// Pairs sorted by the keys' low `bits` bits, in place through double buffers (CUB radix sort
+// is stable).
+inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, int bits, Stream s) {
   uint64_t* kalt = static_cast<uint64_t*>(dev_alloc(n * sizeof(uint64_t), s));
   int64_t* valt = static_cast<int64_t*>(dev_alloc(n * sizeof(int64_t), s));
   cub::DoubleBuffer<uint64_t> kb(keys, kalt);
   cub::DoubleBuffer<int64_t> vb(vals, valt);
   size_t temp = 0;
-  check(cub::DeviceRadixSort::SortPairs(nullptr, temp, kb, vb, n, 0, 64, as_stream(s)), "cub sort");
+  check(cub::DeviceRadixSort::SortPairs(nullptr, temp, kb, vb, n, 0, bits, as_stream(s)),
+        "cub sort");
   void* t = dev_alloc(temp, s);
-  check(cub::DeviceRadixSort::SortPairs(t, temp, kb, vb, n, 0, 64, as_stream(s)), "cub sort");
+  check(cub::DeviceRadixSort::SortPairs(t, temp, kb, vb, n, 0, bits, as_stream(s)), "cub sort");
   if (kb.Current() != keys)
     check(cudaMemcpyAsync(keys, kb.Current(), n * sizeof(uint64_t), cudaMemcpyDeviceToDevice,
                           as_stream(s)), "cudaMemcpyAsync");

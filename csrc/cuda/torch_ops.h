@@ -73,35 +73,39 @@ inline std::vector<int64_t> cache_flush(at::TensorList state, const at::Tensor& 
   return written;
 }
 
-/// The offsets on the host, checked as the CPU ops check them: nf features of `batch` bags.
-inline at::Tensor features_host_offsets(const at::Tensor& indices, const at::Tensor& offsets,
-                                        const c10::optional<at::Tensor>& psw, int64_t nf,
-                                        int64_t batch) {
+/// A buffer of n device words, zeroed, for the kernels' flags and counts (cache_api.h).
+inline at::Tensor flag_words(const at::Tensor& like, int64_t n) {
+  return at::zeros({n}, like.options().dtype(at::kLong));
+}
+inline unsigned long long* words(const at::Tensor& flags) {
+  return reinterpret_cast<unsigned long long*>(flags.data_ptr<int64_t>());
+}
+
+/// Every tensor an op reads or writes on the device of the tables' weights.
+inline void check_same_device(const Tables& tables, at::TensorList state, const at::Tensor& x,
+                              const char* what) {
+  TORCH_CHECK(tables.spec.empty() || x.device() == state[kWeights].device(), "embcache: ",
+              what, " is on ", x.device(), ", the tables on ", state[kWeights].device());
+}
+
+/// The op's bags: nf features of `batch` bags over `offsets` (checked here: its length; its
+/// values by the kernels); feature f is first = f * batch.
+inline Bags op_bags(const at::Tensor& indices, const at::Tensor& offsets,
+                    const c10::optional<at::Tensor>& psw, int64_t nf, int64_t batch) {
   check_lookups(indices, psw, kDevice);
   kDevice.check(offsets, at::kLong, "offsets");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1,
-              "embcache: offsets must be 1-D, with the end appended");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.device() == indices.device(),
+              "embcache: offsets must be 1-D, with the end appended, on the device of indices");
   TORCH_CHECK(batch >= 0 && offsets.numel() == nf * batch + 1,
               "embcache: offsets must have features * batch + 1 entries");
-  at::Tensor host = offsets.to(at::kCPU).contiguous();
-  const int64_t* off = host.data_ptr<int64_t>();
-  const int64_t nb = offsets.numel() - 1;
-  TORCH_CHECK(off[0] == 0 && off[nb] == indices.numel(),
+  TORCH_CHECK(nf * batch > 0 || indices.numel() == 0,
               "embcache: offsets must start at 0 and end at len(indices)");
-  for (int64_t b = 0; b < nb; ++b)
-    TORCH_CHECK(off[b] <= off[b + 1], "embcache: offsets decrease at bag ", b);
-  return host;
+  return Bags{indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), 0, nf * batch,
+              nf * batch, indices.numel(), psw ? psw->data_ptr<float>() : nullptr};
 }
 
-/// Feature f's bags: bags [f * batch, (f + 1) * batch) of the global offsets.
-inline Bags feature_bags(const at::Tensor& indices, const at::Tensor& offsets,
-                         const int64_t* host_offsets, const c10::optional<at::Tensor>& psw,
-                         int64_t f, int64_t batch) {
-  return Bags{indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>() + f * batch, batch,
-              host_offsets[f * batch], host_offsets[(f + 1) * batch],
-              psw ? psw->data_ptr<float>() : nullptr};
-}
-
+/// The forward: every feature's bags launched on the stream, then one read-back of the error
+/// bits, each feature's hits and where each feature's lookups start.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
     const at::Tensor& lengths, const c10::optional<at::Tensor>& per_sample_weights,
@@ -114,38 +118,43 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
   TORCH_CHECK(lengths.dim() == 1 && on_device(lengths) &&
                   (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
               "embcache: lengths must be a 1-D int32 or int64 ", kDeviceName, " tensor");
+  check_same_device(tables, state, indices, "indices");
   const at::Tensor offsets =
       at::cat({at::zeros({1}, lengths.options().dtype(at::kLong)), lengths.cumsum(0, at::kLong)});
-  const at::Tensor off_host =
-      features_host_offsets(indices, offsets, per_sample_weights, nf, batch);
-  const int64_t* oh = off_host.data_ptr<int64_t>();
+  Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
   at::Tensor out = at::empty({batch, col[nf]}, indices.options().dtype(at::kFloat));
-  std::vector<int64_t> hits(nf);
+  // flags: [error bits, then feature f's hits at 1 + f]
+  const at::Tensor flags = flag_words(indices, 1 + nf);
   for (int64_t f = 0; f < nf && batch > 0; ++f) {
     const int64_t t = feature_table[f];
-    hits[f] = pool_bags(spec[t], tables.state[t],
-                        feature_bags(indices, offsets, oh, per_sample_weights, f, batch),
-                        out.data_ptr<float>() + col[f], col[nf], current_stream());
+    bags.first = f * batch;
+    bags.nb = batch;
+    pool_bags(spec[t], tables.state[t], bags, out.data_ptr<float>() + col[f], col[nf],
+              words(flags) + kErrorFlag, words(flags) + 1 + f, current_stream());
   }
-  for (int64_t f = 0; f < nf && !tables.counters.empty(); ++f) {
-    tables.counters[feature_table[f]][kLookups] += oh[(f + 1) * batch] - oh[f * batch];
-    tables.counters[feature_table[f]][kHits] += hits[f];
+  const at::Tensor feature_offsets = offsets.slice(0, 0, nf * batch + 1, std::max<int64_t>(batch, 1));
+  const at::Tensor host = at::cat({flags, feature_offsets}).to(at::kCPU);
+  const int64_t* h = host.data_ptr<int64_t>();
+  throw_errors((unsigned long long)h[kErrorFlag]);
+  const int64_t* feature_start = h + 1 + nf;
+  for (int64_t f = 0; f < nf && !tables.counters.empty() && batch > 0; ++f) {
+    tables.counters[feature_table[f]][kLookups] += feature_start[f + 1] - feature_start[f];
+    tables.counters[feature_table[f]][kHits] += h[1 + f];
   }
   return {out, offsets, at::empty({0}, indices.options().dtype(at::kInt)),
           at::empty({0}, at::kFloat)};
 }
 
-/// Where dedup_bags puts one feature's outputs: tensors made once their size is known.
+/// Where dedup_features puts its outputs: tensors made once their sizes are known.
 struct DedupTensors {
   at::TensorOptions long_opts, float_opts;
-  int64_t dim;
   at::Tensor rows, grads, occ;
 };
 
-inline DedupOutputs dedup_alloc(void* ctx, int64_t nu) {
+inline DedupOutputs dedup_alloc(void* ctx, int64_t nu, int64_t grad_floats) {
   auto* t = static_cast<DedupTensors*>(ctx);
   t->rows = at::empty({nu}, t->long_opts);
-  t->grads = at::empty({nu * t->dim}, t->float_opts);
+  t->grads = at::empty({grad_floats}, t->float_opts);
   t->occ = at::empty({nu}, t->long_opts);
   return DedupOutputs{t->rows.data_ptr<int64_t>(), t->grads.data_ptr<float>(),
                       t->occ.data_ptr<int64_t>()};
@@ -158,36 +167,16 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mu
     const c10::optional<at::Tensor>& /*lookup_slots*/) {
   EMBCACHE_DEVICE_GUARD(indices);
   const DedupArgs a = dedup_args(grad_output, specs, feature_table, kDevice);
-  const std::vector<int64_t>& dims = a.dims;
-  const std::vector<int64_t>& col = a.col;
-  const int64_t nf = (int64_t)dims.size(), batch = a.batch;
-  const at::Tensor off_host =
-      features_host_offsets(indices, offsets, per_sample_weights, nf, batch);
-  // Each feature deduplicated on its own, then concatenated into the one-tensor-per-kind
-  // layout (tables.h's gradient_blocks) that the CPU op makes directly.
-  std::vector<at::Tensor> rows, grads, occ;
+  const int64_t nf = (int64_t)a.dims.size(), batch = a.batch;
+  TORCH_CHECK(grad_output.device() == indices.device(),
+              "embcache: grad_output must be on the device of indices");
+  const Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
   at::Tensor row_starts = at::empty({nf + 1}, at::kLong);
-  int64_t* rs = row_starts.data_ptr<int64_t>();
-  rs[0] = 0;
-  for (int64_t f = 0; f < nf; ++f) {
-    DedupTensors t{indices.options(), grad_output.options(), dims[f], {}, {}, {}};
-    if (batch == 0) {
-      dedup_alloc(&t, 0);
-    } else {
-      dedup_bags(feature_bags(indices, offsets, off_host.data_ptr<int64_t>(), per_sample_weights,
-                              f, batch),
-                 grad_output.data_ptr<float>() + col[f], col[nf], (int)dims[f],
-                 a.spec[feature_table[f]].mean, &dedup_alloc, &t, current_stream());
-    }
-    rows.push_back(t.rows);
-    grads.push_back(t.grads);
-    occ.push_back(t.occ);
-    rs[f + 1] = rs[f] + t.rows.numel();
-  }
-  const at::Tensor none = at::empty({0}, indices.options());
-  if (nf == 0)
-    return {none, at::empty({0}, grad_output.options()), none, none, row_starts};
-  return {at::cat(rows), at::cat(grads), at::cat(occ), none, row_starts};
+  DedupTensors t{indices.options(), grad_output.options(), {}, {}, {}};
+  dedup_features(bags, batch, nf, feature_table.data(), a.spec.data(),
+                 grad_output.data_ptr<float>(), a.col[nf], &dedup_alloc, &t,
+                 row_starts.data_ptr<int64_t>(), current_stream());
+  return {t.rows, t.grads, t.occ, at::empty({0}, indices.options()), row_starts};
 }
 
 /// As on the CPU: every table's update is computed and checked (into buffers), and committed
@@ -206,31 +195,47 @@ inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor&
   const std::vector<TableSpec>& spec = tables.spec;
   const std::vector<int64_t>& block = a.block;
   const int64_t nt = (int64_t)spec.size();
+  check_same_device(tables, state, unique_rows, "unique_rows");
   const int64_t* rows = unique_rows.data_ptr<int64_t>();
   std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
-  std::vector<int64_t> bad(nt);
-  bool any_bad = false;
+  // flags: table t's [error bits, the smallest row it cannot store (~0: none)] at 2t.
+  const at::Tensor flags = flag_words(unique_rows, 2 * nt);
+  flags.view({nt, 2}).select(1, 1).fill_(-1);
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t n = row_starts[t + 1] - row_starts[t];
     fresh[t] = at::empty({n, spec[t].f.dim}, grads.options());
     fresh_state[t] = at::empty({n, spec[t].state_width()}, grads.options());
     slots[t] = at::empty({n}, unique_rows.options());
-    bad[t] = compute_update(spec[t], tables.state[t], rows + row_starts[t], n,
-                            grads.data_ptr<float>() + block[t], fresh[t].data_ptr<float>(),
-                            fresh_state[t].data_ptr<float>(), slots[t].data_ptr<int64_t>(),
-                            current_stream());
+    compute_update(spec[t], tables.state[t], rows + row_starts[t], n,
+                   grads.data_ptr<float>() + block[t], fresh[t].data_ptr<float>(),
+                   fresh_state[t].data_ptr<float>(), slots[t].data_ptr<int64_t>(),
+                   words(flags) + 2 * t, current_stream());
+  }
+  const at::Tensor checked = flags.to(at::kCPU);
+  const int64_t* h = checked.data_ptr<int64_t>();
+  std::vector<int64_t> bad(nt);
+  bool any_bad = false;
+  for (int64_t t = 0; t < nt; ++t) {
+    throw_errors((unsigned long long)h[2 * t]);
+    bad[t] = h[2 * t + 1];  // ~0 reads as -1
     any_bad = any_bad || bad[t] >= 0;
   }
   if (any_bad || !commit) return bad;
+  // counts: table t's unique hits, insertions, evictions at 3t.
+  const at::Tensor counts = flag_words(unique_rows, 3 * nt);
   for (int64_t t = 0; t < nt; ++t) {
-    const int64_t n = row_starts[t + 1] - row_starts[t];
-    int64_t* counter = tables.counters[t];
-    int64_t stats[kBypasses - kUniqueHits + 1];
-    commit_update(spec[t], tables.state[t], rows + row_starts[t], n, fresh[t].data_ptr<float>(),
-                  fresh_state[t].data_ptr<float>(), slots[t].data_ptr<int64_t>(),
-                  occurrences.data_ptr<int64_t>() + row_starts[t], counter[kSteps] + 1, stats,
-                  current_stream());
-    count_commit(counter, n, stats);
+    commit_update(spec[t], tables.state[t], rows + row_starts[t], row_starts[t + 1] - row_starts[t],
+                  fresh[t].data_ptr<float>(), fresh_state[t].data_ptr<float>(),
+                  slots[t].data_ptr<int64_t>(), occurrences.data_ptr<int64_t>() + row_starts[t],
+                  tables.counters[t][kSteps] + 1, words(counts) + 3 * t, current_stream());
+  }
+  const at::Tensor committed = counts.to(at::kCPU);
+  const int64_t* c = committed.data_ptr<int64_t>();
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t n = row_starts[t + 1] - row_starts[t], hits = c[3 * t], inserted = c[3 * t + 1];
+    const int64_t stats[kBypasses - kUniqueHits + 1] = {hits, n - hits, inserted, c[3 * t + 2],
+                                                        n - hits - inserted};
+    count_commit(tables.counters[t], n, stats);
   }
   return bad;
 }

@@ -31,13 +31,12 @@ inline void* dev_alloc(size_t bytes, Stream) {
   return p;
 }
 inline void dev_free(void* p, Stream) { std::free(p); }
-inline void dev_zero(void* p, size_t bytes, Stream) { std::memset(p, 0, bytes); }
+inline void dev_fill(void* p, int byte, size_t bytes, Stream) { std::memset(p, byte, bytes); }
 inline void copy_to_host(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
-inline void copy_to_device(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
 
-inline void sort_keys_u64(uint64_t* keys, int64_t n, Stream) { std::sort(keys, keys + n); }
-
-inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, Stream) {
+// Stable, as CUB's radix sort; the emulator's keys never have bits above `bits` set, so the
+// full comparison orders as the radix sort does.
+inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, int /*bits*/, Stream) {
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });

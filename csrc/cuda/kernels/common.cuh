@@ -7,10 +7,10 @@
 //    without a GPU run the kernels this way.
 //
 // The including file provides, before including csrc/cuda/cache_kernels.cuh, in namespace
-// embcache::EMBCACHE_GPU_NS: kThreadsPerBlock, grid_for(), dev_alloc/dev_free/dev_zero,
-// copy_to_host, copy_to_device, sort_keys_u64, sort_pairs_u64_i64 (stable),
-// exclusive_sum_i64, and the macro EC_LAUNCH(kernel, grid, block, stream, args...) that
-// launches and checks.
+// embcache::EMBCACHE_GPU_NS: kThreadsPerBlock, grid_for(), dev_alloc/dev_free,
+// dev_fill(p, byte, bytes), copy_to_host (waits for the stream), sort_pairs_u64_i64 (stable,
+// over the keys' low `bits` bits), exclusive_sum_i64, and the macro
+// EC_LAUNCH(kernel, grid, block, stream, args...) that launches and checks.
 //
 // Bit-identity with the CPU ops (csrc/cpu) comes from: the same row arithmetic
 // (embcache/rowquant.h; stored rows are written by quantize_row itself, one lane per row), the
@@ -39,13 +39,6 @@ namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-
-// Error bits a kernel reports in flags[0]; the host throws after reading them.
-enum ErrorBits : unsigned long long {
-  kBadIndex = 1,        // an index < 0 or >= rows
-  kBadOffsets = 2,      // offsets not starting at 0, decreasing, or not ending at len(indices)
-  kBadUniqueRows = 4,   // unique rows not ascending or out of range
-};
 
 __device__ __forceinline__ unsigned lane_id() { return threadIdx.x & 31u; }
 
@@ -121,11 +114,12 @@ __device__ __forceinline__ bool warp_row_is_storable(const RowFormat& f, const f
   return true;
 }
 
-/// Bag b covers positions [off[b], off[b+1]) of idx (and psw); the bags must tile [lo, hi).
-__device__ __forceinline__ bool bag_is_valid(int64_t start, int64_t end, int64_t b, int64_t nb,
-                                             int64_t lo, int64_t hi) {
-  return lo <= start && start <= end && end <= hi && (b != 0 || start == lo) &&
-         (b != nb - 1 || end == hi);
+/// Whether bag g of an op's `total` bags over n lookups, positions [start, end), is valid
+/// (cache_api.h's Bags): checked by every kernel that reads a bag, before it reads it.
+__device__ __forceinline__ bool bag_is_valid(int64_t start, int64_t end, int64_t g,
+                                             int64_t total, int64_t n) {
+  return 0 <= start && start <= end && end <= n && (g != 0 || start == 0) &&
+         (g != total - 1 || end == n);
 }
 
 inline dim3 grid_threads(int64_t n) {
@@ -151,12 +145,6 @@ struct Scratch {
 };
 
 inline void fail(const std::string& msg) { throw std::runtime_error("embcache (cuda): " + msg); }
-
-inline void throw_errors(unsigned long long bits) {
-  if (bits & kBadOffsets) fail("offsets must start at 0, not decrease and end at len(indices)");
-  if (bits & kBadIndex) fail("an index is out of range");
-  if (bits & kBadUniqueRows) fail("unique rows must be ascending and in range");
-}
 
 }  // namespace EMBCACHE_GPU_NS
 }  // namespace embcache

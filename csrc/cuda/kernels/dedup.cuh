@@ -1,72 +1,101 @@
-// The backward kernels (docs/contract.md §4.3 step 2): the lookups sorted by (row, position),
-// one warp per unique row summing its contributions in lookup order.
+// The backward kernels (docs/contract.md §4.3 step 2): every feature's lookups sorted at once
+// by (feature, row, position), then one warp per unique row summing its contributions in
+// lookup order.
 #pragma once
+
+#include <vector>
 
 #include "common.cuh"
 
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
-/// Backward, step 1: the bag of every lookup and the packed sort keys (row << 32 | position),
-/// for positions [lo, hi) stored at [0, hi - lo). One thread per bag. flags[0] |= error bits.
-__global__ void dedup_keys_kernel(const int64_t* idx, const int64_t* off, int64_t nb, int64_t lo,
-                                  int64_t hi, int64_t* bag_of, uint64_t* keys,
-                                  unsigned long long* flags) {
-  for (int64_t b = thread_global(); b < nb; b += threads_in_grid()) {
-    const int64_t start = off[b], end = off[b + 1];
-    if (!bag_is_valid(start, end, b, nb, lo, hi)) {
-      atomicOr(&flags[0], (unsigned long long)kBadOffsets);
+/// Rows below 2^31 (cache tags are int32): the sort key of lookup l is feature << 31 | row.
+constexpr int kRowBits = 31;
+
+/// Backward, step 1: the sort key and the bag of every lookup, with the position as the
+/// sort's value. One thread per bag; feature f's bags are [f * batch, (f + 1) * batch).
+/// flags[0] |= error bits.
+__global__ void dedup_keys_kernel(Bags bags, int64_t batch, uint64_t* keys, int64_t* pos,
+                                  int64_t* bag_of, unsigned long long* flags) {
+  for (int64_t g = thread_global(); g < bags.nb; g += threads_in_grid()) {
+    const int64_t start = bags.off[g], end = bags.off[g + 1];
+    if (!bag_is_valid(start, end, g, bags.total, bags.n)) {
+      atomicOr(&flags[kErrorFlag], (unsigned long long)kBadOffsets);
       continue;
     }
+    const uint64_t feature = (uint64_t)(g / batch);
     for (int64_t l = start; l < end; ++l) {
-      const int64_t row = idx[l];
-      if (row < 0 || row >= (int64_t(1) << 31)) atomicOr(&flags[0], (unsigned long long)kBadIndex);
-      bag_of[l - lo] = b;
-      keys[l - lo] = ((uint64_t)row << 32) | (uint64_t)l;
+      const int64_t row = bags.idx[l];
+      if (row < 0 || row >= (int64_t(1) << kRowBits))
+        atomicOr(&flags[kErrorFlag], (unsigned long long)kBadIndex);
+      keys[l] = (feature << kRowBits) | ((uint64_t)row & ((uint64_t(1) << kRowBits) - 1));
+      pos[l] = l;
+      bag_of[l] = g;
     }
   }
 }
 
-/// Backward, step 2: 1 where a new row starts in the sorted keys.
-__global__ void segment_flags_kernel(const uint64_t* keys, int64_t n, int shift, int64_t* flag) {
+/// Backward, step 2: 1 where a new (feature, row) starts in the sorted keys.
+__global__ void segment_flags_kernel(const uint64_t* keys, int64_t n, int64_t* flag) {
   for (int64_t k = thread_global(); k < n; k += threads_in_grid())
-    flag[k] = (k == 0 || (keys[k] >> shift) != (keys[k - 1] >> shift)) ? 1 : 0;
+    flag[k] = (k == 0 || keys[k] != keys[k - 1]) ? 1 : 0;
 }
 
-/// Backward, step 3: starts[u] = the position of unique row u; counters[1] = unique rows.
+/// Backward, step 3: starts[u] = the sorted position of unique row u, starts[nu] = n;
+/// flags[1] = nu.
 __global__ void segment_starts_kernel(const int64_t* flag, const int64_t* excl, int64_t n,
-                                      int64_t* starts, unsigned long long* counters) {
+                                      int64_t* starts, unsigned long long* flags) {
   for (int64_t k = thread_global(); k < n; k += threads_in_grid()) {
     if (flag[k]) starts[excl[k]] = k;
     if (k == n - 1) {
-      counters[1] = (unsigned long long)(excl[k] + flag[k]);
+      flags[1] = (unsigned long long)(excl[k] + flag[k]);
       starts[excl[k] + flag[k]] = n;
     }
   }
 }
 
-/// Backward, step 4: one warp per unique row sums its contributions in lookup order; the
-/// gradient of bag b is g[b * g_stride + j].
-__global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* starts, int64_t nu,
-                                 const int64_t* bag_of, int64_t lo, const int64_t* off,
-                                 const float* psw, const float* g, int64_t g_stride, int dim,
-                                 bool mean, int64_t* rows, float* grads, int64_t* occ) {
+/// Backward, step 4: feature_starts[f] (f = 0..nf) = the first unique row of feature f or
+/// later (nu past the last): unique row u writes the entries of the features after u - 1's
+/// up to its own. One thread per u in [0, nu].
+__global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* starts, int64_t n,
+                                      int64_t nf, const unsigned long long* flags,
+                                      int64_t* feature_starts) {
+  const int64_t nu = (int64_t)flags[1];
+  auto feature = [&](int64_t u) {
+    const int64_t f = (int64_t)(keys[starts[u]] >> kRowBits);
+    return f < nf ? f : nf;
+  };
+  for (int64_t u = thread_global(); u <= nu && u <= n; u += threads_in_grid()) {
+    const int64_t to = u < nu ? feature(u) : nf, from = u > 0 ? feature(u - 1) + 1 : 0;
+    for (int64_t f = from; f <= to; ++f) feature_starts[f] = u;
+  }
+}
+
+/// Backward, step 5, for one feature (its bags from `first`, its unique rows from `u0`): one
+/// warp per unique row sums its contributions in lookup order; the gradient of the feature's
+/// bag b is g[b * g_stride + j].
+__global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
+                                 int64_t u0, int64_t nu, const int64_t* bag_of, int64_t first,
+                                 const int64_t* off, const float* psw, const float* g,
+                                 int64_t g_stride, int dim, bool mean, int64_t* rows,
+                                 float* grads, int64_t* occ) {
   const unsigned lane = lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
-    const int64_t s = starts[u], e = starts[u + 1];
+    const int64_t s = starts[u0 + u], e = starts[u0 + u + 1];
     if (lane == 0) {
-      rows[u] = (int64_t)(keys[s] >> 32);
+      rows[u] = (int64_t)(keys[s] & ((uint64_t(1) << kRowBits) - 1));
       occ[u] = e - s;
     }
     for (int j = (int)lane; j < dim; j += 32) {
       float acc = 0.f;
       for (int64_t k = s; k < e; ++k) {
-        const int64_t l = (int64_t)(keys[k] & 0xffffffffu), b = bag_of[l - lo];
-        const float gb = g[b * g_stride + j];
+        const int64_t l = pos[k], bag = bag_of[l];
+        const float gb = g[(bag - first) * g_stride + j];
         if (psw) {
           acc += gb * psw[l];
         } else if (mean) {
-          const float len = (float)(off[b + 1] - off[b]);
+          const float len = (float)(off[bag + 1] - off[bag]);
           acc += gb / len;
         } else {
           acc += gb;
@@ -77,42 +106,61 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* starts, in
   }
 }
 
-int64_t dedup_bags(const Bags& bags, const float* g, int64_t g_stride, int dim, bool mean,
-                   DedupAlloc alloc, void* alloc_ctx, Stream stream) {
-  const int64_t *idx = bags.idx, *off = bags.off, nb = bags.nb, lo = bags.lo, hi = bags.hi;
-  const float* psw = bags.psw;
-  if (hi >= (int64_t(1) << 32)) fail("at most 2^32 lookups per call");
-  if (lo < 0 || hi < lo) fail("bad range of lookups");
-  const int64_t n = hi - lo;
-  Scratch keys(n * 8, stream), bag_of(n * 8, stream), starts((n + 1) * 8, stream);
-  Scratch counters(2 * sizeof(unsigned long long), stream);
-  dev_zero(counters.p, 2 * sizeof(unsigned long long), stream);
-  unsigned long long* cnt = counters.as<unsigned long long>();
-  // Sort (row, position) pairs packed in one key: rows ascending, positions in order.
-  if (nb > 0)
-    EC_LAUNCH(dedup_keys_kernel, grid_threads(nb), block_dim(), stream, idx, off, nb, lo, hi,
-              bag_of.as<int64_t>(), keys.as<uint64_t>(), cnt);
+/// The number of low key bits the sort must order: the row's and the feature's.
+inline int key_bits(int64_t nf) {
+  int bits = kRowBits;
+  while (nf > 1 && (int64_t(1) << (bits - kRowBits)) < nf) ++bits;
+  return bits;
+}
+
+void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* feature_table,
+                    const TableSpec* specs, const float* g, int64_t g_stride, DedupAlloc alloc,
+                    void* alloc_ctx, int64_t* row_starts, Stream stream) {
+  const int64_t n = bags.n;
+  // Read back: [error bits, nu, the features' first unique rows (nf + 1)].
+  Scratch flags((2 + nf + 1) * sizeof(unsigned long long), stream);
+  dev_fill(flags.p, 0, (2 + nf + 1) * sizeof(unsigned long long), stream);
+  unsigned long long* fl = flags.as<unsigned long long>();
+  Scratch keys(n * 8, stream), pos(n * 8, stream), bag_of(n * 8, stream),
+      starts((n + 1) * 8, stream);
+  if (bags.nb > 0 && batch > 0)
+    EC_LAUNCH(dedup_keys_kernel, grid_threads(bags.nb), block_dim(), stream, bags, batch,
+              keys.as<uint64_t>(), pos.as<int64_t>(), bag_of.as<int64_t>(), fl);
+  int64_t* feature_starts = reinterpret_cast<int64_t*>(fl + 2);
   if (n > 0) {
-    sort_keys_u64(keys.as<uint64_t>(), n, stream);
+    sort_pairs_u64_i64(keys.as<uint64_t>(), pos.as<int64_t>(), n, key_bits(nf), stream);
     Scratch flag(n * 8, stream), excl(n * 8, stream);
     EC_LAUNCH(segment_flags_kernel, grid_threads(n), block_dim(), stream,
-              (const uint64_t*)keys.as<uint64_t>(), n, 32, flag.as<int64_t>());
+              (const uint64_t*)keys.as<uint64_t>(), n, flag.as<int64_t>());
     exclusive_sum_i64(flag.as<int64_t>(), excl.as<int64_t>(), n, stream);
     EC_LAUNCH(segment_starts_kernel, grid_threads(n), block_dim(), stream,
               (const int64_t*)flag.as<int64_t>(), (const int64_t*)excl.as<int64_t>(), n,
-              starts.as<int64_t>(), cnt);
+              starts.as<int64_t>(), fl);
+    EC_LAUNCH(feature_starts_kernel, grid_threads(n + 1), block_dim(), stream,
+              (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)starts.as<int64_t>(), n,
+              nf, (const unsigned long long*)fl, feature_starts);
   }
-  unsigned long long host[2];
-  copy_to_host(host, counters.p, sizeof(host), stream);
-  throw_errors(host[0]);
-  const int64_t nu = (int64_t)host[1];
-  const DedupOutputs out = alloc(alloc_ctx, nu);
-  if (nu > 0)
-    EC_LAUNCH(dedup_sum_kernel, grid_warps(nu), block_dim(), stream,
-              (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)starts.as<int64_t>(), nu,
-              (const int64_t*)bag_of.as<int64_t>(), lo, off, psw, g, g_stride, dim, mean,
-              out.rows, out.grads, out.occ);
-  return nu;
+  std::vector<unsigned long long> host(2 + nf + 1);
+  copy_to_host(host.data(), fl, host.size() * sizeof(unsigned long long), stream);
+  throw_errors(host[kErrorFlag]);
+  for (int64_t f = 0; f <= nf; ++f) row_starts[f] = (int64_t)host[2 + f];
+  int64_t grad_floats = 0;
+  for (int64_t f = 0; f < nf; ++f)
+    grad_floats += (row_starts[f + 1] - row_starts[f]) * specs[feature_table[f]].f.dim;
+  const DedupOutputs out = alloc(alloc_ctx, row_starts[nf], grad_floats);
+  int64_t block = 0;
+  for (int64_t f = 0, col = 0; f < nf; ++f) {
+    const TableSpec& t = specs[feature_table[f]];
+    const int64_t u0 = row_starts[f], nu = row_starts[f + 1] - u0;
+    if (nu > 0)
+      EC_LAUNCH(dedup_sum_kernel, grid_warps(nu), block_dim(), stream,
+                (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
+                (const int64_t*)starts.as<int64_t>(), u0, nu,
+                (const int64_t*)bag_of.as<int64_t>(), f * batch, bags.off, bags.psw, g + col,
+                g_stride, t.f.dim, t.mean, out.rows + u0, out.grads + block, out.occ + u0);
+    block += nu * t.f.dim;
+    col += t.f.dim;
+  }
 }
 
 }  // namespace EMBCACHE_GPU_NS

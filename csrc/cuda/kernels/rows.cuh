@@ -49,8 +49,7 @@ int64_t quantize_rows(const float* x, const int64_t* ids, int64_t n, RowFormat f
                       bool stochastic, RoundingStream s, uint8_t* out, Stream stream) {
   if (n == 0) return -1;
   Scratch flag(sizeof(unsigned long long), stream);
-  unsigned long long none = ~0ull;
-  copy_to_device(flag.p, &none, sizeof(none), stream);
+  dev_fill(flag.p, 0xff, sizeof(unsigned long long), stream);  // ~0: no bad row
   EC_LAUNCH(quantize_rows_kernel, grid_threads(n), block_dim(), stream, x, ids, n, f,
             stochastic, s, out, flag.as<unsigned long long>());
   unsigned long long bad = 0;
@@ -68,7 +67,7 @@ int64_t flush_cache(const TableSpec& t, const TableState& state, RoundingStream 
   const int64_t slots = t.slots();
   if (slots == 0) return 0;
   Scratch counter(sizeof(unsigned long long), stream);
-  dev_zero(counter.p, sizeof(unsigned long long), stream);
+  dev_fill(counter.p, 0, sizeof(unsigned long long), stream);
   EC_LAUNCH(flush_kernel, grid_threads(slots), block_dim(), stream, state.weights,
             state.cache_tags, state.cache_rows, slots, t.f, t.stochastic, s,
             counter.as<unsigned long long>());

@@ -108,7 +108,7 @@ __global__ void commit_keys_kernel(const int64_t* rows, int64_t nu, const int32_
 /// (k-th non-resident in priority order) replaces the slot of rank k iff its priority is
 /// strictly higher, writing the evicted row back; other candidates bypass into the table.
 /// Every row written to the table is quantized by one lane with quantize_row.
-/// stats[0..3] += unique hits, insertions, evictions, bypasses.
+/// stats[0..2] += unique hits, insertions, evictions (the other candidates bypass).
 __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
                                    int32_t* priority, const int32_t* counts,
                                    const int64_t* rows, const float* fresh,
@@ -133,7 +133,7 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
       }
     }
     const int64_t base = (int64_t)set * ways;
-    unsigned long long hits = 0, ins = 0, evict = 0, bypass = 0;
+    unsigned long long hits = 0, ins = 0, evict = 0;
     // 1. Updated residents stay, with their new value and priority (LRU: the step; LFU:
     //    a copy of the row's count, so that step 2 reads no random counts).
     for (int64_t c0 = first; c0 < end; c0 += 32) {
@@ -194,68 +194,46 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
         ++ins;
       } else {
         quantize_row(f, fresh + u * dim, stochastic, s, row, w + row * f.row_bytes());
-        ++bypass;
       }
     }
     if (hits) atomicAdd(&stats[0], hits);
     if (ins) atomicAdd(&stats[1], ins);
     if (evict) atomicAdd(&stats[2], evict);
-    if (bypass) atomicAdd(&stats[3], bypass);
   }
 }
 
-int64_t compute_update(const TableSpec& t, const TableState& state, const int64_t* rows,
-                       int64_t nu, const float* g, float* fresh, float* fresh_state,
-                       int64_t* slots, Stream stream) {
-  if (nu == 0) return -1;
-  Scratch flags(2 * sizeof(unsigned long long), stream);
-  unsigned long long init[2] = {0ull, ~0ull};
-  copy_to_device(flags.p, init, sizeof(init), stream);
+void compute_update(const TableSpec& t, const TableState& state, const int64_t* rows,
+                    int64_t nu, const float* g, float* fresh, float* fresh_state,
+                    int64_t* slots, unsigned long long* flags, Stream stream) {
+  if (nu == 0) return;
   EC_LAUNCH(compute_update_kernel, grid_warps(nu), block_dim(), stream, state.weights, t.rows,
             state.cache_tags, state.cache_rows, state.optimizer_state, rows, nu, g, t.f,
             t.stochastic, t.optimizer, (float)t.lr, (float)t.eps, t.num_sets, t.ways, fresh,
-            fresh_state, slots, flags.as<unsigned long long>());
-  unsigned long long host[2];
-  copy_to_host(host, flags.p, sizeof(host), stream);
-  throw_errors(host[0]);
-  return host[1] == ~0ull ? -1 : (int64_t)host[1];
+            fresh_state, slots, flags);
 }
 
 void commit_update(const TableSpec& t, const TableState& state, const int64_t* rows, int64_t nu,
                    const float* fresh, const float* fresh_state, const int64_t* slots,
-                   const int64_t* occ, int64_t step, int64_t* stats_out, Stream stream) {
-  uint8_t* w = state.weights;
-  int32_t* counts = state.counts;
-  const RowFormat f = t.f;
-  const bool stochastic = t.stochastic, lfu = t.lfu;
-  const RoundingStream s = t.stream(step);
-  for (int i = 0; i < 5; ++i) stats_out[i] = 0;
+                   const int64_t* occ, int64_t step, unsigned long long* counts, Stream stream) {
   if (nu == 0) return;
+  const bool lfu = t.lfu;
   EC_LAUNCH(commit_state_kernel, grid_warps(nu), block_dim(), stream, state.optimizer_state,
-            counts, rows, nu, fresh_state, t.state_width(), occ, lfu);
+            state.counts, rows, nu, fresh_state, t.state_width(), occ, lfu);
   if (t.num_sets == 0) {
-    EC_LAUNCH(commit_bypass_kernel, grid_threads(nu), block_dim(), stream, w, rows, nu, fresh,
-              f, stochastic, s);
-    stats_out[1] = nu;
-    stats_out[4] = nu;
+    EC_LAUNCH(commit_bypass_kernel, grid_threads(nu), block_dim(), stream, state.weights, rows,
+              nu, fresh, t.f, t.stochastic, t.stream(step));
     return;
   }
-  Scratch keys(nu * 8, stream), vals(nu * 8, stream), st(4 * sizeof(unsigned long long), stream);
-  dev_zero(st.p, 4 * sizeof(unsigned long long), stream);
+  Scratch keys(nu * 8, stream), vals(nu * 8, stream);
   EC_LAUNCH(commit_keys_kernel, grid_threads(nu), block_dim(), stream, rows, nu,
-            (const int32_t*)counts, lfu, t.num_sets, keys.as<uint64_t>(), vals.as<int64_t>());
-  sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, stream);
-  EC_LAUNCH(commit_sets_kernel, grid_warps(nu), block_dim(), stream, w, state.cache_tags,
-            state.cache_rows, state.cache_priority, (const int32_t*)counts, rows, fresh, slots,
-            (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu, f,
-            stochastic, lfu, s, step, t.ways, st.as<unsigned long long>());
-  unsigned long long host[4];
-  copy_to_host(host, st.p, sizeof(host), stream);
-  stats_out[0] = (int64_t)host[0];
-  stats_out[1] = nu - (int64_t)host[0];
-  stats_out[2] = (int64_t)host[1];
-  stats_out[3] = (int64_t)host[2];
-  stats_out[4] = (int64_t)host[3];
+            (const int32_t*)state.counts, lfu, t.num_sets, keys.as<uint64_t>(),
+            vals.as<int64_t>());
+  sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, 64, stream);
+  EC_LAUNCH(commit_sets_kernel, grid_warps(nu), block_dim(), stream, state.weights,
+            state.cache_tags, state.cache_rows, state.cache_priority,
+            (const int32_t*)state.counts, rows, fresh, slots,
+            (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu, t.f,
+            t.stochastic, lfu, t.stream(step), step, t.ways, counts);
 }
 
 }  // namespace EMBCACHE_GPU_NS

@@ -7,8 +7,9 @@ whose row is cached before its step's update -- exactly what
 
 How: the lookups are cut into training steps of --batch-size rows (one id per sample per
 table, as ``dlrm train``; a data split is shuffled like ``dlrm train``'s first epoch with
---seed, a trace is read in order) and replayed, one whole table at a time, through
-``torch.ops.embcache.cache_replay``: the C++ cache rule the training update uses, without any
+--seed, a trace is read in order) and replayed, one whole table at a time, by
+``embcache.planner.replay`` (``torch.ops.embcache.cache_replay``, the memory-budget planner's
+replay too): the C++ cache rule the training update uses, without any
 row arithmetic. Capacity and sets are ``embcache.TableConfig``'s (floor(ratio * rows) rounded
 down to a multiple of the associativity); a table whose capacity rounds to 0 slots has no
 cache and counts 0 hits. The overall rate is hits / lookups over the tables with a cache in
@@ -57,41 +58,8 @@ from _common import (
 )
 from tqdm import tqdm
 
-from embcache import TableConfig  # also registers torch.ops.embcache
-from embcache.config import COUNTERS, POLICIES
-
-
-def replay(
-    ids: torch.Tensor, num_rows: int, batch_size: int, cache_ratio: float, policy: str, ways: int
-) -> tuple[dict, torch.Tensor]:
-    """Replays ``ids`` (int64, steps of ``batch_size`` lookups) through a fresh cache of one
-    table; returns the counters (``embcache.config.COUNTERS``, as the table's ``stats()``
-    would count them in training; ``flushed`` is 0), slots, sets and seconds, and the final
-    cache tags."""
-    if len(ids) % batch_size:
-        raise ValueError("ids must hold whole steps")
-    cfg = TableConfig(
-        num_rows,
-        1,
-        cache_ratio=cache_ratio,
-        associativity=ways,
-        policy=policy,
-        min_rows_for_low_precision=0,
-    )
-    tags = torch.full((cfg.num_slots,), -1, dtype=torch.int32)
-    priority = torch.zeros(cfg.num_slots, dtype=torch.int32)
-    counts = torch.zeros(num_rows if cfg.keeps_counts else 0, dtype=torch.int32)
-    offsets = torch.arange(0, len(ids) + 1, batch_size)
-    counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
-    start = time.perf_counter()
-    torch.ops.embcache.cache_replay(tags, priority, counts, cfg.spec(), ids, offsets, counters)
-    seconds = time.perf_counter() - start
-    return {
-        **dict(zip(COUNTERS, counters.tolist())),
-        "slots": cfg.num_slots,
-        "sets": cfg.num_sets,
-        "seconds": seconds,
-    }, tags
+from embcache.config import POLICIES
+from embcache.planner import replay
 
 
 def step_order(

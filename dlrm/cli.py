@@ -1,4 +1,5 @@
-"""The ``dlrm`` command: ``train``, ``evaluate``, ``preprocess``, ``generate``.
+"""The ``dlrm`` command: ``train``, ``evaluate``, ``plan``, ``report``, ``preprocess``,
+``generate``.
 
 User errors (missing or corrupt data, a damaged checkpoint or one from another
 configuration, an unwritable output or one in use by another run, an invalid option) print
@@ -15,8 +16,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import signal
 import sys
+import time
+from fractions import Fraction
 from pathlib import Path
 
 # torch.fx warns at import time about an API change that concerns neither us nor the user.
@@ -30,6 +34,11 @@ from embcache.config import OPTIMIZERS as TABLE_OPTIMIZERS  # noqa: E402
 from embcache.config import POLICIES, PRECISION_BITS, QPARAMS, ROUNDINGS  # noqa: E402
 
 _DEFAULTS = RunConfig()
+_DEFAULT_OUT = Path("runs/train")  # dlrm train's run directory; synthetic data go beside it
+# what a size's unit multiplies (--memory-budget): none or B, decimal and binary prefixes
+_SIZE_UNITS = {"": 1, "b": 1} | {
+    f"{p}{i}b": (1024 if i else 1000) ** (k + 1) for k, p in enumerate("kmgt") for i in ("", "i")
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,6 +59,19 @@ def _int_at_least(low: int):
         return value
 
     return parse
+
+
+def _size(text: str) -> int:
+    """A number of bytes: ``700MiB``, ``1.5GiB``, ``800MB``, ``4096`` (rounded down)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = _SIZE_UNITS.get(m[2].lower()) if m else None
+    value = int(Fraction(m[1]) * unit) if unit else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a size of at least 1 byte such as 700MiB, 1.5GiB, 800MB or 4096, "
+            f"got {text!r}"
+        )
+    return value
 
 
 def _table_override(text: str) -> tuple[str, dict]:
@@ -135,6 +157,21 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="NAME:key=value,...",
         help="per-table override, e.g. t_2:precision=int4,cache_ratio=0.1 "
         f"(tables are {TABLE_NAMES[0]}..{TABLE_NAMES[-1]})",
+    )
+    g.add_argument(
+        "--memory-budget",
+        type=_size,
+        default=d.memory_budget,
+        metavar="SIZE",
+        help="bytes all the tables may take (700MiB, 1.5GiB, 800MB, bytes): each table's "
+        "precision, cache, associativity and policy are planned to fit it ('dlrm plan' shows "
+        "the plan)",
+    )
+    g.add_argument(
+        "--plan-rows",
+        type=int,
+        default=d.plan_rows,
+        help="plan from this many training rows, the first the run reads (default: %(default)s)",
     )
     g = p.add_argument_group("training")
     g.add_argument("--preset", choices=list(PRESETS), default=d.preset)
@@ -246,6 +283,50 @@ def _summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _plan_text(plan: dict, seconds: float) -> str:
+    """A plan (``embcache.planner.plan``) as a table, a line per table, and its total."""
+
+    def size(n: int) -> str:
+        k = max([0] + [k for k in range(1, 4) if n >= 1024**k])
+        return f"{n:,} B" if k == 0 else f"{n / 1024**k:,.1f} {('KiB', 'MiB', 'GiB')[k - 1]}"
+
+    def cache(t: dict) -> str:
+        if not t["cache_slots"]:
+            return "none"
+        ways = "direct" if t["associativity"] == 1 else f"{t['associativity']}-way"
+        return f"{t['cache_ratio'] * 100:g}% {t['policy'].upper()} {ways}"
+
+    head = ("table", "rows", "dim", "precision", "cache", "hit rate", "bytes")
+    rows = [
+        (
+            t["name"],
+            f"{t['rows']:,}",
+            str(t["dim"]),
+            t["precision"],
+            cache(t),
+            f"{t['hit_rate']:.1%}" if t["cache_slots"] else "-",
+            size(t["bytes"]),
+        )
+        for t in plan["tables"]
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    right = (1, 2, 5, 6)  # numbers
+    lines = [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        )
+        for r in [head, *rows]
+    ]
+    sample = max(t["lookups"] for t in plan["tables"])
+    lines.append(
+        f"total {size(plan['total_bytes'])} of a {size(plan['budget'])} budget "
+        f"({plan['total_bytes'] / plan['fp32_bytes']:.3f} of FP32 tables, "
+        f"{size(plan['fp32_bytes'])}); loss proxy {plan['proxy']:.3g}; planned from "
+        f"{sample:,} training rows in {seconds:.1f} s"
+    )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = _Parser(
         prog="dlrm", description="DLRM on Criteo with low-precision cached embedding tables"
@@ -260,7 +341,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("runs/train"),
+        default=_DEFAULT_OUT,
         help="run directory (checkpoint/, report.json)",
     )
     p.add_argument(
@@ -269,8 +350,15 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("evaluate", help="evaluate a run's checkpoint")
     _add_run_options(p)
-    p.add_argument("--out", type=Path, default=Path("runs/train"), help="run directory")
+    p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="run directory")
     p.add_argument("--split", choices=["val", "test"], default="test")
+
+    p = sub.add_parser(
+        "plan",
+        help="print each table's precision and cache planned to fit --memory-budget, as "
+        "dlrm train --memory-budget with the same options trains them",
+    )
+    _add_run_options(p)
 
     p = sub.add_parser("report", help="draw a run (finished or running) into a PNG")
     p.add_argument("run", type=Path, help="the run directory (a dlrm train --out)")
@@ -363,6 +451,18 @@ def _dispatch(args) -> int:
 
             m = evaluate_checkpoint(_run_config(args), args.out, args.split)
             print(json.dumps(m, indent=2))
+        elif args.command == "plan":
+            from dlrm.build import resolve_dataset
+            from dlrm.plan import plan_run, refuse_unmeetable, run_cardinalities
+
+            cfg = _run_config(args)
+            if cfg.memory_budget is None:
+                raise RunError("--memory-budget is required: the bytes the tables may take")
+            cfg.validate()
+            refuse_unmeetable(cfg, run_cardinalities(cfg))
+            start = time.perf_counter()
+            plan = plan_run(cfg, resolve_dataset(cfg, _DEFAULT_OUT)[1])
+            print(_plan_text(plan, time.perf_counter() - start))
         elif args.command == "report":
             from dlrm.plots import render
 

@@ -39,6 +39,10 @@ class RunConfig:
     qparams: str = _TABLECONFIG_DEFAULTS["qparams"]
     min_rows_for_low_precision: int = _TABLECONFIG_DEFAULTS["min_rows_for_low_precision"]
     tables: dict = dataclasses.field(default_factory=dict)
+    # bytes of all the tables: each table's precision and cache are then planned to fit it
+    # (dlrm.plan) from the first plan_rows rows training reads; --table may not set those
+    memory_budget: int | None = None
+    plan_rows: int = 1_000_000
     dense_precision: str = "fp16"
     loss_scaler: str = "backoff"
     static_scale: float = 1024.0
@@ -79,6 +83,7 @@ class RunConfig:
         "nproc_per_node",  # a checkpoint resumes at any world size (embcache.resharding)
         "log_every",
         "tensorboard",
+        "plan_rows",  # the plan it led to is in ``tables``
     )
 
     def identity(self) -> dict:
@@ -111,6 +116,12 @@ class RunConfig:
                 )
             if self.embeddings != "embcache":
                 raise RunError("--nproc-per-node > 1 shards our tables: use --embeddings embcache")
+            if self.memory_budget is not None:
+                raise RunError(
+                    "--memory-budget plans the tables of one process: leave out --nproc-per-node"
+                )
+        if self.memory_budget is not None and self.embeddings != "embcache":
+            raise RunError("--memory-budget plans our tables: use --embeddings embcache")
         for option, (field, value) in _TABLE_DEFAULT_OPTIONS.items():
             try:
                 TableConfig(1, 1, **{field: getattr(self, value)})
@@ -143,6 +154,20 @@ class RunConfig:
             except (TypeError, ValueError) as e:
                 raise RunError(f"--table {table}: {str(e).split(': ', 1)[-1]}") from None
 
+    def table_configs(self, cardinalities: list[int]) -> list[TableConfig]:
+        """Each table's configuration in an embcache run, as the collection builds it."""
+        dim = PRESETS[self.preset].embedding_dim
+        return [
+            TableConfig.of(
+                n,
+                dim,
+                table_id=i,
+                name=name,
+                **{**self.table_defaults(), **self.tables.get(name, {})},
+            )
+            for i, (name, n) in enumerate(zip(TABLE_NAMES, cardinalities))
+        ]
+
     def table_defaults(self) -> dict:
         """The options every table of an embcache run gets unless ``tables`` overrides them."""
         options = {field: getattr(self, own) for field, own in _TABLE_DEFAULT_OPTIONS.values()}
@@ -154,6 +179,8 @@ class RunConfig:
 # (smallest value, None allowed) of each integer field, and whether each float must be > 0
 _INT_FIELDS = {
     "synthetic_rows": (1, False),
+    "memory_budget": (1, True),
+    "plan_rows": (1, False),
     "min_rows_for_low_precision": (0, False),
     "batch_size": (1, False),
     "epochs": (1, False),

@@ -33,6 +33,7 @@ from dlrm.errors import RunError, Stopped
 from dlrm.evaluate import evaluate
 from dlrm.mixed_precision import StepRefusedError
 from dlrm.monitor import RunMonitor
+from dlrm.plan import plan_run, refuse_unmeetable, run_cardinalities, with_plan
 from dlrm.report import make_report, metrics_line, write_report
 
 
@@ -57,7 +58,10 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
 
     With ``nproc_per_node > 1`` the data are made ready here, then ``nproc_per_node``
     processes each run this function on a part of every batch and a shard of the tables
-    (:mod:`dlrm.distributed`); rank 0 writes the report, and it is returned."""
+    (:mod:`dlrm.distributed`); rank 0 writes the report, and it is returned.
+
+    With ``memory_budget`` the tables are first planned to fit it (:mod:`dlrm.plan`), the run
+    trains with the plan's per-table options, and the report holds the plan under ``plan``."""
     cfg.validate()
     ranks = distributed.Ranks.current()
     if ranks.world_size > 1:  # a rank of a launched run: the launcher holds out_dir
@@ -70,8 +74,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     if not os.access(out_dir, os.W_OK):
         raise RunError(f"the output directory {out_dir} is not writable")
     with run_dir.lock(out_dir):
+        plan = None
+        if cfg.memory_budget is not None:
+            plan = plan_run(cfg, resolve_dataset(cfg, out_dir)[1])
+            cfg = with_plan(cfg, plan)
         if cfg.nproc_per_node == 1:
-            return _train_here(cfg, out_dir, resume, ranks)
+            return _train_here(cfg, out_dir, resume, ranks, plan)
         resolve_dataset(cfg, out_dir)  # once, before the processes start
         try:
             return distributed.launch(train, cfg.nproc_per_node, cfg, out_dir, resume)
@@ -92,11 +100,14 @@ def _refuse_early(cfg: RunConfig, out_dir: Path, resume: bool) -> None:
             raise RunError(str(e)) from None
     if resume:
         run_dir.require_checkpoint(out_dir)
+    if cfg.memory_budget is not None:  # its data's meta.json was read above
+        refuse_unmeetable(cfg, run_cardinalities(cfg))
 
 
-def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
+def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -> dict:
     """This process's part of :func:`train`: all of it in one process, one rank's part
-    (its part of every batch, its shards) of a launched run."""
+    (its part of every batch, its shards) of a launched run; ``plan``, the tables' plan to
+    report."""
     if ranks.world_size != cfg.nproc_per_node:
         raise RunError(
             f"--nproc-per-node is {cfg.nproc_per_node} but {ranks.world_size} processes run"
@@ -243,6 +254,8 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks) -> dict:
         report = make_report(cfg, dataset, data_dir, trainer, progress, test, ranks)
         if cfg.compare_fp32:
             report["compare_fp32"] = _compare_fp32(cfg, out_dir, data_dir, report, resume)
+    if plan is not None:
+        report["plan"] = plan
     if ranks.main:
         write_report(out_dir, report)
     return report
@@ -291,7 +304,13 @@ def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, r
     """Train the same run with FP32 tables and no cache in ``out_dir/fp32`` (on the same
     data; resumed if it was interrupted) and set its results beside ``report``'s."""
     fp32_cfg = dataclasses.replace(
-        cfg, data=str(data_dir), precision="fp32", cache_ratio=0.0, tables={}, compare_fp32=False
+        cfg,
+        data=str(data_dir),
+        precision="fp32",
+        cache_ratio=0.0,
+        tables={},
+        memory_budget=None,
+        compare_fp32=False,
     )
     fp32_dir = out_dir / "fp32"
     fp32_resume = resume and run_dir.latest_checkpoint(fp32_dir) is not None

@@ -12,12 +12,15 @@ See docs/contract.md §2-5 for the numerics. Public API:
 * :func:`swap` and :class:`TableOptimizer` — ours in place of a model's ``nn.EmbeddingBag``,
   ``nn.Embedding`` and TorchRec ``EmbeddingBagCollection`` / ``EmbeddingCollection`` tables,
   in one call, and one ``step()`` for them.
+* :func:`plan` — each table's precision and cache chosen to fit a memory budget, from a sample
+  of training ids (:mod:`embcache.planner`).
 """
 
 from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding, check_state_dict
 from embcache.group import EmbeddingUpdateError
 from embcache.memory import compression_factor, fp32_bytes, memory_breakdown
+from embcache.planner import plan
 from embcache.swap import TableOptimizer, swap
 from embcache.unpooled import CachedLowPrecisionUnpooledEmbedding
 
@@ -32,6 +35,7 @@ __all__ = [
     "compression_factor",
     "fp32_bytes",
     "memory_breakdown",
+    "plan",
     "swap",
     "TableOptimizer",
 ]

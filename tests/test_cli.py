@@ -55,6 +55,11 @@ def _strict_json(path):
         (["train", "--table", "t_2"], "--table"),
         (["train", "--nproc-per-node", "0"], "--nproc-per-node"),
         (["train", "--nproc-per-node", "2", "--batch-size", "255"], "--nproc-per-node (2)"),
+        (["train", "--memory-budget", "1KiB"], "--memory-budget: a budget of 1,024 bytes"),
+        (["train", "--memory-budget", "lots"], "--memory-budget"),
+        (["train", "--memory-budget", "1GiB", "--table", "t_2:cache_ratio=0.1"], "--table t_2"),
+        (["train", "--memory-budget", "1GiB", "--nproc-per-node", "2"], "--memory-budget plans"),
+        (["train", "--plan-rows", "0"], "--plan-rows"),
         (["generate", "OUT", "--synthetic-scale", "-1"], "--synthetic-scale"),
         (["generate", "OUT", "--rows", "0"], "--synthetic-rows"),  # its old name, the same check
         (["preprocess", "SRC", "OUT", "--min-count", "0"], "--min-count"),

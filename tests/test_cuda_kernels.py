@@ -359,6 +359,30 @@ def test_more_candidates_than_ways_and_lanes(backend, policy, ways):
     assert evict > 0 or policy == "lfu"  # LFU residents rarely lose to a newcomer here
 
 
+@pytest.mark.parametrize("psw,mean", [(False, False), (True, False), (False, True)])
+def test_rows_wider_than_a_register_tile(backend, psw, mean):
+    """dim 300: more elements than a warp sums in registers at once (8 x 32), so the forward's
+    and the backward's sums run in two tiles, the second one partial."""
+    twin = run_training(
+        backend,
+        rows=150,
+        dim=300,
+        sets=4,
+        ways=4,
+        steps=3,
+        seed=11,
+        psw=psw,
+        mean=mean,
+        precision="int8",
+        rounding="stochastic",
+        policy="lfu",
+        optimizer="adagrad",
+        lr=0.05,
+    )
+    hits, misses, ins, evict, bypass = twin.totals.tolist()
+    assert hits > 0 and ins > 0 and twin.lookup_hits > 0
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_all_duplicate_batches_and_empty_bags(backend, policy):
     twin = Twin(
@@ -396,6 +420,33 @@ def test_all_duplicate_batches_and_empty_bags(backend, policy):
         torch.randn(0, 5, generator=gen),
         "no bags",
     )
+    twin.flush("flush")
+
+
+def test_a_row_thousands_of_times_in_a_batch(backend):
+    """Criteo's small columns and missing ids: one row in 4,000 of a batch's 4,200 lookups,
+    its gradient a sum of 4,000 terms in lookup order (as the CPU sums it), with mean bags."""
+    twin = Twin(
+        backend,
+        500,
+        40,
+        5,
+        mean=True,
+        associativity=8,
+        cache_ratio=0.05,
+        precision="int4",
+        rounding="stochastic",
+        optimizer="rowwise_adagrad",
+        lr=0.05,
+    )
+    gen = torch.Generator().manual_seed(5)
+    for s in range(2):
+        indices = torch.randint(0, 500, (4200,), generator=gen)
+        indices[torch.randperm(4200, generator=gen)[:4000]] = 42
+        offsets = torch.arange(0, 4201, 21)  # 200 bags, the end appended
+        twin.train_step(
+            indices, offsets, None, torch.randn(200, 40, generator=gen) * 0.1, f"hot step {s + 1}"
+        )
     twin.flush("flush")
 
 

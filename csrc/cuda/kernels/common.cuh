@@ -122,6 +122,12 @@ __device__ __forceinline__ bool bag_is_valid(int64_t start, int64_t end, int64_t
          (g != total - 1 || end == n);
 }
 
+/// Sums kept in registers: a warp covers a row in tiles of kTileChunks * 32 elements, lane
+/// `lane` holding elements tile + lane + 32 * k, k < kTileChunks (the row's elements in
+/// order, so each element is summed in the same order as with one pass per element).
+constexpr int kTileChunks = 8;
+constexpr int kTileWidth = kTileChunks * 32;
+
 inline dim3 grid_threads(int64_t n) {
   return dim3((unsigned)grid_for((n + kThreadsPerBlock - 1) / kThreadsPerBlock));
 }

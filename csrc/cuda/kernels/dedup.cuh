@@ -73,35 +73,42 @@ __global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* start
 }
 
 /// Backward, step 5, for one feature (its bags from `first`, its unique rows from `u0`): one
-/// warp per unique row sums its contributions in lookup order; the gradient of the feature's
-/// bag b is g[b * g_stride + j].
+/// warp per unique row sums its contributions in lookup order, the sums in registers (a tile
+/// of kTileWidth elements at a time); the gradient of the feature's bag b is
+/// g[b * g_stride + j].
 __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
                                  int64_t u0, int64_t nu, const int64_t* bag_of, int64_t first,
                                  const int64_t* off, const float* psw, const float* g,
                                  int64_t g_stride, int dim, bool mean, int64_t* rows,
                                  float* grads, int64_t* occ) {
-  const unsigned lane = lane_id();
+  const int lane = (int)lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
     const int64_t s = starts[u0 + u], e = starts[u0 + u + 1];
     if (lane == 0) {
       rows[u] = (int64_t)(keys[s] & ((uint64_t(1) << kRowBits) - 1));
       occ[u] = e - s;
     }
-    for (int j = (int)lane; j < dim; j += 32) {
-      float acc = 0.f;
-      for (int64_t k = s; k < e; ++k) {
-        const int64_t l = pos[k], bag = bag_of[l];
-        const float gb = g[(bag - first) * g_stride + j];
-        if (psw) {
-          acc += gb * psw[l];
-        } else if (mean) {
-          const float len = (float)(off[bag + 1] - off[bag]);
-          acc += gb / len;
-        } else {
-          acc += gb;
+    for (int tile = 0; tile < dim; tile += kTileWidth) {
+      float acc[kTileChunks];
+#pragma unroll
+      for (int k = 0; k < kTileChunks; ++k) acc[k] = 0.f;
+      for (int64_t c = s; c < e; ++c) {
+        const int64_t l = pos[c], bag = bag_of[l];
+        const float* gb = g + (bag - first) * g_stride;
+        // the contribution's factor: its weight, 1 / its bag's length (mean), or none
+        const float weight = psw ? psw[l] : 0.f;
+        const float len = mean ? (float)(off[bag + 1] - off[bag]) : 0.f;
+#pragma unroll
+        for (int k = 0; k < kTileChunks; ++k) {
+          const int j = tile + lane + 32 * k;
+          if (j < dim) acc[k] += psw ? gb[j] * weight : mean ? gb[j] / len : gb[j];
         }
       }
-      grads[u * dim + j] = acc;
+#pragma unroll
+      for (int k = 0; k < kTileChunks; ++k) {
+        const int j = tile + lane + 32 * k;
+        if (j < dim) grads[u * dim + j] = acc[k];
+      }
     }
   }
 }

@@ -6,51 +6,68 @@
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
-/// Pooled lookups: one warp per bag, lanes over the elements, lookups in order; bag b is
-/// written to out[b * out_stride + j]. *errors |= error bits, *hits += cache hits.
+/// Pooled lookups: one warp per bag, lookups in order, the sums in registers (a tile of
+/// kTileWidth elements at a time); bag b is written to out[b * out_stride + j].
+/// *errors |= error bits, *hits += cache hits.
 __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
                                  const float* cache_rows, Bags bags, RowFormat f,
                                  int64_t num_sets, int64_t ways, bool mean, float* out,
                                  int64_t out_stride, unsigned long long* errors,
                                  unsigned long long* hits) {
-  const unsigned lane = lane_id();
+  const int lane = (int)lane_id();
   const int dim = f.dim;
   const int64_t* idx = bags.idx;
   const float* psw = bags.psw;
   for (int64_t b = warp_global(); b < bags.nb; b += warps_in_grid()) {
-    float* acc = out + b * out_stride;
-    for (int j = (int)lane; j < dim; j += 32) acc[j] = 0.f;
+    float* row_out = out + b * out_stride;
     const int64_t g = bags.first + b, start = bags.off[g], end = bags.off[g + 1];
     if (!bag_is_valid(start, end, g, bags.total, bags.n)) {
       if (lane == 0) atomicOr(errors, (unsigned long long)kBadOffsets);
+      for (int j = lane; j < dim; j += 32) row_out[j] = 0.f;
       continue;
     }
     unsigned long long bag_hits = 0;
-    for (int64_t l = start; l < end; ++l) {
-      const int64_t row = idx[l];
-      if (row < 0 || row >= num_rows) {
-        if (lane == 0) atomicOr(errors, (unsigned long long)kBadIndex);
-        continue;
-      }
-      const int64_t slot = warp_find_slot(tags, num_sets, ways, row);
-      const float s = psw ? psw[l] : 0.f;
-      if (slot >= 0) {
-        ++bag_hits;
-        const float* v = cache_rows + slot * dim;
-        for (int j = (int)lane; j < dim; j += 32) acc[j] = psw ? acc[j] + s * v[j] : acc[j] + v[j];
-      } else {
-        const uint8_t* r = w + row * f.row_bytes();
-        float scale = 0.f, bias = 0.f;
-        if (f.is_int()) load_qparams(f, r, &scale, &bias);
-        for (int j = (int)lane; j < dim; j += 32) {
-          const float v = dequantize_element(f, r, j, scale, bias);
-          acc[j] = psw ? acc[j] + s * v : acc[j] + v;
+    for (int tile = 0; tile < dim; tile += kTileWidth) {
+      float acc[kTileChunks];
+#pragma unroll
+      for (int k = 0; k < kTileChunks; ++k) acc[k] = 0.f;
+      for (int64_t l = start; l < end; ++l) {
+        const int64_t row = idx[l];
+        if (row < 0 || row >= num_rows) {
+          if (lane == 0) atomicOr(errors, (unsigned long long)kBadIndex);
+          continue;
+        }
+        const int64_t slot = warp_find_slot(tags, num_sets, ways, row);
+        const float s = psw ? psw[l] : 0.f;
+        if (slot >= 0) {
+          if (tile == 0) ++bag_hits;
+          const float* v = cache_rows + slot * dim;
+#pragma unroll
+          for (int k = 0; k < kTileChunks; ++k) {
+            const int j = tile + lane + 32 * k;
+            if (j < dim) acc[k] = psw ? acc[k] + s * v[j] : acc[k] + v[j];
+          }
+        } else {
+          const uint8_t* r = w + row * f.row_bytes();
+          float scale = 0.f, bias = 0.f;
+          if (f.is_int()) load_qparams(f, r, &scale, &bias);
+#pragma unroll
+          for (int k = 0; k < kTileChunks; ++k) {
+            const int j = tile + lane + 32 * k;
+            if (j < dim) {
+              const float v = dequantize_element(f, r, j, scale, bias);
+              acc[k] = psw ? acc[k] + s * v : acc[k] + v;
+            }
+          }
         }
       }
+      const int64_t len = end - start;
+#pragma unroll
+      for (int k = 0; k < kTileChunks; ++k) {
+        const int j = tile + lane + 32 * k;
+        if (j < dim) row_out[j] = mean && len > 0 ? acc[k] / (float)len : acc[k];
+      }
     }
-    const int64_t len = end - start;
-    if (mean && len > 0)
-      for (int j = (int)lane; j < dim; j += 32) acc[j] /= (float)len;
     if (lane == 0 && bag_hits) atomicAdd(hits, bag_hits);
   }
 }

@@ -93,20 +93,25 @@ def environment(
     defaults to sys.argv[1:]), the git commit and whether the code differs from it (``dirty``,
     ``dirty_paths``: uncommitted changes under CODE_PATHS, bench/results left out), the CPU model,
     cores, ``threads`` if given, the GPU if ``gpu`` (gpu_description), the torch / fbgemm_gpu /
-    torchrec / Python versions and the UTC date. Where the tree has no git metadata (a copy
-    sent to a GPU machine), the commit is $EMBCACHE_COMMIT if set."""
+    torchrec / Python versions and the UTC date. $EMBCACHE_COMMIT, where set, names the commit
+    instead of git (a copy sent to a GPU machine carries stale or no git metadata); whether
+    the tree differs from it is then "unknown"."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     path = Path(script).resolve()
     try:
         path = path.relative_to(ROOT)
     except ValueError:
         pass
-    status = _git("status", "--porcelain", "--", *CODE_PATHS, ":(exclude)bench/results")
+    named = os.environ.get("EMBCACHE_COMMIT")
+    status = (
+        None
+        if named
+        else _git("status", "--porcelain", "--", *CODE_PATHS, ":(exclude)bench/results")
+    )
     dirty = sorted({line[3:] for line in status.splitlines() if line.strip()}) if status else []
     env = {
         "command": shlex.join(["python", path.as_posix(), *argv]),
-        "commit": (_git("rev-parse", "--short", "HEAD") or "").strip()
-        or os.environ.get("EMBCACHE_COMMIT", "unknown"),
+        "commit": named or (_git("rev-parse", "--short", "HEAD") or "").strip() or "unknown",
         "dirty": bool(dirty) if status is not None else "unknown",
         "dirty_paths": dirty,
         "cpu_model": cpu_model(),

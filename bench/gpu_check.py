@@ -13,9 +13,10 @@ each step logged into OUT and bounded in time so that the whole stays under 10 m
 4. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
    script with ``--driver [DEVICE]``: tables of every format behind a cache, trained a few
    steps, flushed; the tests run it on the CPU with TorchRec and FBGEMM hidden);
-5. ``profile``: one training step of 26 tables, each phase's time and CUDA runtime calls
-   (syncs, copies, launches) against ``nn.EmbeddingBag`` (this script with ``--profile
-   PATH [DEVICE]``), into ``OUT/profile.json``;
+5. ``profile``: training steps of 26 tables and of one large table (``PROFILES``), each
+   phase's time, device time and CUDA runtime calls (syncs, copies, launches) against
+   ``nn.EmbeddingBag`` (this script with ``--profile PATH [DEVICE]``), into
+   ``OUT/profile.json``;
 6. ``bandwidth``: ``bench/bandwidth.py --device cuda`` into ``OUT/bandwidth/`` (results are
    written after each dim, so a step cut at its limit keeps the dims it finished).
 
@@ -76,18 +77,32 @@ def driver(device: str) -> None:
     print(f"driver: every op ran on {device}")
 
 
-# the profiled step: Criteo's 26 features, one id per sample each, batch 2048
-PROFILE = {"tables": 26, "rows": 100_000, "dim": 64, "batch": 2048, "steps": 10}
+# The profiled steps: Criteo's 26 features, one id per sample each; and one large table read
+# by bags of 8 (bench/bandwidth.py's dim-128 table and batch), uniform ids (few hits).
+PROFILES = {
+    "26 tables": {"tables": 26, "rows": 100_000, "dim": 64, "batch": 2048, "pooling": 1},
+    "1 table, bags of 8": {
+        "tables": 1,
+        "rows": 4_626_071,
+        "dim": 128,
+        "batch": 16384,
+        "pooling": 8,
+    },
+}
+PROFILE_STEPS = 10
 # the CUDA runtime calls counted per phase of the step
 RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaLaunchKernel")
 
 
-def profile(path: Path, device: str, tables: int, rows: int, dim: int, batch: int, steps: int):
-    """One training step of ``tables`` INT8 tables (5% 32-way LFU cache, row-wise AdaGrad)
-    driven as one table group, as the collection drives them: each phase's median time
-    (ms, the device synchronized around it) and, under torch.profiler, its CUDA runtime calls
-    per step (``RUNTIME_CALLS``: the syncs and launches the phase costs the host). Beside it,
-    the same step with ``nn.EmbeddingBag`` (FP32, sparse gradients, SGD). Writes ``path``."""
+def profile(
+    device: str, tables: int, rows: int, dim: int, batch: int, pooling: int, steps: int
+) -> dict:
+    """Training steps of ``tables`` INT8 tables (5% 32-way LFU cache, row-wise AdaGrad) driven
+    as one table group, as the collection drives them, ``pooling`` ids a bag: each phase's
+    median time (ms, the device synchronized around it) and, under torch.profiler, per step its
+    device time (``kernel_ms``: kernels and copies on the GPU) and its CUDA runtime calls
+    (``RUNTIME_CALLS``: the syncs and launches it costs the host). Beside it, the same step with
+    ``nn.EmbeddingBag`` (FP32, sparse gradients, SGD)."""
     import torch
     from torch.profiler import ProfilerActivity, record_function
 
@@ -99,11 +114,12 @@ def profile(path: Path, device: str, tables: int, rows: int, dim: int, batch: in
             torch.cuda.synchronize()
 
     gen = torch.Generator().manual_seed(0)
+    lookups = tables * batch * pooling
+    skew = 3 if pooling == 1 else 1  # Criteo-like skew, or uniform ids
     batches = [
-        (torch.rand(tables * batch, generator=gen) ** 3 * rows).long().to(device)
-        for _ in range(steps)
+        (torch.rand(lookups, generator=gen) ** skew * rows).long().to(device) for _ in range(steps)
     ]
-    lengths = torch.ones(tables * batch, dtype=torch.int64, device=device)
+    lengths = torch.full((tables * batch,), pooling, dtype=torch.int64, device=device)
     grad = torch.randn(batch, tables * dim, generator=gen).to(device) * 1e-3
     ours = [
         CachedLowPrecisionEmbedding(
@@ -124,15 +140,14 @@ def profile(path: Path, device: str, tables: int, rows: int, dim: int, batch: in
 
     bags = [torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True).to(device) for _ in ours]
     sgd = torch.optim.SGD([p for b in bags for p in b.parameters()], lr=0.01)
-    offsets = torch.arange(batch, device=device)
+    offsets = torch.arange(0, batch * pooling, pooling, device=device)
 
     def their_phases(ids):
         kept = {}
 
         def forward():
-            kept["pooled"] = torch.cat(
-                [b(x, offsets) for b, x in zip(bags, ids.view(tables, batch))], 1
-            )
+            per_table = ids.view(tables, batch * pooling)
+            kept["pooled"] = torch.cat([b(x, offsets) for b, x in zip(bags, per_table)], 1)
 
         def update():
             sgd.step()
@@ -140,19 +155,9 @@ def profile(path: Path, device: str, tables: int, rows: int, dim: int, batch: in
 
         return forward, lambda: kept.pop("pooled").backward(grad), update
 
-    result = {
-        "setup": {
-            "tables": tables,
-            "rows": rows,
-            "dim": dim,
-            "batch": batch,
-            "steps": steps,
-            "device": device,
-            "precision": "int8",
-            "cache": "5% 32-way LFU",
-            "optimizer": "rowwise_adagrad",
-        }
-    }
+    setup = {"tables": tables, "rows": rows, "dim": dim, "batch": batch, "pooling": pooling}
+    setup.update(steps=steps, device=device, precision="int8", cache="5% 32-way LFU")
+    result = {"setup": {**setup, "optimizer": "rowwise_adagrad"}}
     phases = ("forward", "backward", "update")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
     for name, make in (("embcache", our_phases), ("nn.EmbeddingBag", their_phases)):
@@ -172,28 +177,54 @@ def profile(path: Path, device: str, tables: int, rows: int, dim: int, batch: in
                 for phase, run in zip(phases, make(ids)):
                     with record_function(phase):
                         run()
-            sync()
+                        sync()  # the phase's device work inside its range
+        events = prof.events()
         result[name] = {
             "ms": {p: round(sorted(t)[len(t) // 2], 3) for p, t in times.items()},
-            "runtime_calls_per_step": _calls_per_phase(prof.events(), phases, steps),
+            "kernel_ms": _device_ms_per_phase(events, phases, steps),
+            "runtime_calls_per_step": _calls_per_phase(events, phases, steps),
         }
     result["embcache"]["updates_applied"] = ours[0].stats()["steps"]
-    path.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    return result
+
+
+def _in_phase(events, phase):
+    """Whether an event starts inside one of ``phase``'s record_function ranges."""
+    spans = [e.time_range for e in events if e.name == phase]
+    return lambda e: any(r.start <= e.time_range.start <= r.end for r in spans)
+
+
+def _device_ms_per_phase(events, phases, steps) -> dict:
+    """The device time (kernels and copies on the GPU) inside each phase, ms per step."""
+    import torch
+
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    out = {}
+    for p in phases:
+        inside = _in_phase(events, p)
+        us = sum(e.time_range.elapsed_us() for e in device if inside(e))
+        out[p] = round(us / 1e3 / steps, 3)
+    return out
 
 
 def _calls_per_phase(events, phases, steps) -> dict:
-    """The RUNTIME_CALLS that start inside each phase's record_function ranges, per step."""
-    ranges = {p: [e.time_range for e in events if e.name == p] for p in phases}
+    """The RUNTIME_CALLS that start inside each phase, per step."""
     calls = [e for e in events if e.name in RUNTIME_CALLS]
     out = {}
-    for p, spans in ranges.items():
-        counts = {c: 0 for c in RUNTIME_CALLS}
-        for e in calls:
-            if any(r.start <= e.time_range.start <= r.end for r in spans):
-                counts[e.name] += 1
+    for p in phases:
+        inside = _in_phase(events, p)
+        counts = {c: sum(1 for e in calls if e.name == c and inside(e)) for c in RUNTIME_CALLS}
         out[p] = {c: round(n / steps, 1) for c, n in counts.items()}
     return out
+
+
+def profiles(path: Path, device: str) -> None:
+    """Every step of PROFILES, written to ``path`` (after each, so a cut run keeps those done)."""
+    done = {}
+    for name, setup in PROFILES.items():
+        done[name] = profile(device, steps=PROFILE_STEPS, **setup)
+        path.write_text(json.dumps(done, indent=1))
+        print(name, json.dumps(done[name], indent=1))
 
 
 def _step(name: str, cmd: list[str], out: Path, limit: float, env: dict | None = None) -> dict:
@@ -217,7 +248,7 @@ def main(argv: list[str]) -> int:
         driver(argv[1] if len(argv) > 1 else "cuda")
         return 0
     if argv[:1] == ["--profile"] and len(argv) in (2, 3):
-        profile(Path(argv[1]), argv[2] if len(argv) > 2 else "cuda", **PROFILE)
+        profiles(Path(argv[1]), argv[2] if len(argv) > 2 else "cuda")
         return 0
     if len(argv) != 1:
         print("usage: python bench/gpu_check.py OUT", file=sys.stderr)

@@ -195,10 +195,16 @@ def _in_phase(events, phase):
 
 
 def _device_ms_per_phase(events, phases, steps) -> dict:
-    """The device time (kernels and copies on the GPU) inside each phase, ms per step."""
+    """The device time (kernels and copies on the GPU) inside each phase, ms per step. The
+    phases' own ranges also appear on the device (the profiler's GPU annotations, spanning the
+    phase's kernels): left out, else their kernels count twice."""
     import torch
 
-    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device = [
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in phases
+    ]
     out = {}
     for p in phases:
         inside = _in_phase(events, p)

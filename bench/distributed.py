@@ -162,6 +162,7 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
         step(b.dense, b.sparse, b.labels)
     counter: dict = {}
     _count_collectives(counter)
+    phases_before = trainer.phase_seconds if engine == "ours" else {}
     dist.barrier()
     start = time.perf_counter()
     for _ in range(args["steps"]):
@@ -169,6 +170,11 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
         step(b.dense, b.sparse, b.labels)
     dist.barrier()
     seconds = time.perf_counter() - start
+    # ours: the trainer's own timer, ms per step by phase (docs/design.md, trainer costs)
+    phase_ms = {
+        k: (v - phases_before[k]) * 1e3 / args["steps"]
+        for k, v in (trainer.phase_seconds.items() if engine == "ours" else [])
+    }
     sent = {k: v / args["steps"] for k, v in counter.items()}
     if world > 1:
         sent["ddp_all_reduce (dense gradients)"] = dense_bytes
@@ -177,6 +183,7 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
         "bytes_sent_per_step": sent,
         "bytes_sent_per_step_total": sum(sent.values()),
         "embedding_memory_bytes": memory,
+        "phase_ms_per_step": phase_ms,
     }
 
 
@@ -292,6 +299,12 @@ def _markdown(env: dict, args, data: Path, results: dict) -> str:
             f"{k} {v / 2**20:.3f} MiB" for k, v in runs[0][0]["bytes_sent_per_step"].items()
         )
         lines.append(f"* {name}: {parts or 'none'}")
+    lines += ["", "Our trainer's step by phase, ms per step, rank 0 (median run):", ""]
+    for name, runs in results.items():
+        if name.startswith("ours"):
+            by_speed = sorted(runs, key=lambda ranks: ranks[0]["samples_per_second"])
+            phases = by_speed[len(by_speed) // 2][0]["phase_ms_per_step"]
+            lines.append(f"* {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     return "\n".join(lines) + "\n"
 
 

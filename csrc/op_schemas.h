@@ -64,6 +64,9 @@ inline void define_cpu_only_ops(torch::Library& m) {
   // contiguous float32 tensors, in one pass on all threads; NaN in any makes both NaN, and
   // with no non-zero element the min is inf (0 and inf with no element at all).
   m.def("abs_range(Tensor[] tensors) -> (float, float)");
+  // The same range after multiplying every element in place by `scale` (as g.mul_(scale)
+  // would, in float32): the trainer's unscale and overflow check in one pass.
+  m.def("unscale_abs_range(Tensor(a!)[] tensors, float scale) -> (float, float)");
 }
 
 }  // namespace embcache

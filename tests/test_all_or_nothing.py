@@ -280,3 +280,26 @@ def test_collection_check_step_is_a_dry_run_of_step(refused):
     assert not torch.equal(
         before["state"]["embedding_bags.t_0.weights"], ebc.embedding_bags.t_0.weights
     )
+
+
+def test_the_step_timer_sees_each_phase_and_a_skipped_step_updates_nothing():
+    """phase_seconds: every phase of PHASES, their sum within the steps' wall time; an applied
+    step spends time in every update phase, a skipped one (inf gradient) in none of them."""
+    import time
+
+    from dlrm.mixed_precision.trainer import PHASES
+
+    trainer = _tiny_trainer("adagrad")
+    start = time.perf_counter()
+    trainer.train_step(*_batch(3, with_edge_row=False))
+    wall = time.perf_counter() - start
+    applied = trainer.phase_seconds
+    assert list(applied) == list(PHASES)
+    assert 0 < sum(applied.values()) <= wall
+    update = ("backup", "dense_step", "dense_check", "embedding_step", "fp16_copies")
+    assert all(applied[p] > 0 for p in ("forward_backward", "unscale_check", *update))
+    trainer.scaler.scale = float("inf")  # the scaled loss, and so every gradient, is inf
+    assert trainer.train_step(*_batch(4, with_edge_row=False))["skipped"]
+    skipped = trainer.phase_seconds
+    assert all(skipped[p] == applied[p] for p in update)
+    assert skipped["forward_backward"] > applied["forward_backward"]

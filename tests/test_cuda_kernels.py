@@ -34,7 +34,7 @@ CPU = torch.ops.embcache
 # CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet), the huge-page
 # advice for host memory, the constants of the table spec and the trainer's gradient range
 # (torch's reductions serve other devices).
-NOT_ON_CUDA = {"cache_replay", "advise_huge_pages", "layout", "abs_range"}
+NOT_ON_CUDA = {"cache_replay", "advise_huge_pages", "layout", "abs_range", "unscale_abs_range"}
 STATE = STATE_TENSORS
 # The set floors are lower bounds that only the CPU commit tightens (a speed hint): not compared.
 COMPARED = tuple(k for k in STATE if k != "cache_set_floor")

@@ -470,3 +470,39 @@ def test_gradient_range_is_one_pass_equal_to_float64():
     assert all(math.isnan(x) for x in _abs_range(grads))
     assert _abs_range([torch.zeros(3), torch.zeros(0)]) == (0.0, float("inf"))
     assert _abs_range([]) == (0.0, float("inf"))
+
+
+def test_unscale_and_range_in_one_pass_equal_mul_then_range():
+    """The trainer's unscale fused into the range: the same bits as ``g.mul_(inv_scale)`` for
+    every element, and the range of the products, on the CPU op and on torch's path (a
+    non-contiguous tensor takes it)."""
+    from dlrm.mixed_precision.trainer import _abs_range, _unscale_abs_range
+
+    gen = torch.Generator().manual_seed(1)
+    for inv_scale in (1.0, 2.0**-13, 0.1, 3.0e-39 / 2.0**-100):
+        grads = [
+            torch.randn(n, generator=gen)
+            * 2.0 ** float(torch.randint(-20, 20, (1,), generator=gen))
+            for n in (0, 5, 70_000)
+        ]
+        expected = [g.clone().mul_(inv_scale) for g in grads]
+        got = _unscale_abs_range(grads, inv_scale)
+        assert all(
+            torch.equal(g.view(torch.int32), e.view(torch.int32)) for g, e in zip(grads, expected)
+        )
+        assert got == _abs_range(expected)
+        strided = torch.randn(40, 6, generator=gen).t()  # not contiguous: torch's path
+        reference = strided.clone().mul_(inv_scale)
+        assert _unscale_abs_range([strided], inv_scale) == _abs_range([reference])
+        assert torch.equal(strided, reference)
+
+
+@pytest.mark.parametrize("value,refused", [(65519.99, False), (65520.0, True), (-7.0e4, True)])
+def test_the_fp16_overflow_check_is_the_conversions_own(value, refused):
+    """A master refused for FP16 exactly when its FP16 copy would be infinite (65519.99 rounds
+    down to 65504, 65520 up to inf): the check reads the masters, it does not convert them."""
+    from dlrm.mixed_precision.trainer import FP16_OVERFLOW
+
+    x = torch.tensor([value], dtype=torch.float32)
+    assert (not bool(torch.isfinite(x.half()).all())) == refused
+    assert (abs(float(x)) >= FP16_OVERFLOW) == refused

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -41,10 +42,12 @@ class MixedPrecisionEmbedding(Protocol):
 
     The collection owns its optimizer and learning rate: the trainer's LR schedule does not
     reach it. Everything it needs to resume bit-identically must be in its ``state_dict``.
-    Optionally it offers ``pending_grads() -> list[Tensor]`` (its unscaled FP32 gradient
-    tensors, all of them); then they count in the trainer's min/max |grad| figures, which the
-    ``logmax`` scaler feeds on, and that pass, which sees an inf or NaN, replaces
-    ``has_nonfinite_grad()``. Either way they are part of the overflow decision.
+    Optionally it offers ``pending_grads() -> list[Tensor]`` (its FP32 gradient tensors, all
+    of them, such that multiplying each in place by ``inv_scale`` is ``unscale_grad_``); then
+    the trainer unscales them itself, in the one pass that also finds the step's min/max
+    |grad| (which the ``logmax`` scaler feeds on) and sees any inf or NaN, in place of
+    ``unscale_grad_`` and ``has_nonfinite_grad()``. Either way they are part of the overflow
+    decision.
     """
 
     def has_nonfinite_grad(self) -> bool: ...
@@ -143,17 +146,71 @@ class _Backup:
                     current[key] = value.clone() if isinstance(value, Tensor) else value
 
 
-def _abs_range(grads: list[Tensor]) -> tuple[float, float]:
-    """(max |g|, min non-zero |g|) over all tensors; NaN propagates into both. On the CPU
+# |x| from which float32 x rounds to an infinite FP16 (to nearest: 65504 is the largest finite
+# FP16, and the midpoint to the next power of two, 65520, rounds to even, i.e. up)
+FP16_OVERFLOW = 65520.0
+
+
+# The phases of a training step that the trainer times (MixedPrecisionTrainer.phase_seconds).
+PHASES = (
+    "forward_backward",  # the model's forward, the loss, the backward
+    "unscale_check",  # gradients to FP32, unscaled; their range (the overflow check)
+    "decision",  # several processes: the shards' dry run and the decision all-reduce
+    "backup",  # copies of the dense tensors and their optimizer state (to undo a refusal)
+    "dense_step",  # the optimizer's step on the dense masters (and a non-protocol collection)
+    "dense_check",  # the new dense values checked (finite; FP16: would not overflow)
+    "embedding_step",  # the protocol collection's update
+    "fp16_copies",  # the FP16 parameters rewritten from their masters
+    "bookkeeping",  # zeroing gradients, the scaler, the report, the LR schedule
+)
+
+
+class _PhaseClock:
+    """Seconds per phase of :data:`PHASES`, summed over steps: ``lap(phase)`` adds the time
+    since the previous lap (or ``start``) to ``phase``."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+
+def _on_cpu(tensors: list[Tensor]) -> bool:
+    """Whether the fused CPU ops take these tensors (contiguous float32 CPU tensors)."""
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+    )
+
+
+def _abs_range(tensors: list[Tensor]) -> tuple[float, float]:
+    """(max |x|, min non-zero |x|) over all tensors; NaN propagates into both. On the CPU
     (float32) one read of each tensor on all threads (``torch.ops.embcache.abs_range``);
     elsewhere, where that op has no kernel yet, torch's reductions."""
-    if not grads:
+    if not tensors:
         return 0.0, math.inf
-    if all(g.device.type == "cpu" and g.dtype == torch.float32 for g in grads):
-        return torch.ops.embcache.abs_range([g.contiguous() for g in grads])
-    max_abs = torch.stack([g.abs().amax() for g in grads]).amax()
-    min_abs = torch.stack([torch.where(g != 0, g.abs(), math.inf).amin() for g in grads]).amin()
+    if _on_cpu(tensors):
+        return torch.ops.embcache.abs_range(tensors)
+    max_abs = torch.stack([t.abs().amax() for t in tensors]).amax()
+    min_abs = torch.stack([torch.where(t != 0, t.abs(), math.inf).amin() for t in tensors]).amin()
     return max_abs.item(), min_abs.item()
+
+
+def _unscale_abs_range(grads: list[Tensor], inv_scale: float) -> tuple[float, float]:
+    """Multiplies every gradient in place by ``inv_scale`` (as ``g.mul_(inv_scale)``) and
+    returns :func:`_abs_range` of the results: on the CPU (float32) in one pass on all threads
+    (``torch.ops.embcache.unscale_abs_range``)."""
+    if grads and _on_cpu(grads):
+        return torch.ops.embcache.unscale_abs_range(grads, inv_scale)
+    if grads:
+        torch._foreach_mul_(grads, inv_scale)
+    return _abs_range(grads)
 
 
 class MixedPrecisionTrainer:
@@ -292,6 +349,13 @@ class MixedPrecisionTrainer:
             else (BackoffScaler() if dense_precision == "fp16" else StaticScaler(1.0))
         )
         self.report = ScalingReport(scale_trace=[(0, self.scaler.scale)])
+        self._clock = _PhaseClock()
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds spent in each phase of :data:`PHASES` over every :meth:`train_step` so far
+        (wall time on this process: the device is not synchronized between phases)."""
+        return dict(self._clock.seconds)
 
     def train_step(self, dense: Tensor, sparse, labels: Tensor, stop: bool = False) -> dict:
         """One training step. Returns ``loss`` (the unscaled FP32 loss), ``skipped``, ``scale``
@@ -301,30 +365,35 @@ class MixedPrecisionTrainer:
         wish to end after this step), the same on every rank, carried by the step's one
         decision all-reduce. Raises :class:`StepRefusedError`, having changed nothing, if the
         step's new values cannot be stored."""
+        clock = self._clock
+        clock.start()
         scale = self.scaler.scale
         logits = self.model(dense, sparse)
         loss = F.binary_cross_entropy_with_logits(
             logits.float().reshape(-1), labels.float().reshape(-1)
         )
         (loss * scale).backward()
+        clock.lap("forward_backward")
 
-        dense_grads, embedding_grads = self._unscale_grads(1.0 / scale)
+        dense_grads, embedding_grads = self._take_grads()
         pending = getattr(self.protocol_embedding, "pending_grads", None)
-        max_abs, min_abs = _abs_range(
-            dense_grads + [g for _, g in embedding_grads] + (pending() if pending else [])
+        max_abs, min_abs = _unscale_abs_range(
+            dense_grads + [g for _, g in embedding_grads] + (pending() if pending else []),
+            1.0 / scale,
         )
         # max_abs is NaN or inf if any gradient it saw is; a collection that does not show
-        # its pending gradients is asked
-        found_inf = not math.isfinite(max_abs) or (
-            pending is None
-            and self.protocol_embedding is not None
-            and self.protocol_embedding.has_nonfinite_grad()
-        )
+        # its pending gradients unscales them itself and is asked
+        found_inf = not math.isfinite(max_abs)
+        if pending is None and self.protocol_embedding is not None:
+            self.protocol_embedding.unscale_grad_(1.0 / scale)
+            found_inf = found_inf or self.protocol_embedding.has_nonfinite_grad()
+        clock.lap("unscale_check")
         refused = None
         if self.process_group is not None:
             found_inf, refused, max_abs, min_abs, stop = self._decide_together(
                 found_inf, max_abs, min_abs, stop
             )
+        clock.lap("decision")
         try:
             if found_inf or refused is not None:
                 if self.protocol_embedding is not None:
@@ -337,6 +406,7 @@ class MixedPrecisionTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(found_inf, max_abs)
         self._record(found_inf, max_abs, min_abs)
+        clock.lap("bookkeeping")
         return {
             "loss": loss.item(),
             "skipped": found_inf,
@@ -378,37 +448,41 @@ class MixedPrecisionTrainer:
             return False, reason, max_abs, -neg_min, bool(any_stop)
         return False, None, max_abs, -neg_min, bool(any_stop)
 
-    def _unscale_grads(self, inv_scale: float) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
-        """Every model gradient in FP32, multiplied by ``inv_scale``, taken off the model. The
-        dense ones become their FP32 tensors' ``.grad``; those of a non-protocol collection are
-        returned with their parameter and given to it only once the dense update is accepted."""
+    def _take_grads(self) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
+        """Every model gradient in FP32 (still scaled), taken off the model. The dense ones
+        become their FP32 tensors' ``.grad``; those of a non-protocol collection are returned
+        with their parameter and given to it only once the dense update is accepted."""
         dense, embedding = [], []
         for i, (param, target) in enumerate(self._pairs):
             if param.grad is None:
                 continue
-            grad = param.grad.to(torch.float32).mul_(inv_scale)  # a new tensor for FP16 params
+            grad = param.grad.to(torch.float32)  # a new tensor for FP16 params
             param.grad = None
             if i < len(self._dense_targets):
                 target.grad = grad
                 dense.append(grad)
             else:
                 embedding.append((target, grad))
-        if self.protocol_embedding is not None:
-            self.protocol_embedding.unscale_grad_(inv_scale)
         return dense, embedding
 
     def _apply_update(self, embedding_grads: list[tuple[Tensor, Tensor]]) -> None:
         """Dense update, checked; embedding update; then the FP16 copies and the LR schedule.
         Undone, raising :class:`StepRefusedError`, if a new value cannot be stored."""
+        clock = self._clock
+        clock.lap("bookkeeping")  # what came before: zeroing a skipped collection's gradient
         self._backup.save()
+        clock.lap("backup")
         with torch.no_grad():
             self.optimizer.step()  # only the dense targets hold a .grad so far
-            copies, reason = self._checked_dense_copies()
+            clock.lap("dense_step")
+            reason = self._unstorable_dense_values()
+            clock.lap("dense_check")
             if reason is None and self.protocol_embedding is not None:
                 try:
                     self.protocol_embedding.step()
                 except ValueError as e:  # the protocol: refused, nothing changed
                     reason = str(e)
+            clock.lap("embedding_step")
             if reason is not None:
                 self._backup.restore()
                 if self.protocol_embedding is not None:
@@ -420,27 +494,29 @@ class MixedPrecisionTrainer:
                 for target, grad in embedding_grads:
                     target.grad = grad
                 self.optimizer.step()
-            if copies:
-                torch._foreach_copy_(self.dense_params, copies)
+                clock.lap("dense_step")
+            if self.masters:  # the FP16 parameters: their masters rounded to nearest
+                torch._foreach_copy_(self.dense_params, self.masters)
+            clock.lap("fp16_copies")
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _checked_dense_copies(self) -> tuple[list[Tensor], str | None]:
-        """The FP16 copies of the new masters (none in fp32), and None, or the reason why the
-        new dense values cannot be stored, naming the first parameter at fault."""
+    def _unstorable_dense_values(self) -> str | None:
+        """None, or why the new dense values cannot be stored, naming the first parameter at
+        fault: a value that is not finite, or (fp16) whose FP16 copy would overflow. One read
+        of the masters (:func:`_abs_range`), not a trial copy."""
         targets = self._dense_targets
-        if not targets:
-            return [], None
-        copies = [m.to(torch.float16) for m in targets] if self.dense_precision == "fp16" else []
-        finite = torch.stack([torch.isfinite(t).all() for t in (copies or targets)])
-        if bool(finite.all()):
-            return copies, None
-        i = int(torch.nonzero(~finite)[0])
-        if not bool(torch.isfinite(targets[i]).all()):
-            what = "is not finite"
-        else:
-            what = "would overflow FP16 (|x| > 65504)"
-        return copies, f"dense parameter '{self._dense_names[i]}': a new value {what}"
+        limit = FP16_OVERFLOW if self.dense_precision == "fp16" else math.inf
+        max_abs, _ = _abs_range(targets)
+        if max_abs < limit:  # False for NaN
+            return None
+        for name, t in zip(self._dense_names, targets):
+            largest, _ = _abs_range([t])
+            if not math.isfinite(largest):
+                return f"dense parameter '{name}': a new value is not finite"
+            if largest >= limit:
+                return f"dense parameter '{name}': a new value would overflow FP16 (|x| > 65504)"
+        raise AssertionError("unreachable: some master is out of range")
 
     def _record(self, skipped: bool, max_abs: float, min_abs: float) -> None:
         report = self.report

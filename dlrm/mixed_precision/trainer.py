@@ -259,7 +259,9 @@ class MixedPrecisionTrainer:
     skipped everywhere), whether any rank's embedding shards refuse their update (a dry run,
     ``check_step``, before any state changes: refused everywhere), and the global largest and
     smallest |gradient| (so every rank's scaler sees the same figures and keeps the same
-    scale). The dense update and its check are the same computation on every rank.
+    scale). The dense update and its check are the same computation on every rank. A process
+    group of one process decides as a single process does, without the dry run and the
+    all-reduce.
 
     One :meth:`train_step`: ``loss = BCEWithLogits(fp32(logits), labels)`` (mean over the
     batch) in FP32; ``backward(loss * S)`` (FP16 gradients inside the FP16 dense part); every
@@ -389,7 +391,8 @@ class MixedPrecisionTrainer:
             found_inf = found_inf or self.protocol_embedding.has_nonfinite_grad()
         clock.lap("unscale_check")
         refused = None
-        if self.process_group is not None:
+        # One process decides alone: its update is all-or-nothing without a dry run.
+        if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
             found_inf, refused, max_abs, min_abs, stop = self._decide_together(
                 found_inf, max_abs, min_abs, stop
             )

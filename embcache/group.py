@@ -239,7 +239,7 @@ class TableGroup:
         table and the row. With ``commit=False`` only checks (a dry run: the gradient stays)."""
         b = self._backward
         if (
-            table is None
+            (table is None or len(self._every) == 1)  # every table: the group's, or its one
             and b is not None
             and b.feature_tables == self._every
             and b.epoch == self._epoch

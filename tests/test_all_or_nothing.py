@@ -11,6 +11,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import embcache
 from dlrm.mixed_precision import Linear, MixedPrecisionTrainer, StepRefusedError
 from embcache import CachedLowPrecisionEmbedding, CachedLowPrecisionEmbeddingBagCollection
 
@@ -303,3 +304,36 @@ def test_the_step_timer_sees_each_phase_and_a_skipped_step_updates_nothing():
     skipped = trainer.phase_seconds
     assert all(skipped[p] == applied[p] for p in update)
     assert skipped["forward_backward"] > applied["forward_backward"]
+
+
+@pytest.mark.parametrize("value,refused", [(62400.0, True), (61000.0, False)])
+def test_rowwise_adagrad_update_near_the_fp16_limit_is_judged_right(value, refused):
+    """Row-wise AdaGrad's step on one element of a dim-256 row whose other gradients are 0 is
+    lr * sqrt(256) = 3200: from 62400 it leaves FP16's range (refused, nothing changed), from
+    61000 it does not (applied). The update may skip computing new values only when a bound on
+    them proves them storable; a bound of lr alone would wrongly pass 62400 + 3200."""
+    weight = torch.zeros(1000, 256)
+    weight[7, 0] = value
+    table = CachedLowPrecisionEmbedding(
+        1000,
+        256,
+        weight=weight,
+        precision="fp16",
+        rounding="nearest",
+        cache_ratio=0.05,
+        optimizer="rowwise_adagrad",
+        lr=200.0,
+        name="near",
+    )
+    before = {k: v.clone() for k, v in table.state_dict().items() if isinstance(v, torch.Tensor)}
+    out = table(torch.tensor([7]), torch.tensor([0]))
+    grad = torch.zeros_like(out)
+    grad[0, 0] = -1.0
+    out.backward(grad)
+    if refused:
+        with pytest.raises(embcache.EmbeddingUpdateError, match=r"table 'near'.*row 7"):
+            table.step()
+        _same(before, {k: v for k, v in table.state_dict().items() if isinstance(v, torch.Tensor)})
+    else:
+        table.step()
+        assert float(table.current_weight()[7, 0]) == float(torch.tensor(value + 3200.0).half())

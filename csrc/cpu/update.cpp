@@ -53,12 +53,26 @@ int64_t first_unstorable(const RowUpdate& up, const int64_t* sl, bool stochastic
   return bad == std::numeric_limits<int64_t>::max() ? -1 : bad;
 }
 
-/// Whether every new value of an SGD update is storable, judged from the gradients and a
-/// bound on the rows' current values (|v| <= value_bound) alone; false when that cannot
-/// tell, or a gradient is not finite. |v - lr * g| <= (|v| + |lr| max|g|) (1 + 2^-24), and
+/// The largest |change| one update can make to an element, whatever the row's optimizer
+/// state, given the largest |gradient| gmax (finite); (1% margins cover float rounding).
+///   SGD: |lr| gmax.
+///   row-wise AdaGrad: the step lr / (sqrt(acc) + eps) with acc >= sum_j g_j^2 / dim times
+///     |g_j| <= sqrt(sum_j g_j^2) is at most |lr| sqrt(dim) -- or, for a row whose squares
+///     underflow (every |g_j| < 1e-18), |lr| 1e-18 / eps.
+///   AdaGrad: acc_j >= g_j^2, so |lr| (or |lr| 1e-18 / eps likewise).
+double max_change(const TableSpec& t, float gmax) {
+  const double lr = std::fabs(t.lr);
+  if (t.optimizer == kSGD) return lr * (double)gmax;
+  const double tiny = 1e-18 / t.eps;  // eps > 0 (decode_specs checks it)
+  const double bound = t.optimizer == kRowwiseAdagrad ? std::sqrt((double)t.f.dim) : 1.0;
+  return 1.01 * lr * std::max(bound, tiny);
+}
+
+/// Whether every new value of an update is storable, judged from the gradients and a bound
+/// on the rows' current values (|v| <= value_bound) alone (max_change); false when that
+/// cannot tell, or a gradient is not finite. |v - change| <= (|v| + |change|) (1 + 2^-24), and
 /// the margins below also cover rows read back after rounding (within 2^-11 of their value).
-bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
-                     double value_bound) {
+bool surely_storable(const TableSpec& t, const float* g, int64_t n, double value_bound) {
   if (!(value_bound >= 0.0)) return false;
   // max |g| over the bits: |g| orders as its bits do, and inf or NaN bits are the largest
   // (an integer max the compiler vectorizes; a float max over n values would be a chain)
@@ -68,8 +82,8 @@ bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
     max_bits = a > max_bits ? a : max_bits;
   }
   if (max_bits >= 0x7f800000u) return false;
-  const float gmax = bits_float(max_bits);
-  const double m = 1.01 * (1.01 * value_bound + std::fabs(lr) * (double)gmax);
+  const double m = 1.01 * (1.01 * value_bound + max_change(t, bits_float(max_bits)));
+  const RowFormat& f = t.f;
   if (f.bits == 16) return m <= 65000.0;  // binary16 keeps |x| <= 65504 finite
   // binary16 qparams: |min| and (max - min) / q_max stay finite for |x| < 30000
   if (f.is_int() && f.qparams_fp16) return m < 30000.0;
@@ -77,9 +91,9 @@ bool surely_storable(const RowFormat& f, const float* g, int64_t n, double lr,
 }
 
 /// Every table's update, all or nothing: first each table's slots and a check that all its
-/// new values can be stored (from the gradients alone when there are slot hints, the
-/// optimizer is SGD and value_bounds[t] >= 0 bounds |v| of the table's rows, as the forward
-/// that found the hints read them; else by computing them); then, if no table has a row it
+/// new values can be stored (from the gradients alone when there are slot hints and
+/// value_bounds[t] >= 0 bounds |v| of the table's rows, as the forward that found the hints
+/// read them: surely_storable; else by computing them); then, if no table has a row it
 /// cannot store, each table's commit, which computes every new value where it writes it
 /// (tables in parallel, costliest first in both phases). The gradient is in
 /// multi_dedup_backward's layout (see gradient_blocks); slot_hints holds every row's slot as
@@ -114,9 +128,7 @@ std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
     slots[t].resize(up.nu);
     find_slots(up, hinted ? slot_hints.data_ptr<int64_t>() + row_starts[t] : nullptr,
                slots[t].data());
-    if (hinted && spec[t].optimizer == kSGD &&
-        surely_storable(up.f, up.g, up.nu * up.f.dim, spec[t].lr, value_bounds[t]))
-      return;
+    if (hinted && surely_storable(spec[t], up.g, up.nu * up.f.dim, value_bounds[t])) return;
     bad[t] = first_unstorable(up, slots[t].data(), spec[t].stochastic);
   });
   if (!commit || std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; }))

@@ -259,9 +259,10 @@ class MixedPrecisionTrainer:
     skipped everywhere), whether any rank's embedding shards refuse their update (a dry run,
     ``check_step``, before any state changes: refused everywhere), and the global largest and
     smallest |gradient| (so every rank's scaler sees the same figures and keeps the same
-    scale). The dense update and its check are the same computation on every rank. A process
-    group of one process decides as a single process does, without the dry run and the
-    all-reduce.
+    scale). The dense update and its check are the same computation on every rank; a rank
+    that would apply the step makes its dense update while the all-reduce is in flight, and
+    undoes it from its backup if the decision is to skip or refuse. A process group of one
+    process decides as a single process does, without the dry run and the all-reduce.
 
     One :meth:`train_step`: ``loss = BCEWithLogits(fp32(logits), labels)`` (mean over the
     batch) in FP32; ``backward(loss * S)`` (FP16 gradients inside the FP16 dense part); every
@@ -390,20 +391,34 @@ class MixedPrecisionTrainer:
             self.protocol_embedding.unscale_grad_(1.0 / scale)
             found_inf = found_inf or self.protocol_embedding.has_nonfinite_grad()
         clock.lap("unscale_check")
-        refused = None
-        # One process decides alone: its update is all-or-nothing without a dry run.
+        refused, stepped = None, False
+        # One process decides alone: its update is all-or-nothing without a dry run. Several
+        # send their figures, and while the others answer a rank that would apply the step
+        # makes its dense step (undone from the backup if the decision is to skip or refuse).
         if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
-            found_inf, refused, max_abs, min_abs, stop = self._decide_together(
-                found_inf, max_abs, min_abs, stop
-            )
+            decision = self._start_decision(found_inf, max_abs, min_abs, stop)
+            clock.lap("decision")
+            if not found_inf and decision[2] is None:
+                self._dense_step()
+                stepped = True
+            try:
+                found_inf, refused, max_abs, min_abs, stop = self._finish_decision(*decision)
+            except BaseException:  # a rank died, or a signal: leave the dense state as it was
+                if stepped:
+                    self._backup.restore()
+                raise
         clock.lap("decision")
         try:
             if found_inf or refused is not None:
+                if stepped:
+                    self._backup.restore()
                 if self.protocol_embedding is not None:
                     self.protocol_embedding.zero_grad()
                 if refused is not None:
                     raise StepRefusedError(self.report.steps + 1, refused)
             else:
+                if not stepped:
+                    self._dense_step()
                 self._apply_update(embedding_grads)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
@@ -419,13 +434,14 @@ class MixedPrecisionTrainer:
             "stop": stop,
         }
 
-    def _decide_together(
+    def _start_decision(
         self, found_inf: bool, max_abs: float, min_abs: float, stop: bool
-    ) -> tuple[bool, str | None, float, float, bool]:
-        """The step's decision over all ranks, in one all-reduce: (any gradient non-finite,
-        the reason an embedding shard refuses its update or None, global max |g|, global min
-        non-zero |g|, any rank's ``stop``). This rank's shards are dry-run first (nothing
-        changes)."""
+    ) -> tuple[Tensor, dist.Work, str | None]:
+        """Sends this rank's part of the step's decision over all ranks, in one all-reduce
+        (:meth:`_finish_decision` waits for it): whether a gradient is non-finite, whether an
+        embedding shard refuses its update (this rank's shards are dry-run first; nothing
+        changes), max |g|, min non-zero |g|, and ``stop``. Returns the flags, the pending
+        all-reduce and this rank's refusal reason or None."""
         reason = None
         if not found_inf and self.protocol_embedding is not None:
             try:
@@ -442,7 +458,16 @@ class MixedPrecisionTrainer:
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        return flags, work, reason
+
+    def _finish_decision(
+        self, flags: Tensor, work: dist.Work, reason: str | None
+    ) -> tuple[bool, str | None, float, float, bool]:
+        """The decision over all ranks, once the all-reduce is done: (any gradient non-finite,
+        the reason an embedding shard refuses its update or None, global max |g|, global min
+        non-zero |g|, any rank's ``stop``)."""
+        work.wait()
         any_inf, any_refused, max_abs, neg_min, any_stop = flags.tolist()
         if any_inf:
             return True, None, math.inf, -neg_min, bool(any_stop)
@@ -468,16 +493,22 @@ class MixedPrecisionTrainer:
                 embedding.append((target, grad))
         return dense, embedding
 
-    def _apply_update(self, embedding_grads: list[tuple[Tensor, Tensor]]) -> None:
-        """Dense update, checked; embedding update; then the FP16 copies and the LR schedule.
-        Undone, raising :class:`StepRefusedError`, if a new value cannot be stored."""
+    def _dense_step(self) -> None:
+        """The dense update (only the dense targets hold a .grad so far), after a backup of
+        what it changes."""
         clock = self._clock
-        clock.lap("bookkeeping")  # what came before: zeroing a skipped collection's gradient
         self._backup.save()
         clock.lap("backup")
         with torch.no_grad():
-            self.optimizer.step()  # only the dense targets hold a .grad so far
-            clock.lap("dense_step")
+            self.optimizer.step()
+        clock.lap("dense_step")
+
+    def _apply_update(self, embedding_grads: list[tuple[Tensor, Tensor]]) -> None:
+        """After the dense update (:meth:`_dense_step`): its check, the embedding update, then
+        the FP16 copies and the LR schedule. Undone, raising :class:`StepRefusedError`, if a
+        new value cannot be stored."""
+        clock = self._clock
+        with torch.no_grad():
             reason = self._unstorable_dense_values()
             clock.lap("dense_check")
             if reason is None and self.protocol_embedding is not None:

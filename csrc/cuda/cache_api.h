@@ -7,9 +7,10 @@
 // The functions only enqueue work on the given stream: none waits for the device. What the
 // host must learn from the device (error bits, hit counts, the number of unique rows) the
 // kernels write into a device buffer the caller passes (`flags`), which the caller reads back
-// once per op, after every table's launches (docs/design.md, "One readback per phase"). The
-// only exceptions: dedup_bags's count of unique rows is read at its end (it sizes the
-// outputs), and quantize_rows and flush_cache, off the training step, read their own result.
+// once per op, after every table's launches (docs/design.md, "One read-back per phase"). The
+// exceptions: dedup_features reads back its errors and sizes itself (once, for every
+// feature: they size its outputs), and quantize_rows and flush_cache, off the training step,
+// read their own result.
 // Launch errors throw std::runtime_error at once.
 #pragma once
 

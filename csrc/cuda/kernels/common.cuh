@@ -24,8 +24,6 @@
 
 #include <stdint.h>
 
-#include <stdexcept>
-#include <string>
 
 #if !defined(__CUDACC__)
 #include "../warp_emulator.h"
@@ -150,7 +148,6 @@ struct Scratch {
   }
 };
 
-inline void fail(const std::string& msg) { throw std::runtime_error("embcache (cuda): " + msg); }
 
 }  // namespace EMBCACHE_GPU_NS
 }  // namespace embcache

@@ -28,7 +28,7 @@ import torch
 
 import embcache  # noqa: F401  (registers torch.ops.embcache)
 from embcache import CachedLowPrecisionEmbedding
-from embcache.config import COUNTERS, STATE_TENSORS, TableConfig
+from embcache.config import COUNTERS, SPEC_FIELDS, STATE_TENSORS, TableConfig
 
 CPU = torch.ops.embcache
 # CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet), the huge-page
@@ -148,82 +148,103 @@ class Twin:
         assert_same(self.dev_counters, self.cpu_counters, f"{when}: counters")
 
     def forward(self, indices, offsets, psw, when, training=False):
-        """Both forwards, compared (lookups and hits counted apart and compared too); in
-        training the counts join the twin's. Returns the CPU's slots and value bounds."""
-        b = self.b
-        lengths = offsets[1:] - offsets[:-1]
-        counted = []
-        for ops, state, to in ((CPU, self.cpu, lambda t: t), (b.ops, self.dev, b.to)):
-            counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
-            out = ops.multi_lookup_forward(
-                self._args(state),
-                self.specs,
-                to(indices),
-                to(lengths),
-                to(psw),
-                [0],
-                lengths.numel(),
-                [counters],
-            )
-            counted.append((out, counters))
-        (want, want_counts), (got, got_counts) = counted
-        assert_same(got[:2], want[:2], f"{when}: multi_lookup_forward")  # hints: CPU only
-        assert_same(got_counts, want_counts, f"{when}: lookups and hits")
-        if training:
-            self.cpu_counters += want_counts
-            self.dev_counters += got_counts
-        return want[2], want[3]
+        return group_forward([self], [0], indices, offsets, psw, when, training)
 
     def train_step(self, indices, offsets, psw, grad_out, when):
-        b = self.b
-        lookup_slots, bounds = self.forward(indices, offsets, psw, when, training=True)
-        want = CPU.multi_dedup_backward(
-            indices, offsets, psw, grad_out, self.specs, [0], lookup_slots
-        )
-        got = b.ops.multi_dedup_backward(
-            b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out), self.specs, [0]
-        )
-        keep = (0, 1, 2, 4)  # all but the slots, which only the CPU forward gives
-        assert_same(
-            [got[k] for k in keep], [want[k] for k in keep], f"{when}: multi_dedup_backward"
-        )
-        rows, grads, occ, slots, row_starts = want
-        row_starts = row_starts.tolist()
-        for commit in (False, True):  # the dry run changes nothing; then both commit
-            want = CPU.multi_update(
-                self._args(self.cpu),
-                self.specs,
-                rows,
-                grads,
-                occ,
-                slots,
-                row_starts,
-                bounds.tolist(),
-                [self.cpu_counters],
-                commit,
-            )
-            got = b.ops.multi_update(
-                self._args(self.dev),
-                self.specs,
-                b.to(rows),
-                b.to(grads),
-                b.to(occ),
-                b.to(torch.empty(0, dtype=torch.int64)),
-                row_starts,
-                [-1.0],
-                [self.dev_counters],
-                commit,
-            )
-            assert got == want, f"{when}: rows refused {got}, CPU {want}"
-            self.compare_state(f"{when}: multi_update(commit={commit})")
-            if want[0] >= 0:
-                return
+        group_train_step([self], [0], indices, offsets, psw, grad_out, when)
 
     def flush(self, when):
         want = CPU.cache_flush(self._args(self.cpu), self.specs, [self.cpu_counters])
         got = self.b.ops.cache_flush(self._args(self.dev), self.specs, [self.dev_counters])
         assert got == want, f"{when}: flushed {got} rows, CPU {want}"
         self.compare_state(when)
+
+
+def _states(twins, which):
+    return [getattr(t, which)[k] for t in twins for k in STATE]
+
+
+def group_forward(twins, feature_table, indices, offsets, psw, when, training=False):
+    """Both forwards of features `feature_table` over the twins' tables, compared (lookups and
+    hits counted apart and compared too); in training the counts join the twins'. Returns
+    the CPU's slots and value bounds."""
+    b = twins[0].b
+    specs = torch.cat([t.specs for t in twins])
+    lengths = offsets[1:] - offsets[:-1]
+    counted = []
+    for ops, which, to in ((CPU, "cpu", lambda t: t), (b.ops, "dev", b.to)):
+        counters = [torch.zeros(len(COUNTERS), dtype=torch.int64) for _ in twins]
+        out = ops.multi_lookup_forward(
+            _states(twins, which),
+            specs,
+            to(indices),
+            to(lengths),
+            to(psw),
+            feature_table,
+            lengths.numel() // len(feature_table),
+            counters,
+        )
+        counted.append((out, counters))
+    (want, want_counts), (got, got_counts) = counted
+    assert_same(got[:2], want[:2], f"{when}: multi_lookup_forward")  # hints: CPU only
+    assert_same(got_counts, want_counts, f"{when}: lookups and hits")
+    if training:
+        for t, w, g in zip(twins, want_counts, got_counts):
+            t.cpu_counters += w
+            t.dev_counters += g
+    return want[2], want[3]
+
+
+def group_train_step(twins, feature_table, indices, offsets, psw, grad_out, when):
+    """A training step of the twins' tables, one feature per table (feature_table: the
+    tables in order): forward, backward, the update's dry run then its commit, each op on
+    both sides, every output and state compared. Returns whether the update was refused."""
+    b = twins[0].b
+    specs = torch.cat([t.specs for t in twins])
+    lookup_slots, bounds = group_forward(
+        twins, feature_table, indices, offsets, psw, when, training=True
+    )
+    want = CPU.multi_dedup_backward(
+        indices, offsets, psw, grad_out, specs, feature_table, lookup_slots
+    )
+    got = b.ops.multi_dedup_backward(
+        b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out), specs, feature_table
+    )
+    keep = (0, 1, 2, 4)  # all but the slots, which only the CPU forward gives
+    assert_same([got[k] for k in keep], [want[k] for k in keep], f"{when}: multi_dedup_backward")
+    rows, grads, occ, slots, row_starts = want
+    row_starts = row_starts.tolist()
+    for commit in (False, True):  # the dry run changes nothing; then both commit
+        want = CPU.multi_update(
+            _states(twins, "cpu"),
+            specs,
+            rows,
+            grads,
+            occ,
+            slots,
+            row_starts,
+            bounds.tolist(),
+            [t.cpu_counters for t in twins],
+            commit,
+        )
+        got = b.ops.multi_update(
+            _states(twins, "dev"),
+            specs,
+            b.to(rows),
+            b.to(grads),
+            b.to(occ),
+            b.to(torch.empty(0, dtype=torch.int64)),
+            row_starts,
+            [-1.0] * len(twins),
+            [t.dev_counters for t in twins],
+            commit,
+        )
+        assert got == want, f"{when}: rows refused {got}, CPU {want}"
+        for t in twins:
+            t.compare_state(f"{when}: multi_update(commit={commit}), table {t.cfg.table_id}")
+        if max(want) >= 0:
+            return True
+    return False
 
 
 def make_batch(gen, rows, perm, bags, max_len, psw):
@@ -667,3 +688,69 @@ def test_table_batched_ops(backend):
         b.to(indices), b.to(offsets), None, b.to(grad), specs, feature_table
     )
     assert_same(got, want, "multi_dedup_backward")
+
+
+def test_tables_trained_together(backend):
+    """Several tables updated by one op (the kernels batch every table's update: one sort for
+    every cached table's sets): LFU and LRU caches, tables without a cache, every optimizer,
+    a table without lookups in a step, and a step that one table refuses for all."""
+    b = backend
+    # rows, dim, sets, ways, options
+    tables = [
+        (90, 4, 3, 4, dict(precision="int8", optimizer="rowwise_adagrad")),
+        (60, 6, 6, 1, dict(precision="fp16", policy="lru", mean=True)),
+        (50, 3, 0, 1, dict(precision="fp32", optimizer="adagrad")),
+        (300, 5, 2, 32, dict(precision="int4", rounding="nearest")),
+        (70, 33, 0, 1, dict(precision="int8")),
+        (
+            110,
+            7,
+            2,
+            8,
+            dict(precision="int2", policy="lru", qparams="fp16", optimizer="rowwise_adagrad"),
+        ),
+    ]
+    twins = [
+        Twin(
+            b,
+            rows,
+            dim,
+            40 + t,
+            associativity=ways,
+            cache_ratio=(sets * ways + 0.5) / rows,
+            lr=0.05,
+            **options,
+        )
+        for t, (rows, dim, sets, ways, options) in enumerate(tables)
+    ]
+    num_sets = [int(t.specs[0, SPEC_FIELDS.index("num_sets")]) for t in twins]
+    assert num_sets == [sets for _, _, sets, _, _ in tables], num_sets
+    gen = torch.Generator().manual_seed(40)
+    perms = [torch.randperm(rows, generator=gen) for rows, *_ in tables]
+    feature_table, batch = list(range(len(tables))), 16
+    refused = 0
+    for s in range(6):
+        psw = s % 2 == 1
+        parts = [
+            make_batch(gen, rows, perm, batch, 5, psw) for (rows, *_), perm in zip(tables, perms)
+        ]
+        if s == 2:  # table 4 is not looked up
+            parts[4] = (
+                torch.empty(0, dtype=torch.int64),
+                torch.zeros(batch + 1, dtype=torch.int64),
+                torch.empty(0) if psw else None,
+            )
+        indices = torch.cat([p[0] for p in parts])
+        lengths = torch.cat([p[1][1:] - p[1][:-1] for p in parts])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        w = torch.cat([p[2] for p in parts]) if psw else None
+        grad_out = torch.randn(batch, sum(t.dim for t in twins), generator=gen) * 0.35
+        if s == 4:  # the FP16 table's new values overflow: every table's update is refused
+            grad_out[:, 4:10] = 1e7
+        refused += group_train_step(
+            twins, feature_table, indices, offsets, w, grad_out, f"step {s + 1}"
+        )
+    assert refused == 1
+    totals = sum(t.totals for t in twins)
+    hits, misses, ins, evict, bypass = totals.tolist()
+    assert hits > 0 and ins > 0 and evict > 0 and bypass > 0, totals

@@ -110,20 +110,40 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
                     const TableSpec* specs, const float* g, int64_t g_stride, DedupAlloc alloc,
                     void* alloc_ctx, int64_t* row_starts, Stream stream);
 
-/// The update's first phase (changes nothing): every unique row's slot, new value and new
-/// optimizer state. flags[kErrorFlag] |= error bits; flags[1] = min(flags[1], a row whose
-/// new value cannot be stored): the caller sets flags[1] to ~0 first.
-void compute_update(const TableSpec& t, const TableState& state, const int64_t* rows,
-                    int64_t nu, const float* g, float* fresh, float* fresh_state,
-                    int64_t* slots, unsigned long long* flags, Stream stream);
+/// One table of a batched update (the update of every table of an op in a few launches):
+/// its unique rows are [row_start, row_end) of the op's `rows` (ascending), with their
+/// occurrences and slots at the same positions; their gradients and new values
+/// [row_end - row_start, dim] start at value_start of `g` and `fresh`, their new optimizer
+/// state [.., state_width] at state_start of `fresh_state`; `step` is the update's number
+/// (it keys the rounding and is LRU's priority).
+struct UpdateTable {
+  TableSpec t;
+  TableState state;
+  int64_t row_start, row_end, value_start, state_start, step;
+  int64_t set_start;  // the table's first set in the op's numbering of sets (commit_updates)
+};
 
-/// The update's second phase: writes what compute_update computed: optimizer state, LFU
-/// counts, then one warp per touched set applies the insert/evict/bypass rule; update `step`
-/// keys the rounding and is LRU's priority. counts[0..2] += the unique hits, insertions and
-/// evictions (every other unique row bypassed the cache).
-void commit_update(const TableSpec& t, const TableState& state, const int64_t* rows, int64_t nu,
-                   const float* fresh, const float* fresh_state, const int64_t* slots,
-                   const int64_t* occ, int64_t step, unsigned long long* counts, Stream stream);
+/// The most sets the cached tables of one commit may have together: the commit sorts
+/// (set << 31 | priority) keys of 64 bits.
+constexpr int64_t kMaxCommitSets = (int64_t(1) << 33) - 1;
+
+/// The update's first phase (changes nothing), for nt tables in one launch: every unique
+/// row's slot, new value and new optimizer state. Table t's flags: flags[2t] |= error bits;
+/// flags[2t + 1] = min(flags[2t + 1], a row whose new value cannot be stored): the caller
+/// sets those to ~0 first.
+void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows, const float* g,
+                     float* fresh, float* fresh_state, int64_t* slots,
+                     unsigned long long* flags, Stream stream);
+
+/// The update's second phase, for nt tables in a few launches: writes what compute_updates
+/// computed: optimizer state, LFU counts, then one warp per touched set applies the
+/// insert/evict/bypass rule (one sort orders every table's candidates). Table t's
+/// counts[3t..3t+2] += its unique hits, insertions and evictions (every other unique row
+/// bypassed the cache). Throws, before any write, if the cached tables have more than
+/// kMaxCommitSets sets together.
+void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                    const float* fresh, const float* fresh_state, const int64_t* slots,
+                    const int64_t* occ, unsigned long long* counts, Stream stream);
 
 }  // namespace EMBCACHE_GPU_NS
 }  // namespace embcache

@@ -48,18 +48,25 @@ inline void copy_to_host(void* dst, const void* src, size_t bytes, Stream s) {
   check(cudaStreamSynchronize(as_stream(s)), "cudaStreamSynchronize");
 }
 
-// Pairs sorted by the keys' low `bits` bits, in place through double buffers (CUB radix sort
-// is stable).
-inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, int bits, Stream s) {
+// From pageable host memory: the copy is staged before the call returns, so the caller may
+// reuse `src` at once; the stream is not waited for.
+inline void copy_to_device(void* dst, const void* src, size_t bytes, Stream s) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, as_stream(s)), "cudaMemcpyAsync");
+}
+
+// Pairs sorted by the keys' bits [begin_bit, end_bit), in place through double buffers (CUB
+// radix sort is stable).
+inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, int begin_bit,
+                               int end_bit, Stream s) {
   uint64_t* kalt = static_cast<uint64_t*>(dev_alloc(n * sizeof(uint64_t), s));
   int64_t* valt = static_cast<int64_t*>(dev_alloc(n * sizeof(int64_t), s));
   cub::DoubleBuffer<uint64_t> kb(keys, kalt);
   cub::DoubleBuffer<int64_t> vb(vals, valt);
   size_t temp = 0;
-  check(cub::DeviceRadixSort::SortPairs(nullptr, temp, kb, vb, n, 0, bits, as_stream(s)),
+  check(cub::DeviceRadixSort::SortPairs(nullptr, temp, kb, vb, n, begin_bit, end_bit, as_stream(s)),
         "cub sort");
   void* t = dev_alloc(temp, s);
-  check(cub::DeviceRadixSort::SortPairs(t, temp, kb, vb, n, 0, bits, as_stream(s)), "cub sort");
+  check(cub::DeviceRadixSort::SortPairs(t, temp, kb, vb, n, begin_bit, end_bit, as_stream(s)), "cub sort");
   if (kb.Current() != keys)
     check(cudaMemcpyAsync(keys, kb.Current(), n * sizeof(uint64_t), cudaMemcpyDeviceToDevice,
                           as_stream(s)), "cudaMemcpyAsync");

@@ -1,6 +1,6 @@
 // Torch glue over csrc/cuda/cache_api.h: the ops of csrc/op_schemas.h (same schemas and
-// results as the CPU ops of csrc/cpu, bit for bit) implemented by the cache kernels, table
-// after table on the host. Included by
+// results as the CPU ops of csrc/cpu, bit for bit) implemented by the cache kernels: the
+// forward launches feature after feature, the update every table at once. Included by
 //   * csrc/cuda/binding.cpp   (EMBCACHE_GPU_NS = gpu: CUDA tensors, the current stream);
 //   * csrc/emulated/emu_ops.cpp (EMBCACHE_GPU_NS = emu: CPU tensors, kernels on the emulator),
 // which define, before including this file, in namespace embcache::EMBCACHE_GPU_NS:
@@ -193,24 +193,25 @@ inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor&
                                    row_starts, value_bounds, counters, kDevice);
   const Tables& tables = a.tables;
   const std::vector<TableSpec>& spec = tables.spec;
-  const std::vector<int64_t>& block = a.block;
   const int64_t nt = (int64_t)spec.size();
   check_same_device(tables, state, unique_rows, "unique_rows");
-  const int64_t* rows = unique_rows.data_ptr<int64_t>();
-  std::vector<at::Tensor> fresh(nt), fresh_state(nt), slots(nt);
+  // Every table's part of the op's arrays (UpdateTable), and its rows' new values and state.
+  std::vector<UpdateTable> parts(nt);
+  int64_t state_floats = 0;
+  for (int64_t t = 0; t < nt; ++t) {
+    parts[t] = UpdateTable{spec[t], tables.state[t], row_starts[t], row_starts[t + 1],
+                           a.block[t], state_floats, tables.counters[t][kSteps] + 1, 0};
+    state_floats += (row_starts[t + 1] - row_starts[t]) * spec[t].state_width();
+  }
+  const at::Tensor fresh = at::empty_like(grads);
+  const at::Tensor fresh_state = at::empty({state_floats}, grads.options());
+  const at::Tensor slots = at::empty_like(unique_rows);
   // flags: table t's [error bits, the smallest row it cannot store (~0: none)] at 2t.
   const at::Tensor flags = flag_words(unique_rows, 2 * nt);
   flags.view({nt, 2}).select(1, 1).fill_(-1);
-  for (int64_t t = 0; t < nt; ++t) {
-    const int64_t n = row_starts[t + 1] - row_starts[t];
-    fresh[t] = at::empty({n, spec[t].f.dim}, grads.options());
-    fresh_state[t] = at::empty({n, spec[t].state_width()}, grads.options());
-    slots[t] = at::empty({n}, unique_rows.options());
-    compute_update(spec[t], tables.state[t], rows + row_starts[t], n,
-                   grads.data_ptr<float>() + block[t], fresh[t].data_ptr<float>(),
-                   fresh_state[t].data_ptr<float>(), slots[t].data_ptr<int64_t>(),
-                   words(flags) + 2 * t, current_stream());
-  }
+  compute_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), grads.data_ptr<float>(),
+                  fresh.data_ptr<float>(), fresh_state.data_ptr<float>(),
+                  slots.data_ptr<int64_t>(), words(flags), current_stream());
   const at::Tensor checked = flags.to(at::kCPU);
   const int64_t* h = checked.data_ptr<int64_t>();
   std::vector<int64_t> bad(nt);
@@ -223,12 +224,9 @@ inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor&
   if (any_bad || !commit) return bad;
   // counts: table t's unique hits, insertions, evictions at 3t.
   const at::Tensor counts = flag_words(unique_rows, 3 * nt);
-  for (int64_t t = 0; t < nt; ++t) {
-    commit_update(spec[t], tables.state[t], rows + row_starts[t], row_starts[t + 1] - row_starts[t],
-                  fresh[t].data_ptr<float>(), fresh_state[t].data_ptr<float>(),
-                  slots[t].data_ptr<int64_t>(), occurrences.data_ptr<int64_t>() + row_starts[t],
-                  tables.counters[t][kSteps] + 1, words(counts) + 3 * t, current_stream());
-  }
+  commit_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), fresh.data_ptr<float>(),
+                 fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                 occurrences.data_ptr<int64_t>(), words(counts), current_stream());
   const at::Tensor committed = counts.to(at::kCPU);
   const int64_t* c = committed.data_ptr<int64_t>();
   for (int64_t t = 0; t < nt; ++t) {

@@ -33,13 +33,18 @@ inline void* dev_alloc(size_t bytes, Stream) {
 inline void dev_free(void* p, Stream) { std::free(p); }
 inline void dev_fill(void* p, int byte, size_t bytes, Stream) { std::memset(p, byte, bytes); }
 inline void copy_to_host(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
+inline void copy_to_device(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
 
-// Stable, as CUB's radix sort; the emulator's keys never have bits above `bits` set, so the
-// full comparison orders as the radix sort does.
-inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, int /*bits*/, Stream) {
+// Stable, and ordering by the keys' bits [begin_bit, end_bit) only, as CUB's radix sort: a
+// key with other bits set sorts here as it would on a GPU.
+inline void sort_pairs_u64_i64(uint64_t* keys, int64_t* vals, int64_t n, int begin_bit,
+                               int end_bit, Stream) {
+  const uint64_t mask = end_bit - begin_bit >= 64 ? ~0ull : (1ull << (end_bit - begin_bit)) - 1;
+  auto radix = [&](uint64_t k) { return (k >> begin_bit) & mask; };
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return radix(keys[a]) < radix(keys[b]); });
   std::vector<uint64_t> k(n);
   std::vector<int64_t> v(n);
   for (int64_t i = 0; i < n; ++i) {

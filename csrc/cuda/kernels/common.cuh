@@ -8,8 +8,9 @@
 //
 // The including file provides, before including csrc/cuda/cache_kernels.cuh, in namespace
 // embcache::EMBCACHE_GPU_NS: kThreadsPerBlock, grid_for(), dev_alloc/dev_free,
-// dev_fill(p, byte, bytes), copy_to_host (waits for the stream), sort_pairs_u64_i64 (stable,
-// over the keys' low `bits` bits), exclusive_sum_i64, and the macro
+// dev_fill(p, byte, bytes), copy_to_host (waits for the stream), copy_to_device (from host
+// memory the caller may reuse at once), sort_pairs_u64_i64 (stable, over the keys' bits
+// [begin_bit, end_bit): the others are zero), exclusive_sum_i64, and the macro
 // EC_LAUNCH(kernel, grid, block, stream, args...) that launches and checks.
 //
 // Bit-identity with the CPU ops (csrc/cpu) comes from: the same row arithmetic

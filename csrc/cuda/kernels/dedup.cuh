@@ -135,7 +135,7 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
               keys.as<uint64_t>(), pos.as<int64_t>(), bag_of.as<int64_t>(), fl);
   int64_t* feature_starts = reinterpret_cast<int64_t*>(fl + 2);
   if (n > 0) {
-    sort_pairs_u64_i64(keys.as<uint64_t>(), pos.as<int64_t>(), n, key_bits(nf), stream);
+    sort_pairs_u64_i64(keys.as<uint64_t>(), pos.as<int64_t>(), n, 0, key_bits(nf), stream);
     Scratch flag(n * 8, stream), excl(n * 8, stream);
     EC_LAUNCH(segment_flags_kernel, grid_threads(n), block_dim(), stream,
               (const uint64_t*)keys.as<uint64_t>(), n, flag.as<int64_t>());

@@ -3,43 +3,72 @@
 // per touched set for the insert/evict/bypass rule.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "common.cuh"
 
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
+/// The table of unique row u (tables[k].row_start <= u < tables[k].row_end): the last
+/// table starting at or before u (empty tables start where the next one does).
+__device__ __forceinline__ int64_t table_of_row(const UpdateTable* tables, int64_t nt, int64_t u) {
+  int64_t lo = 0, hi = nt - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (tables[mid].row_start <= u) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+/// The table of set `set` in the commit's numbering (the cached table whose sets
+/// [set_start, set_start + num_sets) hold it): the last table whose sets start at or before
+/// it (a table without a cache has none, and starts where the next one does).
+__device__ __forceinline__ int64_t table_of_set(const UpdateTable* tables, int64_t nt, int64_t set) {
+  int64_t lo = 0, hi = nt - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (tables[mid].set_start <= set) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 /// The first phase: one warp per unique row finds its slot (ballot), fetches the value
 /// (cache row or dequantized table row) and applies the optimizer into fresh and fresh_state.
-/// flags[0] |= error bits; flags[1] = min(row that cannot be stored).
-__global__ void compute_update_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
-                                      const float* cache_rows, const float* state,
-                                      const int64_t* rows, int64_t nu, const float* g,
-                                      RowFormat f, bool stochastic, int opt, float lr,
-                                      float eps, int64_t num_sets, int64_t ways, float* fresh,
+/// Table k's flags[2k] |= error bits; flags[2k + 1] = min(row that cannot be stored).
+__global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                                      int64_t nu, const float* g, float* fresh,
                                       float* fresh_state, int64_t* slots,
                                       unsigned long long* flags) {
   const unsigned lane = lane_id();
-  const int dim = f.dim;
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
+    const int64_t k = table_of_row(tables, nt, u);
+    const UpdateTable& T = tables[k];
+    const RowFormat f = T.t.f;
+    const int dim = f.dim;
+    const int64_t i = u - T.row_start;  // the row's position in its table's rows
     const int64_t row = rows[u];
-    if (row < 0 || row >= num_rows || (u > 0 && rows[u - 1] >= row)) {
-      if (lane == 0) atomicOr(&flags[0], (unsigned long long)kBadUniqueRows);
+    if (row < 0 || row >= T.t.rows || (i > 0 && rows[u - 1] >= row)) {
+      if (lane == 0) atomicOr(&flags[2 * k], (unsigned long long)kBadUniqueRows);
       continue;
     }
-    const int64_t slot = warp_find_slot(tags, num_sets, ways, row);
+    const int64_t slot = warp_find_slot(T.state.cache_tags, T.t.num_sets, T.t.ways, row);
     if (lane == 0) slots[u] = slot;
-    const float* cv = slot >= 0 ? cache_rows + slot * dim : nullptr;
-    const uint8_t* tr = w + row * f.row_bytes();
+    const float* cv = slot >= 0 ? T.state.cache_rows + slot * dim : nullptr;
+    const uint8_t* tr = T.state.weights + row * f.row_bytes();
     float scale = 0.f, bias = 0.f;
     if (slot < 0 && f.is_int()) load_qparams(f, tr, &scale, &bias);
-    const float* gu = g + u * dim;
-    float* out = fresh + u * dim;
-    if (opt == kSGD) {
+    const float* gu = g + T.value_start + i * dim;
+    float* out = fresh + T.value_start + i * dim;
+    const float* state = T.state.optimizer_state;
+    const float lr = (float)T.t.lr, eps = (float)T.t.eps;
+    if (T.t.optimizer == kSGD) {
       for (int j = (int)lane; j < dim; j += 32) {
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
         out[j] = v - lr * gu[j];
       }
-    } else if (opt == kRowwiseAdagrad) {
+    } else if (T.t.optimizer == kRowwiseAdagrad) {
       float sum_sq = 0.f;  // in element order, as the CPU sums it
       if (lane == 0)
         for (int j = 0; j < dim; ++j) sum_sq += gu[j] * gu[j];
@@ -50,77 +79,84 @@ __global__ void compute_update_kernel(const uint8_t* w, int64_t num_rows, const 
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
         out[j] = v - step * gu[j];
       }
-      if (lane == 0) fresh_state[u] = acc;
+      if (lane == 0) fresh_state[T.state_start + i] = acc;
     } else {
+      float* fs = fresh_state + T.state_start + i * dim;
       for (int j = (int)lane; j < dim; j += 32) {
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
         const float acc = state[row * dim + j] + gu[j] * gu[j];
         out[j] = v - (lr / (sqrtf(acc) + eps)) * gu[j];
-        fresh_state[u * dim + j] = acc;
+        fs[j] = acc;
       }
     }
     __syncwarp(kFullMask);
-    if (!warp_row_is_storable(f, out, stochastic) && lane == 0)
-      atomicMin(&flags[1], (unsigned long long)row);
+    if (!warp_row_is_storable(f, out, T.t.stochastic) && lane == 0)
+      atomicMin(&flags[2 * k + 1], (unsigned long long)row);
   }
 }
 
-/// The commit, step 1: optimizer state and (LFU) counts of every updated row. One warp per
-/// unique row.
-__global__ void commit_state_kernel(float* state, int32_t* counts, const int64_t* rows,
-                                    int64_t nu, const float* fresh_state, int64_t sw,
-                                    const int64_t* occ, bool lfu) {
+/// The commit, step 1, one warp per unique row: its optimizer state and (LFU) count, and
+/// (keys non-null) its sort key, grouping the updated rows by set, candidates of a set in
+/// priority order: (set << 31) | (INT32_MAX - count) for LFU, set << 31 for LRU, and
+/// no_set << 31 (after every set) for a table without a cache; the values (unique-row
+/// positions, ascending) break ties, since the sort is stable.
+__global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                                   int64_t nu, const float* fresh_state, const int64_t* occ,
+                                   uint64_t no_set, uint64_t* keys, int64_t* vals) {
   const unsigned lane = lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
-    const int64_t row = rows[u];
-    for (int64_t j = lane; j < sw; j += 32) state[row * sw + j] = fresh_state[u * sw + j];
-    if (lfu && lane == 0) {
-      const int64_t c = (int64_t)counts[row] + occ[u];
-      counts[row] = (int32_t)(c < 0x7fffffff ? c : 0x7fffffff);
+    const UpdateTable& T = tables[table_of_row(tables, nt, u)];
+    const int64_t row = rows[u], i = u - T.row_start, sw = T.t.state_width();
+    float* state = T.state.optimizer_state;
+    const float* fs = fresh_state + T.state_start + i * sw;
+    for (int64_t j = lane; j < sw; j += 32) state[row * sw + j] = fs[j];
+    if (lane != 0) continue;
+    int32_t count = 0;
+    if (T.t.lfu) {
+      const int64_t c = (int64_t)T.state.counts[row] + occ[u];
+      count = (int32_t)(c < 0x7fffffff ? c : 0x7fffffff);
+      T.state.counts[row] = count;
     }
-  }
-}
-
-/// The commit without a cache: every updated row bypasses. One thread per row.
-__global__ void commit_bypass_kernel(uint8_t* w, const int64_t* rows, int64_t nu,
-                                     const float* fresh, RowFormat f, bool stochastic,
-                                     RoundingStream s) {
-  for (int64_t u = thread_global(); u < nu; u += threads_in_grid())
-    quantize_row(f, fresh + u * f.dim, stochastic, s, rows[u], w + rows[u] * f.row_bytes());
-}
-
-/// The commit, step 2: sort keys grouping the updated rows by set, candidates of a set in
-/// priority order: (set << 31) | (INT32_MAX - count) for LFU, set << 31 for LRU; the values
-/// (unique-row positions, ascending) break ties, since the sort is stable.
-__global__ void commit_keys_kernel(const int64_t* rows, int64_t nu, const int32_t* counts,
-                                   bool lfu, int64_t num_sets, uint64_t* keys, int64_t* vals) {
-  for (int64_t u = thread_global(); u < nu; u += threads_in_grid()) {
-    const uint64_t set = (uint64_t)set_of_row(rows[u], num_sets);
-    const uint64_t inv = lfu ? (uint64_t)(0x7fffffff - counts[rows[u]]) : 0;
+    if (!keys) continue;
+    const uint64_t set = T.t.num_sets == 0
+                             ? no_set
+                             : (uint64_t)(T.set_start + set_of_row(row, T.t.num_sets));
+    const uint64_t inv = T.t.lfu ? (uint64_t)(0x7fffffff - count) : 0;
     keys[u] = (set << 31) | inv;
     vals[u] = u;
   }
 }
 
-/// The commit, step 3: one warp per touched set (the warp at the first sorted position of
+/// The commit for the tables without a cache: every updated row bypasses. One thread per row.
+__global__ void commit_bypass_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                                     int64_t nu, const float* fresh) {
+  for (int64_t u = thread_global(); u < nu; u += threads_in_grid()) {
+    const UpdateTable& T = tables[table_of_row(tables, nt, u)];
+    if (T.t.num_sets != 0) continue;
+    const RowFormat f = T.t.f;
+    const int64_t row = rows[u];
+    quantize_row(f, fresh + T.value_start + (u - T.row_start) * f.dim, T.t.stochastic,
+                 T.t.stream(T.step), row, T.state.weights + row * f.row_bytes());
+  }
+}
+
+/// The commit, step 2: one warp per touched set (the warp at the first sorted position of
 /// the set; the others return) applies docs/contract.md §4: updated residents take their new value;
 /// the slots are ranked by priority (empty first, ties by way) with shuffles; candidate k
 /// (k-th non-resident in priority order) replaces the slot of rank k iff its priority is
 /// strictly higher, writing the evicted row back; other candidates bypass into the table.
 /// Every row written to the table is quantized by one lane with quantize_row.
-/// stats[0..2] += unique hits, insertions, evictions (the other candidates bypass).
-__global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
-                                   int32_t* priority, const int32_t* counts,
-                                   const int64_t* rows, const float* fresh,
-                                   const int64_t* slot_of, const uint64_t* keys,
-                                   const int64_t* vals, int64_t nu, RowFormat f,
-                                   bool stochastic, bool lfu, RoundingStream s, int64_t step,
-                                   int64_t ways, unsigned long long* stats) {
+/// Table k's stats[3k..3k+2] += unique hits, insertions, evictions (the other candidates
+/// bypass). Keys of set no_set (tables without a cache) are left to commit_bypass_kernel.
+__global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                                   const float* fresh, const int64_t* slot_of,
+                                   const uint64_t* keys, const int64_t* vals, int64_t nu,
+                                   uint64_t no_set, unsigned long long* stats) {
   const unsigned lane = lane_id();
-  const int dim = f.dim;
   const int64_t kEmpty = INT64_MIN;
   for (int64_t first = warp_global(); first < nu; first += warps_in_grid()) {
     const uint64_t set = keys[first] >> 31;
+    if (set == no_set) continue;
     if (first > 0 && (keys[first - 1] >> 31) == set) continue;  // not the set's first row
     // The end of the set's rows: the first later position of another set (ballot search).
     int64_t end = nu;
@@ -132,7 +168,20 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
         break;
       }
     }
-    const int64_t base = (int64_t)set * ways;
+    const int64_t table = table_of_set(tables, nt, (int64_t)set);
+    const UpdateTable& T = tables[table];
+    const RowFormat f = T.t.f;
+    const int dim = f.dim;
+    const bool lfu = T.t.lfu, stochastic = T.t.stochastic;
+    const int64_t ways = T.t.ways, step = T.step;
+    const RoundingStream s = T.t.stream(step);
+    uint8_t* w = T.state.weights;
+    int32_t* tags = T.state.cache_tags;
+    float* cache_rows = T.state.cache_rows;
+    int32_t* priority = T.state.cache_priority;
+    const int32_t* counts = T.state.counts;
+    const float* table_fresh = fresh + T.value_start - T.row_start * dim;  // row u at u * dim
+    const int64_t base = ((int64_t)set - T.set_start) * ways;
     unsigned long long hits = 0, ins = 0, evict = 0;
     // 1. Updated residents stay, with their new value and priority (LRU: the step; LFU:
     //    a copy of the row's count, so that step 2 reads no random counts).
@@ -141,7 +190,7 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
       if (k < end) {
         const int64_t u = vals[k], slot = slot_of[u];
         if (slot >= 0) {
-          for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = fresh[u * dim + j];
+          for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = table_fresh[u * dim + j];
           priority[slot] = lfu ? counts[rows[u]] : (int32_t)step;
           ++hits;
         }
@@ -189,51 +238,83 @@ __global__ void commit_sets_kernel(uint8_t* w, int32_t* tags, float* cache_rows,
           ++evict;
         }
         tags[slot] = (int32_t)row;
-        for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = fresh[u * dim + j];
+        for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = table_fresh[u * dim + j];
         priority[slot] = (int32_t)p;
         ++ins;
       } else {
-        quantize_row(f, fresh + u * dim, stochastic, s, row, w + row * f.row_bytes());
+        quantize_row(f, table_fresh + u * dim, stochastic, s, row, w + row * f.row_bytes());
       }
     }
-    if (hits) atomicAdd(&stats[0], hits);
-    if (ins) atomicAdd(&stats[1], ins);
-    if (evict) atomicAdd(&stats[2], evict);
+    if (hits) atomicAdd(&stats[3 * table], hits);
+    if (ins) atomicAdd(&stats[3 * table + 1], ins);
+    if (evict) atomicAdd(&stats[3 * table + 2], evict);
   }
 }
 
-void compute_update(const TableSpec& t, const TableState& state, const int64_t* rows,
-                    int64_t nu, const float* g, float* fresh, float* fresh_state,
-                    int64_t* slots, unsigned long long* flags, Stream stream) {
-  if (nu == 0) return;
-  EC_LAUNCH(compute_update_kernel, grid_warps(nu), block_dim(), stream, state.weights, t.rows,
-            state.cache_tags, state.cache_rows, state.optimizer_state, rows, nu, g, t.f,
-            t.stochastic, t.optimizer, (float)t.lr, (float)t.eps, t.num_sets, t.ways, fresh,
-            fresh_state, slots, flags);
+/// The tables' descriptors in device memory, freed on scope exit.
+struct DeviceTables {
+  Scratch mem;
+  DeviceTables(const UpdateTable* tables, int64_t nt, Stream stream)
+      : mem(nt * sizeof(UpdateTable), stream) {
+    copy_to_device(mem.p, tables, nt * sizeof(UpdateTable), stream);
+  }
+  const UpdateTable* get() const { return mem.as<const UpdateTable>(); }
+};
+
+/// The bits of n's binary representation (0 for 0).
+inline int bit_length(uint64_t n) {
+  int bits = 0;
+  for (; n; n >>= 1) ++bits;
+  return bits;
 }
 
-void commit_update(const TableSpec& t, const TableState& state, const int64_t* rows, int64_t nu,
-                   const float* fresh, const float* fresh_state, const int64_t* slots,
-                   const int64_t* occ, int64_t step, unsigned long long* counts, Stream stream) {
+void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows, const float* g,
+                     float* fresh, float* fresh_state, int64_t* slots,
+                     unsigned long long* flags, Stream stream) {
+  const int64_t nu = nt > 0 ? tables[nt - 1].row_end : 0;
   if (nu == 0) return;
-  const bool lfu = t.lfu;
-  EC_LAUNCH(commit_state_kernel, grid_warps(nu), block_dim(), stream, state.optimizer_state,
-            state.counts, rows, nu, fresh_state, t.state_width(), occ, lfu);
-  if (t.num_sets == 0) {
-    EC_LAUNCH(commit_bypass_kernel, grid_threads(nu), block_dim(), stream, state.weights, rows,
-              nu, fresh, t.f, t.stochastic, t.stream(step));
-    return;
+  const DeviceTables d(tables, nt, stream);
+  EC_LAUNCH(compute_update_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
+            g, fresh, fresh_state, slots, flags);
+}
+
+void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                    const float* fresh, const float* fresh_state, const int64_t* slots,
+                    const int64_t* occ, unsigned long long* counts, Stream stream) {
+  const int64_t nu = nt > 0 ? tables[nt - 1].row_end : 0;
+  if (nu == 0) return;
+  std::vector<UpdateTable> numbered(tables, tables + nt);
+  int64_t sets = 0;
+  bool any_lfu = false, any_uncached = false;
+  for (UpdateTable& t : numbered) {
+    t.set_start = sets;
+    sets += t.t.num_sets;
+    any_lfu = any_lfu || t.t.lfu;
+    any_uncached = any_uncached || t.t.num_sets == 0;
   }
-  Scratch keys(nu * 8, stream), vals(nu * 8, stream);
-  EC_LAUNCH(commit_keys_kernel, grid_threads(nu), block_dim(), stream, rows, nu,
-            (const int32_t*)state.counts, lfu, t.num_sets, keys.as<uint64_t>(),
-            vals.as<int64_t>());
-  sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, 64, stream);
-  EC_LAUNCH(commit_sets_kernel, grid_warps(nu), block_dim(), stream, state.weights,
-            state.cache_tags, state.cache_rows, state.cache_priority,
-            (const int32_t*)state.counts, rows, fresh, slots,
-            (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu, t.f,
-            t.stochastic, lfu, t.stream(step), step, t.ways, counts);
+  if (sets > kMaxCommitSets)
+    throw std::runtime_error("embcache (cuda): the cached tables of one update have " +
+                             std::to_string(sets) + " sets together, more than the " +
+                             std::to_string(kMaxCommitSets) + " one commit can order");
+  const DeviceTables d(numbered.data(), nt, stream);
+  const uint64_t no_set = (uint64_t)sets;
+  if (sets == 0) {
+    EC_LAUNCH(commit_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
+              fresh_state, occ, no_set, (uint64_t*)nullptr, (int64_t*)nullptr);
+  } else {
+    Scratch keys(nu * 8, stream), vals(nu * 8, stream);
+    EC_LAUNCH(commit_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
+              fresh_state, occ, no_set, keys.as<uint64_t>(), vals.as<int64_t>());
+    // Only the bits that vary: the priority's (LFU) and the set's, up to no_set.
+    sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, any_lfu ? 0 : 31,
+                       31 + bit_length(no_set), stream);
+    EC_LAUNCH(commit_sets_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, fresh,
+              slots, (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(),
+              nu, no_set, counts);
+  }
+  if (any_uncached)
+    EC_LAUNCH(commit_bypass_kernel, grid_threads(nu), block_dim(), stream, d.get(), nt, rows,
+              nu, fresh);
 }
 
 }  // namespace EMBCACHE_GPU_NS

@@ -609,6 +609,13 @@ def test_quantize_dequantize_rows(backend, qparams):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(70, 37, generator=gen) * 3
     x[5] = 1.25  # a constant row
+    # Signed zeros as a row's extreme: the stored bias (or the range) comes from the first
+    # zero, as the CPU's loop finds it, whichever lane of a warp holds it.
+    x[6:8] = x[6:8].abs()
+    x[6, [3, 35]] = torch.tensor([-0.0, 0.0])
+    x[7, [1, 33, 36]] = torch.tensor([0.0, -0.0, -0.0])
+    x[8] = -x[8].abs()
+    x[8, [2, 20]] = torch.tensor([-0.0, 0.0])
     ids = torch.randperm(1000, generator=gen)[:70]
     for precision in PRECISIONS:
         for rounding in ("nearest", "stochastic"):

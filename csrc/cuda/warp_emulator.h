@@ -38,6 +38,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__
 
 struct uint3 {
   unsigned x, y, z;

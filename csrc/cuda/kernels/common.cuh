@@ -14,7 +14,8 @@
 // EC_LAUNCH(kernel, grid, block, stream, args...) that launches and checks.
 //
 // Bit-identity with the CPU ops (csrc/cpu) comes from: the same row arithmetic
-// (embcache/rowquant.h; stored rows are written by quantize_row itself, one lane per row), the
+// (embcache/rowquant.h: the update writes rows with warp_quantize_row, element by element
+// the arithmetic of quantize_row and the same uniforms; the flush with quantize_row), the
 // same order of every floating-point sum (pooling and gradient sums in lookup order, the
 // row-wise AdaGrad sum of squares in element order), no FMA (nvcc --fmad=false,
 // -ffp-contract=off), IEEE division and square root, and sorts that reproduce the CPU's order.
@@ -111,6 +112,97 @@ __device__ __forceinline__ bool warp_row_is_storable(const RowFormat& f, const f
     }
   }
   return true;
+}
+
+/// The first of x[0..n) equal to v in lane order of a warp's strided pass (v == 0: which
+/// zero comes first, +0 or -0): what the loops of row_min_max keep among equal extremes.
+__device__ __forceinline__ float warp_first_equal(const float* x, int n, float v) {
+  int first = n;
+  for (int j = (int)lane_id(); j < n; j += 32)
+    if (x[j] == v && j < first) first = j;
+  for (int d = 16; d >= 1; d >>= 1) {
+    const int o = __shfl_xor_sync(kFullMask, first, d);
+    first = o < first ? o : first;
+  }
+  return x[first];
+}
+
+/// quantize_row(f, x, stochastic, s, row_id, out) computed by a warp, all 32 lanes calling
+/// it with the same arguments: the same bytes. Lane l takes the elements' groups of four
+/// (one Philox block of uniforms each) l, l + 32, ..., and writes their bytes. Requires
+/// row_is_storable(f, x, stochastic).
+__device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* x,
+                                               bool stochastic, const RoundingStream& s,
+                                               int64_t row_id, uint8_t* out) {
+  const unsigned lane = lane_id();
+  const int dim = f.dim;
+  if (f.bits == 32) {
+    for (int j = (int)lane; j < dim; j += 32) store_f32(out + 4 * j, x[j]);
+    return;
+  }
+  float u[4] = {0.f, 0.f, 0.f, 0.f};
+  if (f.bits == 16) {
+    for (int g = (int)lane; 4 * g < dim; g += 32) {
+      if (stochastic) philox_uniforms4(s, row_id, g, u);
+      for (int i = 0; i < 4 && 4 * g + i < dim; ++i) {
+        const int j = 4 * g + i;
+        const uint32_t b = float_bits(x[j]);
+        const uint16_t h = stochastic ? (uint16_t)((b >> 16) & 0x8000u) |
+                                            half_stochastic_magnitude(b & 0x7fffffffu, u[i])
+                                      : float_to_half_rn(x[j]);
+        store_u16(out + 2 * j, h);
+      }
+    }
+    return;
+  }
+  // The range: the order-free extremes, then (for a zero) the first of the equal zeros.
+  float mn = x[0], mx = x[0];
+  for (int j = (int)lane; j < dim; j += 32) {
+    mn = x[j] < mn ? x[j] : mn;
+    mx = x[j] > mx ? x[j] : mx;
+  }
+  mn = warp_min(mn);
+  mx = warp_max(mx);
+  if (mn == 0.f) mn = warp_first_equal(x, dim, mn);
+  if (mx == 0.f) mx = warp_first_equal(x, dim, mx);
+  const int q_max = (1 << f.bits) - 1;
+  float scale, bias, inv;
+  uint8_t* q = out + f.payload_bytes();
+  if (f.qparams_fp16) {  // as quantize_row
+    const uint16_t bias_h = float_to_half_rn(mn);
+    bias = half_to_float(bias_h);
+    const uint16_t scale_h = float_to_half_rn((mx - bias) / (float)q_max);
+    scale = half_to_float(scale_h);
+    inv = scale == 0.f ? 0.f : 1.f / scale;
+    if (lane == 0) {
+      store_u16(q, scale == 0.f ? (uint16_t)0x3c00u : scale_h);
+      store_u16(q + 2, bias_h);
+    }
+  } else {
+    const float range = mx - mn;
+    bias = mn;
+    scale = range / (float)q_max;
+    inv = (float)q_max / (range + 1e-8f);
+    if (lane == 0) {
+      store_f32(q, scale);
+      store_f32(q + 4, bias);
+    }
+  }
+  // Group g's four codes fill 4 * bits / 8 bytes from byte (4 * g * bits) / 8.
+  const int lg = log2_codes_per_byte(f.bits), per_byte = 1 << lg;
+  for (int g = (int)lane; 4 * g < dim; g += 32) {
+    if (stochastic) philox_uniforms4(s, row_id, g, u);
+    int code[4] = {0, 0, 0, 0};  // elements past the row's end: zero bits
+    for (int i = 0; i < 4 && 4 * g + i < dim; ++i)
+      code[i] = round_code((x[4 * g + i] - bias) * inv, stochastic, u[i], q_max);
+    for (int b = 0; b < 4 / per_byte; ++b) {
+      const int byte = ((4 * g) >> lg) + b;
+      if (byte >= f.payload_bytes()) break;
+      int v = 0;
+      for (int i = 0; i < per_byte; ++i) v |= code[b * per_byte + i] << (i * f.bits);
+      out[byte] = (uint8_t)v;
+    }
+  }
 }
 
 /// Whether bag g of an op's `total` bags over n lookups, positions [start, end), is valid

@@ -7,17 +7,17 @@
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
-/// quantize_rows: one thread per row. flags[0] = min bad row position + 1 (0: none).
+/// quantize_rows: one warp per row. flags[0] = min bad row position (~0: none).
 __global__ void quantize_rows_kernel(const float* x, const int64_t* ids, int64_t n, RowFormat f,
                                      bool stochastic, RoundingStream s, uint8_t* out,
                                      unsigned long long* first_bad) {
-  for (int64_t r = thread_global(); r < n; r += threads_in_grid()) {
+  for (int64_t r = warp_global(); r < n; r += warps_in_grid()) {
     const float* xr = x + r * f.dim;
-    if (!row_is_storable(f, xr, stochastic)) {
-      atomicMin(first_bad, (unsigned long long)r);
+    if (!warp_row_is_storable(f, xr, stochastic)) {
+      if (lane_id() == 0) atomicMin(first_bad, (unsigned long long)r);
       continue;
     }
-    quantize_row(f, xr, stochastic, s, ids[r], out + r * f.row_bytes());
+    warp_quantize_row(f, xr, stochastic, s, ids[r], out + r * f.row_bytes());
   }
 }
 
@@ -50,7 +50,7 @@ int64_t quantize_rows(const float* x, const int64_t* ids, int64_t n, RowFormat f
   if (n == 0) return -1;
   Scratch flag(sizeof(unsigned long long), stream);
   dev_fill(flag.p, 0xff, sizeof(unsigned long long), stream);  // ~0: no bad row
-  EC_LAUNCH(quantize_rows_kernel, grid_threads(n), block_dim(), stream, x, ids, n, f,
+  EC_LAUNCH(quantize_rows_kernel, grid_warps(n), block_dim(), stream, x, ids, n, f,
             stochastic, s, out, flag.as<unsigned long long>());
   unsigned long long bad = 0;
   copy_to_host(&bad, flag.p, sizeof(bad), stream);

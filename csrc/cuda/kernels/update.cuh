@@ -127,16 +127,16 @@ __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const 
   }
 }
 
-/// The commit for the tables without a cache: every updated row bypasses. One thread per row.
+/// The commit for the tables without a cache: every updated row bypasses. One warp per row.
 __global__ void commit_bypass_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                                      int64_t nu, const float* fresh) {
-  for (int64_t u = thread_global(); u < nu; u += threads_in_grid()) {
+  for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
     const UpdateTable& T = tables[table_of_row(tables, nt, u)];
     if (T.t.num_sets != 0) continue;
     const RowFormat f = T.t.f;
     const int64_t row = rows[u];
-    quantize_row(f, fresh + T.value_start + (u - T.row_start) * f.dim, T.t.stochastic,
-                 T.t.stream(T.step), row, T.state.weights + row * f.row_bytes());
+    warp_quantize_row(f, fresh + T.value_start + (u - T.row_start) * f.dim, T.t.stochastic,
+                      T.t.stream(T.step), row, T.state.weights + row * f.row_bytes());
   }
 }
 
@@ -145,7 +145,7 @@ __global__ void commit_bypass_kernel(const UpdateTable* tables, int64_t nt, cons
 /// the slots are ranked by priority (empty first, ties by way) with shuffles; candidate k
 /// (k-th non-resident in priority order) replaces the slot of rank k iff its priority is
 /// strictly higher, writing the evicted row back; other candidates bypass into the table.
-/// Every row written to the table is quantized by one lane with quantize_row.
+/// Rows are copied and quantized (warp_quantize_row) by the whole warp, one after another.
 /// Table k's stats[3k..3k+2] += unique hits, insertions, evictions (the other candidates
 /// bypass). Keys of set no_set (tables without a cache) are left to commit_bypass_kernel.
 __global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
@@ -184,16 +184,20 @@ __global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const 
     const int64_t base = ((int64_t)set - T.set_start) * ways;
     unsigned long long hits = 0, ins = 0, evict = 0;
     // 1. Updated residents stay, with their new value and priority (LRU: the step; LFU:
-    //    a copy of the row's count, so that step 2 reads no random counts).
+    //    a copy of the row's count, so that step 2 reads no random counts). The warp copies
+    //    each resident's row in turn.
     for (int64_t c0 = first; c0 < end; c0 += 32) {
       const int64_t k = c0 + lane;
-      if (k < end) {
-        const int64_t u = vals[k], slot = slot_of[u];
-        if (slot >= 0) {
-          for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = table_fresh[u * dim + j];
-          priority[slot] = lfu ? counts[rows[u]] : (int32_t)step;
-          ++hits;
-        }
+      const int64_t u = k < end ? vals[k] : -1;
+      const int64_t slot = k < end ? slot_of[u] : -1;
+      if (slot >= 0) priority[slot] = lfu ? counts[rows[u]] : (int32_t)step;
+      unsigned resident = __ballot_sync(kFullMask, slot >= 0);
+      hits += __popc(resident);
+      for (; resident; resident &= resident - 1) {
+        const int src = __ffs(resident) - 1;
+        const int64_t ru = __shfl_sync(kFullMask, u, src), rs = __shfl_sync(kFullMask, slot, src);
+        for (int j = (int)lane; j < dim; j += 32)
+          cache_rows[rs * dim + j] = table_fresh[ru * dim + j];
       }
     }
     __syncwarp(kFullMask);
@@ -226,28 +230,40 @@ __global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const 
       const int src = r < 32 ? (int)r : 0;
       const int way = __shfl_sync(kFullMask, way_of_rank, src);
       const int64_t slot_prio = __shfl_sync(kFullMask, prio_of_rank, src);
-      if (!cand) continue;
-      const int64_t row = rows[u];
-      const int64_t p = lfu ? (int64_t)counts[row] : step;
-      if (r < ways && p > slot_prio) {
-        const int64_t slot = base + way;
-        const int32_t old = tags[slot];
-        if (old >= 0) {
-          quantize_row(f, cache_rows + slot * dim, stochastic, s, old,
-                       w + (int64_t)old * f.row_bytes());
-          ++evict;
-        }
+      const int64_t row = cand ? rows[u] : -1;
+      const int64_t p = !cand ? 0 : lfu ? (int64_t)counts[row] : step;
+      const bool insert = cand && r < ways && p > slot_prio;
+      const int64_t slot = base + way;
+      const int32_t old = insert ? tags[slot] : -1;
+      if (insert) {
         tags[slot] = (int32_t)row;
-        for (int j = 0; j < dim; ++j) cache_rows[slot * dim + j] = table_fresh[u * dim + j];
         priority[slot] = (int32_t)p;
-        ++ins;
-      } else {
-        quantize_row(f, table_fresh + u * dim, stochastic, s, row, w + row * f.row_bytes());
+      }
+      ins += __popc(__ballot_sync(kFullMask, insert));
+      evict += __popc(__ballot_sync(kFullMask, old >= 0));
+      // Each candidate in turn, by the whole warp: an insertion writes the row it evicts
+      // back to the table, then takes the slot; any other candidate bypasses the cache.
+      for (unsigned todo = m; todo; todo &= todo - 1) {
+        const int src = __ffs(todo) - 1;
+        const int64_t cu = __shfl_sync(kFullMask, u, src), crow = __shfl_sync(kFullMask, row, src);
+        const int64_t cslot = __shfl_sync(kFullMask, slot, src);
+        const int32_t cold = __shfl_sync(kFullMask, old, src);
+        const bool cins = __shfl_sync(kFullMask, (int)insert, src) != 0;
+        const float* value = table_fresh + cu * dim;
+        if (!cins || cold >= 0)  // the evicted row, or the candidate itself, to the table
+          warp_quantize_row(f, cins ? cache_rows + cslot * dim : value, stochastic, s,
+                            cins ? (int64_t)cold : crow,
+                            w + (cins ? (int64_t)cold : crow) * f.row_bytes());
+        __syncwarp(kFullMask);  // the evicted row is read before the slot is overwritten
+        if (cins)
+          for (int j = (int)lane; j < dim; j += 32) cache_rows[cslot * dim + j] = value[j];
       }
     }
-    if (hits) atomicAdd(&stats[3 * table], hits);
-    if (ins) atomicAdd(&stats[3 * table + 1], ins);
-    if (evict) atomicAdd(&stats[3 * table + 2], evict);
+    if (lane == 0) {  // the counts are the warp's (ballots)
+      if (hits) atomicAdd(&stats[3 * table], hits);
+      if (ins) atomicAdd(&stats[3 * table + 1], ins);
+      if (evict) atomicAdd(&stats[3 * table + 2], evict);
+    }
   }
 }
 

@@ -22,13 +22,35 @@ struct RoundingStream {
 /// A 32-bit word as a uniform number in [0, 1): its top 24 bits * 2^-24.
 EMBCACHE_HD float word_uniform(uint32_t w) { return (float)(w >> 8) * 5.9604644775390625e-8f; }
 
+/// The uniforms of elements [4 * block, 4 * block + 4) of row `row`: the four words of
+/// Philox4x32-10 block `block`, whose counter is (block, row, step, table) and key the seed.
+EMBCACHE_HD void philox_uniforms4(const RoundingStream& s, int64_t row, int64_t block, float* u) {
+  uint32_t k0 = (uint32_t)s.seed, k1 = (uint32_t)(s.seed >> 32);
+  uint32_t x0 = (uint32_t)block, x1 = (uint32_t)row, x2 = s.step, x3 = s.table;
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint64_t p0 = (uint64_t)0xD2511F53u * x0, p1 = (uint64_t)0xCD9E8D57u * x2;
+    x0 = (uint32_t)(p1 >> 32) ^ x1 ^ k0;
+    x2 = (uint32_t)(p0 >> 32) ^ x3 ^ k1;
+    x1 = (uint32_t)p1;
+    x3 = (uint32_t)p0;
+  }
+  u[0] = word_uniform(x0);
+  u[1] = word_uniform(x1);
+  u[2] = word_uniform(x2);
+  u[3] = word_uniform(x3);
+}
+
 /// The uniforms of elements [16 * chunk, 16 * chunk + 16) of row `row`: u[i] is element
 /// 16 * chunk + i, i.e. word i % 4 of Philox4x32-10 block 4 * chunk + i / 4, whose counter
 /// is (4 * chunk + i / 4, row, step, table) and key the seed.
 EMBCACHE_HD void stream_uniforms16(const RoundingStream& s, int64_t row, int64_t chunk,
                                    float* u) {
-  uint32_t k0 = (uint32_t)s.seed, k1 = (uint32_t)(s.seed >> 32);
 #if defined(EMBCACHE_SSE)
+  uint32_t k0 = (uint32_t)s.seed, k1 = (uint32_t)(s.seed >> 32);
   // Lane b holds block b. A round: (hi, lo) = M0 * x0 and M1 * x2 as 64-bit products
   // (even lanes, then odd lanes shifted down), then x = (hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0).
   const int c = (int)(4 * chunk);
@@ -63,34 +85,7 @@ EMBCACHE_HD void stream_uniforms16(const RoundingStream& s, int64_t row, int64_t
   _mm_storeu_ps(u + 8, w2);
   _mm_storeu_ps(u + 12, w3);
 #else
-  uint32_t x0[4], x1[4], x2[4], x3[4];
-  for (int b = 0; b < 4; ++b) {
-    x0[b] = (uint32_t)(4 * chunk + b);
-    x1[b] = (uint32_t)row;
-    x2[b] = s.step;
-    x3[b] = s.table;
-  }
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    for (int b = 0; b < 4; ++b) {
-      const uint64_t p0 = (uint64_t)0xD2511F53u * x0[b], p1 = (uint64_t)0xCD9E8D57u * x2[b];
-      const uint32_t n0 = (uint32_t)(p1 >> 32) ^ x1[b] ^ k0;
-      const uint32_t n2 = (uint32_t)(p0 >> 32) ^ x3[b] ^ k1;
-      x0[b] = n0;
-      x1[b] = (uint32_t)p1;
-      x2[b] = n2;
-      x3[b] = (uint32_t)p0;
-    }
-  }
-  for (int b = 0; b < 4; ++b) {
-    u[4 * b + 0] = word_uniform(x0[b]);
-    u[4 * b + 1] = word_uniform(x1[b]);
-    u[4 * b + 2] = word_uniform(x2[b]);
-    u[4 * b + 3] = word_uniform(x3[b]);
-  }
+  for (int b = 0; b < 4; ++b) philox_uniforms4(s, row, 4 * chunk + b, u + 4 * b);
 #endif
 }
 

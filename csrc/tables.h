@@ -6,8 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
+#include "embcache/rounding_probe.h"
 #include "embcache/table_spec.h"
 
 namespace embcache {
@@ -133,6 +135,17 @@ inline void count_commit(int64_t* counter, int64_t unique_rows, const int64_t* c
   counter[kSteps] += 1;
   counter[kUniqueRows] += unique_rows;
   for (int i = kUniqueHits; i <= kBypasses; ++i) counter[i] += commit_counts[i - kUniqueHits];
+}
+
+/// Adds the probes of the rows a commit or a flush wrote (counters kProbedRows ..
+/// kProbedExpectedUpE6).
+inline void count_probe(int64_t* counter, const RoundingProbe& p) {
+  counter[kProbedRows] += p.rows;
+  counter[kProbedErrorSumE9] += p.error_sum_e9;
+  counter[kProbedErrorMaxE9] = std::max(counter[kProbedErrorMaxE9], p.error_max_e9);
+  counter[kProbedUp] += p.up;
+  counter[kProbedDown] += p.down;
+  counter[kProbedExpectedUpE6] += p.expected_up_e6;
 }
 
 /// A table-batched gradient (multi_dedup_backward's output, multi_update's input), checked:

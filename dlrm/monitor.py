@@ -1,8 +1,10 @@
 """Watching a run while it trains (``dlrm train --log-every N --tensorboard DIR``).
 
 Every ``N`` steps the interval's figures -- mean loss, the loss scale, skipped steps,
-samples/s and, per table, the hit rate, insertions, evictions and bypasses of the interval
--- and every validation go to:
+samples/s and, per table, the hit rate, insertions, evictions and bypasses of the interval,
+and its precision telemetry (the rounding's mean and largest error, the shares rounded up and
+expected up, the share of rows never updated: :mod:`embcache.telemetry`) -- and every
+validation go to:
 
 * ``OUT/history.jsonl``, one JSON object a line (what ``dlrm report`` plots; its first line
   describes the run: each table's precision, memory and FP32 size). A resumed run keeps the
@@ -29,10 +31,10 @@ from torch import nn
 
 from dlrm import run_dir
 from dlrm.errors import RunError
-from dlrm.report import table_figures
+from dlrm.report import TABLE_COUNTS, table_figures
+from embcache.telemetry import PROBE_COUNTERS, rounding_figures
 
 HISTORY = "history.jsonl"
-_COUNTS = ("lookups", "hits", "insertions", "evictions", "bypasses")
 
 
 class RunMonitor:
@@ -129,7 +131,8 @@ class RunMonitor:
                 self.writer.add_scalar(f"train/{tag}", record[key], step)
             for name, figures in record["tables"].items():
                 for key, value in figures.items():
-                    self.writer.add_scalar(f"tables/{name}/{key}", value, step)
+                    if key not in PROBE_COUNTERS:  # their figures are there
+                        self.writer.add_scalar(f"tables/{name}/{key}", value, step)
             self.writer.flush()
         if self.log_lines:
             print(
@@ -173,7 +176,8 @@ def _history_until(path: Path, step: int) -> list[str]:
 
 
 def _counts(tables: dict | None) -> dict:
-    return {name: {k: e[k] for k in _COUNTS} for name, e in (tables or {}).items()}
+    keys = (*TABLE_COUNTS, "untouched_share")
+    return {name: {k: e[k] for k in keys} for name, e in (tables or {}).items()}
 
 
 def _describe(tables: dict | None) -> dict:
@@ -182,6 +186,14 @@ def _describe(tables: dict | None) -> dict:
 
 
 def _interval(now: dict, before: dict | None) -> dict:
-    """A table's figures over an interval, from its counters at its two ends."""
-    d = {k: now[k] - (before or {}).get(k, 0) for k in _COUNTS}
-    return {"hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0, **d}
+    """A table's figures over an interval, from its counters at its two ends: the counts,
+    the hit rate and the rounding's figures of the interval (the largest error: so far), and
+    the share of rows never updated (at the interval's end)."""
+    d = {k: now[k] - (before or {}).get(k, 0) for k in TABLE_COUNTS}
+    d["probed_error_max_e9"] = now["probed_error_max_e9"]
+    return {
+        "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
+        **d,
+        **rounding_figures(d),
+        "untouched_share": now["untouched_share"],
+    }

@@ -16,6 +16,10 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from dlrm import distributed, run_dir
 from embcache.memory import fp32_bytes
+from embcache.telemetry import PROBE_COUNTERS, rounding_figures
+
+# a table's counters that the report and the run's history carry
+TABLE_COUNTS = ("lookups", "hits", "insertions", "evictions", "bypasses", *PROBE_COUNTERS)
 
 
 def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
@@ -59,9 +63,10 @@ def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
 def table_figures(model: nn.Module, ranks: distributed.Ranks) -> dict | None:
     """Every table's (or row-wise shard's) figures, from every rank (a collective): its
     ``rank``, ``precision``, ``rows``, ``cache_slots``, counters since it was made
-    (``lookups``, ``hits``, ``insertions``, ``evictions``, ``bypasses``), ``memory_bytes`` and
-    ``fp32_bytes`` (FP32 rows with the same optimizer state: the compression factor's
-    denominator). None for a collection that is not ours (TorchRec's FP32 baseline)."""
+    (``lookups``, ``hits``, ``insertions``, ``evictions``, ``bypasses`` and the precision
+    telemetry's ``probed_*``), ``untouched_share``, ``memory_bytes`` and ``fp32_bytes`` (FP32
+    rows with the same optimizer state: the compression factor's denominator). None for a
+    collection that is not ours (TorchRec's FP32 baseline)."""
     collection = model.module if isinstance(model, DistributedModelParallel) else model
     if not hasattr(collection.embedding_collection, "stats"):
         return None
@@ -73,7 +78,8 @@ def table_figures(model: nn.Module, ranks: distributed.Ranks) -> dict | None:
             "precision": c.stored_precision,
             "rows": c.num_embeddings,
             "cache_slots": c.num_slots,
-            **{k: stats[k] for k in ("lookups", "hits", "insertions", "evictions", "bypasses")},
+            **{k: stats[k] for k in TABLE_COUNTS},
+            "untouched_share": stats["untouched_share"],
             "memory_bytes": memory["total"],
             "fp32_bytes": fp32_bytes(c),
         }
@@ -105,6 +111,8 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
                 "rows": e["rows"],
                 "cache_slots": e["cache_slots"],
                 "hit_rate": e["hits"] / e["lookups"] if e["lookups"] else 0.0,
+                **rounding_figures(e),
+                "untouched_share": e["untouched_share"],
                 "memory_bytes": e["memory_bytes"],
                 "fp32_bytes": e["fp32_bytes"],
             }

@@ -40,6 +40,12 @@ COUNTERS = (
     "evictions",
     "bypasses",
     "flushed",
+    "probed_rows",
+    "probed_error_sum_e9",
+    "probed_error_max_e9",
+    "probed_up",
+    "probed_down",
+    "probed_expected_up_e6",
 )
 # as csrc/include/embcache/table_spec.h: EMBCACHE_STATE_TENSORS, a table's state tensors (the
 # table module's buffers) in the order the ops take them

@@ -14,6 +14,7 @@ from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
 from embcache.config import COUNTERS, STATE_TENSORS, TableConfig
 from embcache.group import TableGroup
 from embcache.memory import compression_factor, memory_breakdown
+from embcache.telemetry import PROBE_COUNTERS, TouchedSample, rounding_figures
 
 _ops = torch.ops.embcache
 _STEPS = COUNTERS.index("steps")
@@ -99,6 +100,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             self._write_rows(0, _weight_blocks(weight) if weight is not None else None)
             self._reset_state()
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)  # CPU, wherever the table is
+        self.touched = TouchedSample(num_embeddings, cfg.seed * 1_000_003 + cfg.table_id)
         self.group = TableGroup([self])
         if device.type not in ("cpu", "meta"):
             self.to(device)
@@ -440,10 +442,15 @@ class CachedLowPrecisionEmbedding(nn.Module):
         """Counters since construction: per lookup (``lookups``, ``hits``, ``misses``,
         ``hit_rate``: a hit is a training-forward lookup that finds its row cached) and per
         unique updated row (``unique_hits``/``unique_misses``, ``insertions``, ``evictions``,
-        ``bypasses``), ``steps`` applied and rows ``flushed``."""
+        ``bypasses``), ``steps`` applied and rows ``flushed``; the precision telemetry
+        (:mod:`embcache.telemetry`): the probes' counters ``probed_*``, their
+        :func:`~embcache.telemetry.rounding_figures`, and ``untouched_share``, the estimated
+        share of rows never updated."""
         s = dict(zip(COUNTERS, self.counters.tolist()))
         s["misses"] = s["lookups"] - s["hits"]
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        s.update(rounding_figures(s))
+        s["untouched_share"] = self.touched.untouched_share()
         return s
 
     def memory_bytes(self) -> dict:
@@ -466,7 +473,12 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def get_extra_state(self) -> dict:
         stats = dict(zip(COUNTERS, self.counters.tolist()))
-        return {"config": self.config.to_dict(), "step_count": self.step_count, "stats": stats}
+        return {
+            "config": self.config.to_dict(),
+            "step_count": self.step_count,
+            "stats": stats,
+            "touched": self.touched.state(),
+        }
 
     def _check_extra_state(self, state) -> None:
         """Raise ValueError, naming the table, unless ``state`` is this table's extra state as
@@ -481,13 +493,24 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 f"table '{name}': checkpoint was saved with another configuration "
                 f"(field: (saved, current)) {diff}"
             )
-        if not set(COUNTERS) - {"steps"} <= set(state["stats"]):
+        # checkpoints from before the precision telemetry have no probe counters
+        if not set(COUNTERS) - {"steps", *PROBE_COUNTERS} <= set(state["stats"]):
             raise ValueError(f"table '{name}': the saved statistics are not a table's")
+        touched = state.get("touched", [])
+        n = self.touched.touched.numel()
+        if not (
+            isinstance(touched, list)
+            and all(isinstance(i, int) and 0 <= i < n for i in touched)
+            and touched == sorted(set(touched))
+        ):
+            raise ValueError(f"table '{name}': the saved touched rows are not a table's")
 
     def set_extra_state(self, state: dict) -> None:
         self._check_extra_state(state)
-        stats = {**state["stats"], "steps": int(state["step_count"])}
+        stats = {**dict.fromkeys(PROBE_COUNTERS, 0), **state["stats"]}
+        stats["steps"] = int(state["step_count"])
         self.counters.copy_(torch.tensor([stats[name] for name in COUNTERS]))
+        self.touched.load(state.get("touched", []))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, all or nothing: the whole state is checked first

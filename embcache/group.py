@@ -257,7 +257,7 @@ class TableGroup:
                 self._counters,
                 commit,
             )
-            self._finish(self._every, bad, commit)
+            self._finish(self._every, bad, commit, b.rows, b.row_starts)
             return
         # Otherwise each table's parts merged, and no slot hints (the update finds the slots).
         self._hand_over()
@@ -270,10 +270,11 @@ class TableGroup:
         for p in parts:
             row_starts.append(row_starts[-1] + p.rows.numel())
         every = chosen == self._every
+        rows = torch.cat([p.rows for p in parts])
         bad = _ops.multi_update(
             self.state(None if every else chosen),
             self.specs if every else self.specs[chosen],
-            torch.cat([p.rows for p in parts]),
+            rows,
             torch.cat([p.grads.flatten() for p in parts]),
             torch.cat([p.occurrences for p in parts]),
             _NO_HINT,
@@ -282,12 +283,15 @@ class TableGroup:
             self._counters if every else [self._counters[t] for t in chosen],
             commit,
         )
-        self._finish(chosen, bad, commit)
+        self._finish(chosen, bad, commit, rows, row_starts)
 
-    def _finish(self, chosen: list[int], bad: list[int], commit: bool) -> None:
-        """After multi_update on the tables ``chosen``: raise for the first that refused
-        (nothing was changed then); else, if it committed, their gradients are used and the
-        caches may have changed."""
+    def _finish(
+        self, chosen: list[int], bad: list[int], commit: bool, rows: torch.Tensor, row_starts
+    ) -> None:
+        """After multi_update on the tables ``chosen`` (their unique rows: ``rows``, table
+        ``chosen[i]``'s from ``row_starts[i]``): raise for the first that refused (nothing
+        was changed then); else, if it committed, their gradients are used, the caches may
+        have changed, and each table's sample of touched rows learns its rows."""
         if max(bad) >= 0:
             self._hand_over()  # the tables' parts name the row
             t, row = next((t, row) for t, row in zip(chosen, bad) if row >= 0)
@@ -304,8 +308,9 @@ class TableGroup:
             )
         if commit:
             self._backward = None
-            for t in chosen:
+            for i, t in enumerate(chosen):
                 self._parts[t].clear()
+                self.tables[t].touched.mark(rows[row_starts[i] : row_starts[i + 1]])
             self._epoch += 1
 
     def flush(self, table=None) -> list[int]:

@@ -321,6 +321,69 @@ def quantize_rows(
     return torch.cat([pack_codes(codes, bits), tail], dim=1)
 
 
+PROBE_EVERY = 8  # as csrc/include/embcache/rounding_probe.h: kProbeEvery
+PROBE_COUNTERS = (
+    "probed_rows",
+    "probed_error_sum_e9",
+    "probed_error_max_e9",
+    "probed_up",
+    "probed_down",
+    "probed_expected_up_e6",
+)
+
+
+def rounding_probe(
+    values: torch.Tensor, stored: torch.Tensor, precision: str, qparams: str, rounding: str
+) -> dict:
+    """The precision telemetry of rows ``values`` [n, dim] as ``stored`` [n, row_bytes] holds
+    them (csrc/include/embcache/rounding_probe.h, the counters ``probed_*``): rows probed;
+    per row the mean of ``|x - stored| / (max x - min x)`` (x 1e9, rounded), summed; the
+    largest such element error (x 1e9); elements rounded up and down (binary16: to the
+    neighbour above or below; integer codes: the code above or below ``(x - bias) * inv``);
+    per row the sum of each element's chance of being rounded up (x 1e6, rounded; stochastic
+    rounding only), summed. Rows of a constant value add no error."""
+    bits = PRECISION_BITS[precision]
+    n, dim = values.shape
+    if bits == 32 or n == 0:
+        return dict.fromkeys(PROBE_COUNTERS, 0)
+    x = values.to(F32)
+    v = dequantize_rows(stored, precision, dim, qparams)
+    rng = first_max(x).double() - first_min(x).double()
+    varying = rng > 0
+    e = (v.double() - x.double()).abs() / torch.where(varying, rng, 1.0)[:, None]
+    error_e9 = torch.floor((e.sum(dim=1) / dim) * 1e9 + 0.5).long()
+    worst_e9 = torch.floor(e.amax(dim=1) * 1e9 + 0.5).long()
+    if rounding == "stochastic":
+        if bits == 16:
+            a = x.abs()
+            lo, hi = fp16_neighbours(a)
+            away = (a.double() - lo.double()) / (hi.double() - lo.double())
+            chance = torch.where(a == lo.float(), 0.0, torch.where(x > 0, away, 1.0 - away))
+        else:
+            _, bias, inv = row_qparams(x, bits, qparams)
+            y = (x - bias[:, None]) * inv[:, None]
+            below = torch.floor(y)
+            chance = torch.where((y <= 0) | (below >= 2**bits - 1), 0.0, (y - below).double())
+        expected_e6 = torch.floor(chance.sum(dim=1) * 1e6 + 0.5).long()
+    else:
+        expected_e6 = torch.zeros(n, dtype=torch.int64)
+    if bits == 16:
+        moved_up, moved_down = v > x, v < x
+    else:  # the code above or below the value rounded, (x - bias) * inv
+        _, bias, inv = row_qparams(x, bits, qparams)
+        y = (x - bias[:, None]) * inv[:, None]
+        codes = unpack_codes(stored[:, : payload_bytes(precision, dim)], bits, dim).to(F32)
+        moved_up, moved_down = codes > y, codes < y
+    return {
+        "probed_rows": n,
+        "probed_error_sum_e9": int(error_e9[varying].sum()),
+        "probed_error_max_e9": int(worst_e9[varying].max()) if bool(varying.any()) else 0,
+        "probed_up": int(moved_up.sum()),
+        "probed_down": int(moved_down.sum()),
+        "probed_expected_up_e6": int(expected_e6.sum()),
+    }
+
+
 def quantize_row(
     x: torch.Tensor,
     precision: str,
@@ -425,6 +488,7 @@ class ReferenceTable:
                 "evictions",
                 "bypasses",
                 "flushed",
+                *PROBE_COUNTERS,
             ),
             0,
         )
@@ -569,16 +633,19 @@ class ReferenceTable:
         if not rows:
             return
         cfg = self.config
-        self.weights[torch.tensor(rows, dtype=torch.int64)] = quantize_rows(
-            torch.stack(values),
-            rows,
-            self.precision,
-            self.qparams,
-            self.rounding,
-            cfg.seed,
-            step,
-            cfg.table_id,
+        ids = torch.tensor(rows, dtype=torch.int64)
+        x = torch.stack(values)
+        self.weights[ids] = quantize_rows(
+            x, rows, self.precision, self.qparams, self.rounding, cfg.seed, step, cfg.table_id
         )
+        # the precision telemetry, on the rows (row + step) % PROBE_EVERY == 0 picks
+        probed = (ids + step) % PROBE_EVERY == 0
+        probe = rounding_probe(
+            x[probed], self.weights[ids[probed]], self.precision, self.qparams, self.rounding
+        )
+        st = self._stats
+        for name, value in probe.items():
+            st[name] = max(st[name], value) if name == "probed_error_max_e9" else st[name] + value
 
     def _slot_priority(self, slot: int, tags: list):
         if tags[slot] < 0:

@@ -14,6 +14,7 @@ from test_train import SMALL
 
 from dlrm.cli import main
 from dlrm.monitor import read_history
+from embcache.telemetry import PROBE_COUNTERS
 
 
 def _train(out, *extra) -> int:
@@ -50,10 +51,37 @@ def test_history_and_tensorboard_add_up_to_the_report(tmp_path):
     assert [e.step for e in events.Scalars("val/auc")] == [e["step"] for e in report["evals"]]
     cached = [n for n, t in report["embeddings"]["tables"].items() if t["cache_slots"]]
     assert cached
-    hit_rates = [e.value for e in events.Scalars(f"tables/{cached[0]}/hit_rate")]
-    assert hit_rates == [
-        pytest.approx(r["tables"][cached[0]]["hit_rate"], rel=1e-6) for r in intervals
-    ]
+    for key in ("hit_rate", "rounding_error_mean", "rounded_up_share", "untouched_share"):
+        logged = [e.value for e in events.Scalars(f"tables/{cached[0]}/{key}")]
+        assert logged == [pytest.approx(r["tables"][cached[0]][key], rel=1e-6) for r in intervals]
+
+
+def test_precision_telemetry_adds_up_and_rounds_stochastically(tmp_path):
+    """The report's per-table precision telemetry is its intervals' probes summed; the
+    stochastic rounding's share of elements rounded up is the expected one within 5 standard
+    errors; integer codes err less than one code step; the share of rows never updated
+    shrinks."""
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "20") == 0
+    report = json.loads((out / "report.json").read_text())
+    intervals = _intervals(out)
+    low = {n: t for n, t in report["embeddings"]["tables"].items() if t["precision"] != "fp32"}
+    assert low
+    for name, table in low.items():
+        total = {k: sum(r["tables"][name][k] for r in intervals) for k in PROBE_COUNTERS}
+        assert total["probed_rows"] > 0, name
+        moved = total["probed_up"] + total["probed_down"]
+        assert table["rounding_error_mean"] == pytest.approx(
+            total["probed_error_sum_e9"] / 1e9 / total["probed_rows"]
+        )
+        assert table["rounded_up_share"] == pytest.approx(total["probed_up"] / moved)
+        assert 0 < table["rounding_error_mean"] <= table["rounding_error_max"]
+        if table["precision"] != "fp16":  # integer codes: within one code step of the range
+            assert table["rounding_error_max"] <= 1 / (2 ** int(table["precision"][3:]) - 1)
+        expected = table["expected_up_share"]
+        assert abs(table["rounded_up_share"] - expected) < 5 * (0.25 / moved) ** 0.5, name
+        shares = [r["tables"][name]["untouched_share"] for r in intervals]
+        assert shares == sorted(shares, reverse=True) and 0 <= shares[-1] < 1, name
 
 
 def test_a_resumed_run_continues_its_history(tmp_path):

@@ -69,7 +69,8 @@ struct Eviction {
 /// resident, its write-back (its slot and table row are cold lines, prefetched in a pass of
 /// their own so that they do not stall the rule); by row, the new values.
 CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const TableState& s,
-                           const int64_t* slot_of, const int64_t* occ, int64_t step) {
+                           const int64_t* slot_of, const int64_t* occ, int64_t step,
+                           RoundingProbe* probe) {
   const RowFormat& f = up.f;
   const Cache& cache = up.cache;
   const int64_t dim = f.dim, nu = up.nu, ways = cache.ways;
@@ -91,8 +92,15 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   // a candidate that does not beat its set's floor bypasses (it could enter no way, whatever
   // the other candidates of its set do); the others contend for their sets in pass 2.
   const RoundingStream stream = spec.stream(step);
-  auto store = [&](int64_t row, const float* x, const float* drawn) {
+  // Each thread's chunk probes into its own RoundingProbe, merged under probe_mutex.
+  std::mutex probe_mutex;
+  auto store = [&](int64_t row, const float* x, const float* drawn, RoundingProbe& probed) {
     quantize_row(f, x, stochastic, stream, row, w + row * f.row_bytes(), drawn);
+    if (is_probed(row, step)) probed.add(f, x, w + row * f.row_bytes(), stochastic);
+  };
+  auto merge_probe = [&](const RoundingProbe& probed) {
+    const std::lock_guard<std::mutex> lock(probe_mutex);
+    probe->merge(probed);
   };
   std::vector<int32_t> row_prio(nu);
   std::vector<int64_t> dest(nu, kToTable);
@@ -190,6 +198,7 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   const int64_t ne = (int64_t)evicted.size();
   at::parallel_for(0, ne, kGrainRows, [&](int64_t e0, int64_t e1) {
     std::vector<float> value(dim), scratch(dim);
+    RoundingProbe probed;
     std::unique_ptr<float[]> drawn;
     if (per_draw > 0) {
       std::vector<int64_t> table_rows;
@@ -205,8 +214,9 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
         value_of(ev.u, value.data(), scratch.data());
         x = value.data();
       }
-      store(ev.row, x, drawn ? &drawn[16 * (e - e0)] : nullptr);
+      store(ev.row, x, drawn ? &drawn[16 * (e - e0)] : nullptr, probed);
     }
+    merge_probe(probed);
   });
 
   // Pass 4, by row: every new value to its destination, sources and destinations
@@ -220,6 +230,7 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   };
   at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
     std::vector<float> value(dim), scratch(dim);
+    RoundingProbe probed;
     std::unique_ptr<float[]> drawn;  // the uniforms of the rows of [u0, u1) bound for the table
     if (per_draw > 0) {
       std::vector<int64_t> table_rows;
@@ -235,10 +246,11 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
         value_of(u, cache.rows + dest[u] * dim, scratch.data());
       } else if (dest[u] == kToTable) {
         value_of(u, value.data(), scratch.data());
-        store(rows[u], value.data(), drawn ? &drawn[16 * next] : nullptr);
+        store(rows[u], value.data(), drawn ? &drawn[16 * next] : nullptr, probed);
         ++next;
       }
     }
+    merge_probe(probed);
   });
   return {hits, nu - hits, ins.load(), ne, bypass + rule_bypass.load()};
 }

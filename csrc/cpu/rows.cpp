@@ -2,6 +2,8 @@
 // the flush that rounds every cached row into its table (docs/design.md, "flush()").
 #include <torch/library.h>
 
+#include <mutex>
+
 #include "cpu_common.h"
 #include "set_rule.h"
 
@@ -42,23 +44,30 @@ at::Tensor dequantize_rows(const at::Tensor& weights, const at::Tensor& spec) {
 
 /// Writes table t's cached rows back (rounded with the stream of the table's current step)
 /// and empties its cache: tags -1, rows and priorities 0, every set's floor kEmpty. Returns
-/// the number of rows written.
-int64_t flush_table(const TableSpec& spec, const TableState& s, int64_t step) {
+/// the number of rows written. *probe adds those that is_probed(row, step) picks.
+int64_t flush_table(const TableSpec& spec, const TableState& s, int64_t step,
+                    RoundingProbe* probe) {
   const RowFormat f = spec.f;
   const int64_t slots = spec.slots(), dim = f.dim;
   int32_t* tags = s.cache_tags;
   const RoundingStream stream = spec.stream(step);
   std::atomic<int64_t> written{0};
+  std::mutex probe_mutex;
   at::parallel_for(0, slots, kGrainRows, [&](int64_t s0, int64_t s1) {
     int64_t local = 0;
+    RoundingProbe probed;
     for (int64_t i = s0; i < s1; ++i) {
       if (tags[i] < 0) continue;
-      quantize_row(f, s.cache_rows + i * dim, spec.stochastic, stream, tags[i],
-                   s.weights + tags[i] * f.row_bytes());
+      const float* x = s.cache_rows + i * dim;
+      uint8_t* row = s.weights + tags[i] * f.row_bytes();
+      quantize_row(f, x, spec.stochastic, stream, tags[i], row);
+      if (is_probed(tags[i], step)) probed.add(f, x, row, spec.stochastic);
       tags[i] = -1;
       ++local;
     }
     written += local;
+    const std::lock_guard<std::mutex> lock(probe_mutex);
+    probe->merge(probed);
   });
   std::fill_n(s.cache_rows, slots * dim, 0.f);
   std::fill_n(s.cache_priority, slots, 0);
@@ -73,8 +82,11 @@ std::vector<int64_t> cache_flush(at::TensorList state, const at::Tensor& specs,
   const Tables tables = op_tables(state, specs, counters, false, kCpu);
   std::vector<int64_t> written;
   for (size_t t = 0; t < tables.spec.size(); ++t) {
-    written.push_back(flush_table(tables.spec[t], tables.state[t], tables.counters[t][kSteps]));
+    RoundingProbe probe;
+    written.push_back(
+        flush_table(tables.spec[t], tables.state[t], tables.counters[t][kSteps], &probe));
     tables.counters[t][kFlushed] += written.back();
+    count_probe(tables.counters[t], probe);
   }
   return written;
 }

@@ -135,10 +135,13 @@ std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
     return bad;
   for_each_by_cost(cost, [&](int64_t t) {
     int64_t* counter = tables.counters[t];
+    RoundingProbe probe;
     const CommitCounts c =
         commit_update(updates[t], spec[t], tables.state[t], slots[t].data(),
-                      occurrences.data_ptr<int64_t>() + row_starts[t], counter[kSteps] + 1);
+                      occurrences.data_ptr<int64_t>() + row_starts[t], counter[kSteps] + 1,
+                      &probe);
     count_commit(counter, updates[t].nu, c.data());
+    count_probe(counter, probe);
   });
   return bad;
 }

@@ -90,8 +90,10 @@ using CommitCounts = std::array<int64_t, kBypasses - kUniqueHits + 1>;
 /// where it is written) and optimizer state, its LFU count, and the cache's insertions,
 /// evictions and bypasses. slot_of[u] is row u's slot (-1 if not cached) as the cache is now,
 /// occ[u] how often it occurs in the batch; `step` keys the rounding and is LRU's priority.
+/// *probe adds the rows written to the table that is_probed(row, step) picks.
 CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const TableState& s,
-                           const int64_t* slot_of, const int64_t* occ, int64_t step);
+                           const int64_t* slot_of, const int64_t* occ, int64_t step,
+                           RoundingProbe* probe);
 
 }  // namespace cpu
 }  // namespace embcache

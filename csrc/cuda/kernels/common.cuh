@@ -166,28 +166,9 @@ __device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* 
   if (mn == 0.f) mn = warp_first_equal(x, dim, mn);
   if (mx == 0.f) mx = warp_first_equal(x, dim, mx);
   const int q_max = (1 << f.bits) - 1;
-  float scale, bias, inv;
-  uint8_t* q = out + f.payload_bytes();
-  if (f.qparams_fp16) {  // as quantize_row
-    const uint16_t bias_h = float_to_half_rn(mn);
-    bias = half_to_float(bias_h);
-    const uint16_t scale_h = float_to_half_rn((mx - bias) / (float)q_max);
-    scale = half_to_float(scale_h);
-    inv = scale == 0.f ? 0.f : 1.f / scale;
-    if (lane == 0) {
-      store_u16(q, scale == 0.f ? (uint16_t)0x3c00u : scale_h);
-      store_u16(q + 2, bias_h);
-    }
-  } else {
-    const float range = mx - mn;
-    bias = mn;
-    scale = range / (float)q_max;
-    inv = (float)q_max / (range + 1e-8f);
-    if (lane == 0) {
-      store_f32(q, scale);
-      store_f32(q + 4, bias);
-    }
-  }
+  const RowQparams qp = row_qparams(f, mn, mx);
+  const float bias = qp.bias, inv = qp.inv;
+  if (lane == 0) store_qparams(f, qp, out + f.payload_bytes());
   // Group g's four codes fill 4 * bits / 8 bytes from byte (4 * g * bits) / 8.
   const int lg = log2_codes_per_byte(f.bits), per_byte = 1 << lg;
   for (int g = (int)lane; 4 * g < dim; g += 32) {

@@ -272,6 +272,45 @@ EMBCACHE_HD int round_code(float y, bool stochastic, float u, int q_max) {
   return (int)r;
 }
 
+/// An integer row's quantization parameters, from its extremes mn and mx: the scale and bias
+/// its codes decode with, and inv, what the codes are computed with ((x - bias) * inv).
+/// With fp16 qparams scale and bias are binary16 (scale_h, bias_h); a zero scale (a constant
+/// row, or a range below the smallest half) gives all codes 0 and is stored as 1.0, as
+/// FBGEMM's SBHalf layout does: the values are the same.
+struct RowQparams {
+  float scale, bias, inv;
+  uint16_t scale_h, bias_h;
+};
+
+EMBCACHE_HD RowQparams row_qparams(const RowFormat& f, float mn, float mx) {
+  const int q_max = (1 << f.bits) - 1;
+  RowQparams qp{0.f, 0.f, 0.f, 0, 0};
+  if (f.qparams_fp16) {
+    qp.bias_h = float_to_half_rn(mn);
+    qp.bias = half_to_float(qp.bias_h);
+    qp.scale_h = float_to_half_rn((mx - qp.bias) / (float)q_max);
+    qp.scale = half_to_float(qp.scale_h);
+    qp.inv = qp.scale == 0.f ? 0.f : 1.f / qp.scale;
+  } else {
+    const float range = mx - mn;
+    qp.bias = mn;
+    qp.scale = range / (float)q_max;
+    qp.inv = (float)q_max / (range + 1e-8f);
+  }
+  return qp;
+}
+
+/// Writes qp at q (the row's bytes after its codes), in f's layout.
+EMBCACHE_HD void store_qparams(const RowFormat& f, const RowQparams& qp, uint8_t* q) {
+  if (f.qparams_fp16) {
+    store_u16(q, qp.scale == 0.f ? (uint16_t)0x3c00u : qp.scale_h);
+    store_u16(q + 2, qp.bias_h);
+  } else {
+    store_f32(q, qp.scale);
+    store_f32(q + 4, qp.bias);
+  }
+}
+
 /// Store the float32 row x into `row` in format f, rounding as asked. Requires
 /// row_is_storable(f, x, stochastic). `row_id` and `stream` key the stochastic rounding (docs/contract.md §3);
 /// `drawn`, if given, holds the row's first 16 uniforms, already drawn from them.
@@ -302,26 +341,9 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
   const int q_max = (1 << f.bits) - 1;
   float mn, mx;
   row_min_max(x, f.dim, &mn, &mx);
-  float scale, bias, inv;
-  uint8_t* q = row + f.payload_bytes();
-  if (f.qparams_fp16) {
-    const uint16_t bias_h = float_to_half_rn(mn);
-    bias = half_to_float(bias_h);
-    const uint16_t scale_h = float_to_half_rn((mx - bias) / (float)q_max);
-    scale = half_to_float(scale_h);
-    inv = scale == 0.f ? 0.f : 1.f / scale;
-    // A zero scale (constant row, or a range below the smallest half) gives all codes 0,
-    // and is stored as 1.0, as FBGEMM's SBHalf layout does; the values are the same.
-    store_u16(q, scale == 0.f ? (uint16_t)0x3c00u : scale_h);
-    store_u16(q + 2, bias_h);
-  } else {
-    const float range = mx - mn;
-    bias = mn;
-    scale = range / (float)q_max;
-    inv = (float)q_max / (range + 1e-8f);
-    store_f32(q, scale);
-    store_f32(q + 4, bias);
-  }
+  const RowQparams qp = row_qparams(f, mn, mx);
+  const float bias = qp.bias, inv = qp.inv;
+  store_qparams(f, qp, row + f.payload_bytes());
   // 16 elements at a time: their uniforms first (4 Philox blocks), then a loop the compiler
   // can vectorize.
   const int lg = log2_codes_per_byte(f.bits);

@@ -25,10 +25,15 @@ namespace embcache {
 #define EMBCACHE_OPTIMIZERS(X) X(kSGD, sgd) X(kRowwiseAdagrad, rowwise_adagrad) X(kAdagrad, adagrad)
 
 /// A table's statistics: an int64 CPU tensor of kNumCounters that the ops add to in place.
+/// kProbedRows .. kProbedExpectedUpE6: the precision telemetry (embcache/rounding_probe.h),
+/// measured by the CPU ops (the CUDA kernels leave them 0).
 #define EMBCACHE_COUNTERS(X)                                                                  \
   X(kLookups, lookups) X(kHits, hits) X(kSteps, steps) X(kUniqueRows, unique_rows)           \
   X(kUniqueHits, unique_hits) X(kUniqueMisses, unique_misses) X(kInsertions, insertions)     \
-  X(kEvictions, evictions) X(kBypasses, bypasses) X(kFlushed, flushed)
+  X(kEvictions, evictions) X(kBypasses, bypasses) X(kFlushed, flushed)                       \
+  X(kProbedRows, probed_rows) X(kProbedErrorSumE9, probed_error_sum_e9)                      \
+  X(kProbedErrorMaxE9, probed_error_max_e9) X(kProbedUp, probed_up)                          \
+  X(kProbedDown, probed_down) X(kProbedExpectedUpE6, probed_expected_up_e6)
 
 /// A table's state tensors, in the order the ops take them (kNumStateTensors per table, table
 /// after table, in one Tensor[]); the names are those of the table module's buffers.

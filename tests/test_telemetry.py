@@ -1,0 +1,111 @@
+"""The precision telemetry (embcache.telemetry): the rounding probes' figures against what
+rounding must give, the untouched-row share against the rows really updated, and
+checkpoints with and without the telemetry. (The probes' counters are compared exactly with
+the pure-PyTorch reference in tests/test_reference_vs_kernels.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embcache import CachedLowPrecisionEmbedding
+from embcache.telemetry import PROBE_COUNTERS, TOUCHED_SAMPLE_ROWS
+
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def _train(table, steps, gen, ids_per_step=512, bag=4):
+    """Random sum-pooled training; returns the rows updated, ascending."""
+    rows = table.config.num_embeddings
+    updated = []
+    for _ in range(steps):
+        idx = torch.randint(0, rows, (ids_per_step,), generator=gen)
+        out = table(idx, torch.arange(0, ids_per_step, bag))
+        (out * torch.randn(out.shape, generator=gen)).sum().backward()
+        table.step()
+        updated.append(idx)
+    return torch.cat(updated).unique()
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2", "fp16"])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_rounding_figures_are_what_the_rounding_must_give(precision, rounding):
+    gen = torch.Generator().manual_seed(sum(map(ord, precision + rounding)))
+    table = CachedLowPrecisionEmbedding(
+        4000,
+        24,
+        precision=precision,
+        rounding=rounding,
+        cache_ratio=0.05,
+        min_rows_for_low_precision=0,
+        lr=0.5,
+        seed=int(torch.randint(0, 2**31, (1,), generator=gen)),
+    )
+    _train(table, 12, gen)
+    table.flush()
+    s = table.stats()
+    moved = s["probed_up"] + s["probed_down"]
+    # an eighth of the rows written, give or take the sampling of rows by (row + step)
+    written = s["bypasses"] + s["evictions"] + s["flushed"]
+    assert 0.08 * written < s["probed_rows"] < 0.17 * written
+    assert moved > 20 * s["probed_rows"]  # most elements move
+    assert 0 < s["rounding_error_mean"] <= s["rounding_error_max"]
+    if precision in BITS:  # relative to the range: within one code step, half of one if nearest
+        step = 1 / (2 ** BITS[precision] - 1)
+        assert s["rounding_error_max"] <= (step if rounding == "stochastic" else step / 2) * 1.0001
+        assert s["rounding_error_mean"] < step / 2
+    if rounding == "stochastic":  # the rounded-up share is the expected one
+        expected = s["expected_up_share"]
+        assert 0.2 < expected < 0.8
+        assert abs(s["rounded_up_share"] - expected) < 5 * (0.25 / moved) ** 0.5
+    else:
+        assert s["expected_up_share"] == 0.0
+
+
+def test_untouched_share_counts_the_rows_never_updated():
+    gen = torch.Generator().manual_seed(5)
+    small = CachedLowPrecisionEmbedding(600, 8, min_rows_for_low_precision=0)  # every row followed
+    assert small.stats()["untouched_share"] == 1.0
+    updated = _train(small, 3, gen, ids_per_step=200)
+    assert small.stats()["untouched_share"] == pytest.approx(1 - updated.numel() / 600)
+    large = CachedLowPrecisionEmbedding(200_000, 4, min_rows_for_low_precision=0)
+    updated = _train(large, 6, gen, ids_per_step=20_000, bag=8)
+    share = 1 - updated.numel() / 200_000
+    assert abs(large.stats()["untouched_share"] - share) < 5 * (0.25 / TOUCHED_SAMPLE_ROWS) ** 0.5
+
+
+def test_checkpoints_carry_the_telemetry_and_older_ones_load():
+    gen = torch.Generator().manual_seed(6)
+    a = CachedLowPrecisionEmbedding(900, 8, min_rows_for_low_precision=0, lr=0.3)
+    _train(a, 4, gen, ids_per_step=100)
+    b = CachedLowPrecisionEmbedding(900, 8, min_rows_for_low_precision=0, lr=0.3)
+    b.load_state_dict(a.state_dict())
+    assert b.stats() == a.stats()
+    # from before the telemetry: no probes, no touched rows
+    old = a.state_dict()
+    extra = old["_extra_state"]
+    extra["stats"] = {k: v for k, v in extra["stats"].items() if k not in PROBE_COUNTERS}
+    del extra["touched"]
+    c = CachedLowPrecisionEmbedding(900, 8, min_rows_for_low_precision=0, lr=0.3)
+    c.load_state_dict(old)
+    assert all(c.stats()[k] == 0 for k in PROBE_COUNTERS)
+    assert c.stats()["untouched_share"] == 1.0
+    assert c.stats()["steps"] == a.stats()["steps"]
+
+
+@pytest.mark.parametrize("touched", [[5, 3], [-1], [10**6], ["7"], "all"])
+def test_bad_touched_rows_are_refused_and_change_nothing(touched):
+    gen = torch.Generator().manual_seed(7)
+    a = CachedLowPrecisionEmbedding(900, 8, min_rows_for_low_precision=0, name="ads")
+    _train(a, 2, gen, ids_per_step=100)
+    b = CachedLowPrecisionEmbedding(900, 8, min_rows_for_low_precision=0, name="ads")
+    before = {k: v.clone() for k, v in b.state_dict().items() if isinstance(v, torch.Tensor)}
+    stats = b.stats()
+    state = a.state_dict()
+    state["_extra_state"]["touched"] = touched
+    with pytest.raises(ValueError, match="table 'ads': the saved touched rows"):
+        b.load_state_dict(state)
+    assert b.stats() == stats
+    for k, v in b.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, before[k]), k

@@ -100,7 +100,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             self._write_rows(0, _weight_blocks(weight) if weight is not None else None)
             self._reset_state()
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)  # CPU, wherever the table is
-        self.touched = TouchedSample(num_embeddings, cfg.seed * 1_000_003 + cfg.table_id)
+        self.touched = TouchedSample(num_embeddings, (cfg.seed * 1_000_003 + cfg.table_id) % 2**63)
         self.group = TableGroup([self])
         if device.type not in ("cpu", "meta"):
             self.to(device)

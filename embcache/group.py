@@ -83,6 +83,7 @@ class TableGroup:
         self._backward: _Backward | None = None
         self._parts: list[list[PendingGradient]] = [[] for _ in self.tables]
         self._epoch = 0
+        self._touch: tuple[torch.Tensor, torch.Tensor] | None = None  # _touch_index
         for t in self.tables:
             t.group = self
 
@@ -97,6 +98,7 @@ class TableGroup:
     def __getstate__(self) -> dict:  # pickling: the tables themselves, not references
         state = self.__dict__.copy()
         state["_table_refs"] = self.tables
+        state["_touch"] = None  # rebuilt from the tables' samples
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -308,10 +310,39 @@ class TableGroup:
             )
         if commit:
             self._backward = None
-            for i, t in enumerate(chosen):
+            for t in chosen:
                 self._parts[t].clear()
-                self.tables[t].touched.mark(rows[row_starts[i] : row_starts[i + 1]])
+            self._mark_touched(chosen, rows, row_starts)
             self._epoch += 1
+
+    def _mark_touched(self, chosen: list[int], rows: torch.Tensor, row_starts) -> None:
+        """Marks the sampled rows (each table's :class:`~embcache.telemetry.TouchedSample`)
+        among the committed unique rows, for every table in one search: keys
+        ``position << 32 | row`` ascending on both sides."""
+        if rows.numel() == 0:
+            return
+        keys, touched = self._touch_index(rows.device)
+        counts = torch.tensor(row_starts).diff().to(rows.device)
+        position = torch.repeat_interleave(torch.tensor(chosen, device=rows.device), counts)
+        updated = (position << 32) | rows
+        at = torch.searchsorted(updated, keys).clamp_(max=updated.numel() - 1)
+        touched |= updated[at] == keys
+
+    def _touch_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every table's sampled rows as keys ``position << 32 | row``, and one flag tensor of
+        which each table's sample holds a view (so one in-place OR marks them all), on
+        ``device``; made at the first mark."""
+        if self._touch is None or self._touch[0].device != device:
+            samples = [t.touched for t in self.tables]
+            keys = torch.cat([(i << 32) | s.rows.to(device) for i, s in enumerate(samples)])
+            touched = torch.cat([s.touched.to(device) for s in samples])
+            start = 0
+            for s in samples:
+                n = s.rows.numel()
+                s.rows, s.touched = s.rows.to(device), touched[start : start + n]
+                start += n
+            self._touch = (keys, touched)
+        return self._touch
 
     def flush(self, table=None) -> list[int]:
         """Rounds every cached row of every table (or of ``table`` alone) into its table and

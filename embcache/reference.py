@@ -321,7 +321,7 @@ def quantize_rows(
     return torch.cat([pack_codes(codes, bits), tail], dim=1)
 
 
-PROBE_EVERY = 8  # as csrc/include/embcache/rounding_probe.h: kProbeEvery
+PROBE_EVERY = 32  # as csrc/include/embcache/rounding_probe.h: kProbeEvery
 PROBE_COUNTERS = (
     "probed_rows",
     "probed_error_sum_e9",
@@ -350,9 +350,11 @@ def rounding_probe(
     v = dequantize_rows(stored, precision, dim, qparams)
     rng = first_max(x).double() - first_min(x).double()
     varying = rng > 0
-    e = (v.double() - x.double()).abs() / torch.where(varying, rng, 1.0)[:, None]
-    error_e9 = torch.floor((e.sum(dim=1) / dim) * 1e9 + 0.5).long()
-    worst_e9 = torch.floor(e.amax(dim=1) * 1e9 + 0.5).long()
+    # element errors in float32 relative to the range, summed per row in float64
+    per_range = torch.where(varying, 1.0 / rng, 1.0).float()
+    e = (v - x).abs() * per_range[:, None]
+    error_e9 = torch.floor((e.double().sum(dim=1) / dim) * 1e9 + 0.5).long()
+    worst_e9 = torch.floor(e.amax(dim=1).double() * 1e9 + 0.5).long()
     if rounding == "stochastic":
         if bits == 16:
             a = x.abs()
@@ -363,7 +365,7 @@ def rounding_probe(
             _, bias, inv = row_qparams(x, bits, qparams)
             y = (x - bias[:, None]) * inv[:, None]
             below = torch.floor(y)
-            chance = torch.where((y <= 0) | (below >= 2**bits - 1), 0.0, (y - below).double())
+            chance = torch.where((y <= 0) | (below >= 2**bits - 1), 0.0, y - below).double()
         expected_e6 = torch.floor(chance.sum(dim=1) * 1e6 + 0.5).long()
     else:
         expected_e6 = torch.zeros(n, dtype=torch.int64)

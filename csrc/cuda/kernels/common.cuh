@@ -14,8 +14,8 @@
 // EC_LAUNCH(kernel, grid, block, stream, args...) that launches and checks.
 //
 // Bit-identity with the CPU ops (csrc/cpu) comes from: the same row arithmetic
-// (embcache/rowquant.h: the update writes rows with warp_quantize_row, element by element
-// the arithmetic of quantize_row and the same uniforms; the flush with quantize_row), the
+// (embcache/rowquant.h: rows are written by warp_quantize_row, element by element the
+// arithmetic of quantize_row with the same uniforms), the
 // same order of every floating-point sum (pooling and gradient sums in lookup order, the
 // row-wise AdaGrad sum of squares in element order), no FMA (nvcc --fmad=false,
 // -ffp-contract=off), IEEE division and square root, and sorts that reproduce the CPU's order.

@@ -32,16 +32,21 @@ __global__ void dequantize_rows_kernel(const uint8_t* w, int64_t n, RowFormat f,
   }
 }
 
-/// flush: one thread per slot writes its row back and empties it; counter[0] += rows.
+/// flush: one warp per slot writes its row back (warp_quantize_row) and empties it;
+/// counter[0] += rows.
 __global__ void flush_kernel(uint8_t* w, int32_t* tags, const float* cache_rows, int64_t slots,
                              RowFormat f, bool stochastic, RoundingStream s,
                              unsigned long long* counter) {
-  for (int64_t i = thread_global(); i < slots; i += threads_in_grid()) {
-    const int32_t tag = tags[i];
+  for (int64_t i = warp_global(); i < slots; i += warps_in_grid()) {
+    const int32_t tag = tags[i];  // the same on every lane
     if (tag < 0) continue;
-    quantize_row(f, cache_rows + i * f.dim, stochastic, s, tag, w + (int64_t)tag * f.row_bytes());
-    tags[i] = -1;
-    atomicAdd(counter, 1ull);
+    warp_quantize_row(f, cache_rows + i * f.dim, stochastic, s, tag,
+                      w + (int64_t)tag * f.row_bytes());
+    __syncwarp(kFullMask);  // every lane has read the tag
+    if (lane_id() == 0) {
+      tags[i] = -1;
+      atomicAdd(counter, 1ull);
+    }
   }
 }
 
@@ -68,7 +73,7 @@ int64_t flush_cache(const TableSpec& t, const TableState& state, RoundingStream 
   if (slots == 0) return 0;
   Scratch counter(sizeof(unsigned long long), stream);
   dev_fill(counter.p, 0, sizeof(unsigned long long), stream);
-  EC_LAUNCH(flush_kernel, grid_threads(slots), block_dim(), stream, state.weights,
+  EC_LAUNCH(flush_kernel, grid_warps(slots), block_dim(), stream, state.weights,
             state.cache_tags, state.cache_rows, slots, t.f, t.stochastic, s,
             counter.as<unsigned long long>());
   unsigned long long host = 0;

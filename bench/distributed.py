@@ -187,6 +187,10 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
     }
 
 
+# the phases of our trainer's step that check it (dlrm.mixed_precision.trainer.PHASES)
+CHECK_PHASES = ("unscale_check", "dry_run", "decision", "backup", "dense_check")
+
+
 def run(engine: str, world: int, args: dict, data: str) -> list[dict]:
     """Every rank's figures of ``engine`` trained by ``world`` processes."""
     with socket.socket() as s:
@@ -299,12 +303,22 @@ def _markdown(env: dict, args, data: Path, results: dict) -> str:
             f"{k} {v / 2**20:.3f} MiB" for k, v in runs[0][0]["bytes_sent_per_step"].items()
         )
         lines.append(f"* {name}: {parts or 'none'}")
-    lines += ["", "Our trainer's step by phase, ms per step, rank 0 (median run):", ""]
+    lines += [
+        "",
+        "Our trainer's step by phase, ms per step, each rank (rank 0 / rank 1; median run), and "
+        "the checks' share of the step (unscale_check, dry_run, decision, backup, dense_check; "
+        "the decision includes the wait for the other rank's figures):",
+        "",
+    ]
     for name, runs in results.items():
         if name.startswith("ours"):
             by_speed = sorted(runs, key=lambda ranks: ranks[0]["samples_per_second"])
-            phases = by_speed[len(by_speed) // 2][0]["phase_ms_per_step"]
-            lines.append(f"* {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+            phases = [r["phase_ms_per_step"] for r in by_speed[len(by_speed) // 2]]
+            parts = ", ".join(f"{k} {' / '.join(f'{p[k]:.2f}' for p in phases)}" for k in phases[0])
+            share = " / ".join(
+                f"{sum(p[k] for k in CHECK_PHASES) / sum(p.values()):.1%}" for p in phases
+            )
+            lines.append(f"* {name}: {parts}; checks {share} of the step")
     return "\n".join(lines) + "\n"
 
 

@@ -155,7 +155,8 @@ FP16_OVERFLOW = 65520.0
 PHASES = (
     "forward_backward",  # the model's forward, the loss, the backward
     "unscale_check",  # gradients to FP32, unscaled; their range (the overflow check)
-    "decision",  # several processes: the shards' dry run and the decision all-reduce
+    "dry_run",  # several processes: this rank's embedding shards checked (changing nothing)
+    "decision",  # several processes: the decision all-reduce, and the wait for the others
     "backup",  # copies of the dense tensors and their optimizer state (to undo a refusal)
     "dense_step",  # the optimizer's step on the dense masters (and a non-protocol collection)
     "dense_check",  # the new dense values checked (finite; FP16: would not overflow)
@@ -396,7 +397,9 @@ class MixedPrecisionTrainer:
         # send their figures, and while the others answer a rank that would apply the step
         # makes its dense step (undone from the backup if the decision is to skip or refuse).
         if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
-            decision = self._start_decision(found_inf, max_abs, min_abs, stop)
+            reason = self._dry_run() if not found_inf else None
+            clock.lap("dry_run")
+            decision = self._start_decision(found_inf, reason, max_abs, min_abs, stop)
             clock.lap("decision")
             if not found_inf and decision[2] is None:
                 self._dense_step()
@@ -434,20 +437,23 @@ class MixedPrecisionTrainer:
             "stop": stop,
         }
 
-    def _start_decision(
-        self, found_inf: bool, max_abs: float, min_abs: float, stop: bool
-    ) -> tuple[Tensor, dist.Work, str | None]:
-        """Sends this rank's part of the step's decision over all ranks, in one all-reduce
-        (:meth:`_finish_decision` waits for it): whether a gradient is non-finite, whether an
-        embedding shard refuses its update (this rank's shards are dry-run first; nothing
-        changes), max |g|, min non-zero |g|, and ``stop``. Returns the flags, the pending
-        all-reduce and this rank's refusal reason or None."""
-        reason = None
-        if not found_inf and self.protocol_embedding is not None:
+    def _dry_run(self) -> str | None:
+        """Why this rank's embedding shards would refuse their update (a dry run: nothing
+        changes), or None."""
+        if self.protocol_embedding is not None:
             try:
                 self.protocol_embedding.check_step()
             except ValueError as e:
-                reason = str(e)
+                return str(e)
+        return None
+
+    def _start_decision(
+        self, found_inf: bool, reason: str | None, max_abs: float, min_abs: float, stop: bool
+    ) -> tuple[Tensor, dist.Work, str | None]:
+        """Sends this rank's part of the step's decision over all ranks, in one all-reduce
+        (:meth:`_finish_decision` waits for it): whether a gradient is non-finite, whether an
+        embedding shard refuses its update (``reason``, from :meth:`_dry_run`), max |g|, min
+        non-zero |g|, and ``stop``. Returns the flags, the pending all-reduce and ``reason``."""
         flags = torch.tensor(
             [
                 float(found_inf),

@@ -11,27 +11,27 @@
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
-/// The table of unique row u (tables[k].row_start <= u < tables[k].row_end): the last
-/// table starting at or before u (empty tables start where the next one does).
-__device__ __forceinline__ int64_t table_of_row(const UpdateTable* tables, int64_t nt, int64_t u) {
+/// The last of the nt tables whose field `start` (row_start or set_start) is at or before x:
+/// the table that holds row or set x, as a table with none of them starts where the next
+/// one does.
+template <int64_t UpdateTable::*start>
+__device__ __forceinline__ int64_t last_table_at(const UpdateTable* tables, int64_t nt, int64_t x) {
   int64_t lo = 0, hi = nt - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (tables[mid].row_start <= u) lo = mid; else hi = mid - 1;
+    if (tables[mid].*start <= x) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
 
-/// The table of set `set` in the commit's numbering (the cached table whose sets
-/// [set_start, set_start + num_sets) hold it): the last table whose sets start at or before
-/// it (a table without a cache has none, and starts where the next one does).
+/// The table of unique row u of the op's rows.
+__device__ __forceinline__ int64_t table_of_row(const UpdateTable* tables, int64_t nt, int64_t u) {
+  return last_table_at<&UpdateTable::row_start>(tables, nt, u);
+}
+
+/// The table of set `set` in the commit's numbering.
 __device__ __forceinline__ int64_t table_of_set(const UpdateTable* tables, int64_t nt, int64_t set) {
-  int64_t lo = 0, hi = nt - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (tables[mid].set_start <= set) lo = mid; else hi = mid - 1;
-  }
-  return lo;
+  return last_table_at<&UpdateTable::set_start>(tables, nt, set);
 }
 
 /// The first phase: one warp per unique row finds its slot (ballot), fetches the value

@@ -355,27 +355,23 @@ def rounding_probe(
     e = (v - x).abs() * per_range[:, None]
     error_e9 = torch.floor((e.double().sum(dim=1) / dim) * 1e9 + 0.5).long()
     worst_e9 = torch.floor(e.amax(dim=1).double() * 1e9 + 0.5).long()
-    if rounding == "stochastic":
-        if bits == 16:
-            a = x.abs()
-            lo, hi = fp16_neighbours(a)
-            away = (a.double() - lo.double()) / (hi.double() - lo.double())
-            chance = torch.where(a == lo.float(), 0.0, torch.where(x > 0, away, 1.0 - away))
-        else:
-            _, bias, inv = row_qparams(x, bits, qparams)
-            y = (x - bias[:, None]) * inv[:, None]
-            below = torch.floor(y)
-            chance = torch.where((y <= 0) | (below >= 2**bits - 1), 0.0, y - below).double()
-        expected_e6 = torch.floor(chance.sum(dim=1) * 1e6 + 0.5).long()
-    else:
-        expected_e6 = torch.zeros(n, dtype=torch.int64)
-    if bits == 16:
+    if bits == 16:  # the neighbour above or below the value
         moved_up, moved_down = v > x, v < x
+        a = x.abs()
+        lo, hi = fp16_neighbours(a)
+        away = (a.double() - lo.double()) / (hi.double() - lo.double())
+        chance = torch.where(a == lo.float(), 0.0, torch.where(x > 0, away, 1.0 - away))
     else:  # the code above or below the value rounded, (x - bias) * inv
         _, bias, inv = row_qparams(x, bits, qparams)
         y = (x - bias[:, None]) * inv[:, None]
         codes = unpack_codes(stored[:, : payload_bytes(precision, dim)], bits, dim).to(F32)
         moved_up, moved_down = codes > y, codes < y
+        below = torch.floor(y)
+        chance = torch.where((y <= 0) | (below >= 2**bits - 1), 0.0, y - below).double()
+    if rounding == "stochastic":
+        expected_e6 = torch.floor(chance.sum(dim=1) * 1e6 + 0.5).long()
+    else:
+        expected_e6 = torch.zeros(n, dtype=torch.int64)
     return {
         "probed_rows": n,
         "probed_error_sum_e9": int(error_e9[varying].sum()),

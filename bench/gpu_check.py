@@ -27,6 +27,7 @@ exit status is 1 if a step failed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -100,7 +101,8 @@ def profile(
     """Training steps of ``tables`` INT8 tables (5% 32-way LFU cache, row-wise AdaGrad) driven
     as one table group, as the collection drives them, ``pooling`` ids a bag: each phase's
     median time (ms, the device synchronized around it) and, under torch.profiler, per step its
-    device time (``kernel_ms``: kernels and copies on the GPU) and its CUDA runtime calls
+    device time (``kernel_ms``: kernels and copies on the GPU; ``kernels``: the largest, each
+    as [ms, launches]) and its CUDA runtime calls
     (``RUNTIME_CALLS``: the syncs and launches it costs the host). Beside it, the same step with
     ``nn.EmbeddingBag`` (FP32, sparse gradients, SGD)."""
     import torch
@@ -182,6 +184,7 @@ def profile(
         result[name] = {
             "ms": {p: round(sorted(t)[len(t) // 2], 3) for p, t in times.items()},
             "kernel_ms": _device_ms_per_phase(events, phases, steps),
+            "kernels": _kernels_per_phase(events, phases, steps),
             "runtime_calls_per_step": _calls_per_phase(events, phases, steps),
         }
     result["embcache"]["updates_applied"] = ours[0].stats()["steps"]
@@ -194,22 +197,46 @@ def _in_phase(events, phase):
     return lambda e: any(r.start <= e.time_range.start <= r.end for r in spans)
 
 
-def _device_ms_per_phase(events, phases, steps) -> dict:
-    """The device time (kernels and copies on the GPU) inside each phase, ms per step. The
-    phases' own ranges also appear on the device (the profiler's GPU annotations, spanning the
-    phase's kernels): left out, else their kernels count twice."""
+def _device_events(events, phases) -> list:
+    """The kernels and copies on the GPU. The phases' own ranges also appear on the device (the
+    profiler's GPU annotations, spanning the phase's kernels): left out, else their kernels
+    count twice."""
     import torch
 
-    device = [
-        e
-        for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in phases
-    ]
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in events if e.device_type == cuda and e.name not in phases]
+
+
+def _device_ms_per_phase(events, phases, steps) -> dict:
+    """The device time inside each phase, ms per step."""
+    device = _device_events(events, phases)
     out = {}
     for p in phases:
         inside = _in_phase(events, p)
         us = sum(e.time_range.elapsed_us() for e in device if inside(e))
         out[p] = round(us / 1e3 / steps, 3)
+    return out
+
+
+def _kernel_name(name: str) -> str:
+    """A kernel's function name without namespaces, template and parameter lists."""
+    short = name.replace("(anonymous namespace)", "").split("(")[0].split("<")[0]
+    return short.rsplit("::", 1)[-1].removeprefix("void ").strip() or name
+
+
+def _kernels_per_phase(events, phases, steps, top: int = 8) -> dict:
+    """Each phase's ``top`` kernels (and copies) by device time: ms per step and launches."""
+    device = _device_events(events, phases)
+    out = {}
+    for p in phases:
+        inside = _in_phase(events, p)
+        totals: dict = {}
+        for e in device:
+            if inside(e):
+                us, n = totals.get(_kernel_name(e.name), (0.0, 0))
+                totals[_kernel_name(e.name)] = (us + e.time_range.elapsed_us(), n + 1)
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+        out[p] = {k: [round(us / 1e3 / steps, 4), n // steps] for k, (us, n) in ranked}
     return out
 
 
@@ -250,16 +277,33 @@ def _step(name: str, cmd: list[str], out: Path, limit: float, env: dict | None =
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--driver"]:
-        driver(argv[1] if len(argv) > 1 else "cuda")
+    parser = argparse.ArgumentParser(description="The one-call GPU check (module docstring).")
+    parser.add_argument("out", nargs="?", type=Path, help="the folder for logs and reports")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--driver",
+        nargs="?",
+        const="cuda",
+        metavar="DEVICE",
+        help="only run every op on DEVICE (default cuda): the sanitizers' driver",
+    )
+    mode.add_argument(
+        "--profile",
+        type=Path,
+        metavar="PATH",
+        help="only profile the training steps into PATH (JSON)",
+    )
+    parser.add_argument("--device", default="cuda", help="the device --profile runs on")
+    args = parser.parse_args(argv)
+    if args.driver:
+        driver(args.driver)
         return 0
-    if argv[:1] == ["--profile"] and len(argv) in (2, 3):
-        profiles(Path(argv[1]), argv[2] if len(argv) > 2 else "cuda")
+    if args.profile:
+        profiles(args.profile, args.device)
         return 0
-    if len(argv) != 1:
-        print("usage: python bench/gpu_check.py OUT", file=sys.stderr)
-        return 2
-    out = Path(argv[0])
+    if args.out is None:
+        parser.error("the output folder OUT is required")
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     import torch
 

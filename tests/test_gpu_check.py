@@ -76,3 +76,29 @@ def test_the_step_profile_runs_every_phase_of_both_steps(tmp_path):
         assert all(ms > 0 for ms in result[peer]["ms"].values())
         calls = result[peer]["runtime_calls_per_step"]["update"]
         assert set(calls) == set(gpu_check.RUNTIME_CALLS)
+        assert set(result[peer]["kernels"]) == {"forward", "backward", "update"}
+
+
+def test_help_prints_usage_and_writes_nothing(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench/gpu_check.py"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "usage:" in done.stdout
+    assert not list(tmp_path.iterdir())  # not a folder named --help
+
+
+def test_kernel_names_are_shortened_to_the_function():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    name = "void embcache::gpu::commit_sets_kernel(embcache::gpu::UpdateTable const*, long)"
+    assert gpu_check._kernel_name(name) == "commit_sets_kernel"
+    templated = "void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long>(x)"
+    assert gpu_check._kernel_name(templated) == "indexSelectLargeIndex"
+    assert gpu_check._kernel_name("Memcpy HtoD (Pageable -> Device)") == "Memcpy HtoD"

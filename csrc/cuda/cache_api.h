@@ -136,8 +136,9 @@ void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                      unsigned long long* flags, Stream stream);
 
 /// The update's second phase, for nt tables in a few launches: writes what compute_updates
-/// computed: optimizer state, LFU counts, then one warp per touched set applies the
-/// insert/evict/bypass rule (one sort orders every table's candidates). Table t's
+/// computed: optimizer state, LFU counts, then one warp per touched set decides the
+/// insert/evict/bypass rule (one sort orders every table's candidates) and one warp per
+/// unique row writes it into its slot or its table row. Table t's
 /// counts[3t..3t+2] += its unique hits, insertions and evictions (every other unique row
 /// bypassed the cache). Throws, before any write, if the cached tables have more than
 /// kMaxCommitSets sets together.

@@ -72,10 +72,16 @@ __global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* start
   }
 }
 
+/// Contributions whose gradients a lane loads before adding them (independent loads in
+/// flight where a hot row has thousands of contributions; the adds stay in lookup order).
+constexpr int kLoadsInFlight = 4;
+
 /// Backward, step 5, for one feature (its bags from `first`, its unique rows from `u0`): one
 /// warp per unique row sums its contributions in lookup order, the sums in registers (a tile
 /// of kTileWidth elements at a time); the gradient of the feature's bag b is
-/// g[b * g_stride + j].
+/// g[b * g_stride + j]. The contributions come 32 at a time: lane i reads the i-th one's bag
+/// and factor (one round of loads for 32), then the warp loads kLoadsInFlight rows of g
+/// before adding them.
 __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
                                  int64_t u0, int64_t nu, const int64_t* bag_of, int64_t first,
                                  const int64_t* off, const float* psw, const float* g,
@@ -92,16 +98,39 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
       float acc[kTileChunks];
 #pragma unroll
       for (int k = 0; k < kTileChunks; ++k) acc[k] = 0.f;
-      for (int64_t c = s; c < e; ++c) {
-        const int64_t l = pos[c], bag = bag_of[l];
-        const float* gb = g + (bag - first) * g_stride;
-        // the contribution's factor: its weight, 1 / its bag's length (mean), or none
-        const float weight = psw ? psw[l] : 0.f;
-        const float len = mean ? (float)(off[bag + 1] - off[bag]) : 0.f;
+      for (int64_t c0 = s; c0 < e; c0 += 32) {
+        const int n = e - c0 < 32 ? (int)(e - c0) : 32;
+        // Lane i: contribution c0 + i's row of g and its factor (its weight, 1 / its bag's
+        // length for mean, or none).
+        int64_t row_at = 0;
+        float weight = 0.f, len = 0.f;
+        if (lane < n) {
+          const int64_t l = pos[c0 + lane], bag = bag_of[l];
+          row_at = (bag - first) * g_stride;
+          if (psw) weight = psw[l];
+          if (mean) len = (float)(off[bag + 1] - off[bag]);
+        }
+        for (int i0 = 0; i0 < n; i0 += kLoadsInFlight) {
+          float v[kLoadsInFlight][kTileChunks];
 #pragma unroll
-        for (int k = 0; k < kTileChunks; ++k) {
-          const int j = tile + lane + 32 * k;
-          if (j < dim) acc[k] += psw ? gb[j] * weight : mean ? gb[j] / len : gb[j];
+          for (int i = 0; i < kLoadsInFlight; ++i) {
+            const int64_t at = __shfl_sync(kFullMask, row_at, (i0 + i) & 31);
+#pragma unroll
+            for (int k = 0; k < kTileChunks; ++k) {
+              const int j = tile + lane + 32 * k;
+              v[i][k] = i0 + i < n && j < dim ? g[at + j] : 0.f;
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kLoadsInFlight; ++i) {
+            const float wi = __shfl_sync(kFullMask, weight, (i0 + i) & 31);
+            const float li = __shfl_sync(kFullMask, len, (i0 + i) & 31);
+            if (i0 + i < n) {
+#pragma unroll
+              for (int k = 0; k < kTileChunks; ++k)
+                acc[k] += psw ? v[i][k] * wi : mean ? v[i][k] / li : v[i][k];
+            }
+          }
         }
       }
 #pragma unroll

@@ -1,6 +1,6 @@
 // The update kernels (docs/contract.md §4.3 step 3), in two phases: compute every unique
-// row's new value and check it (changing nothing), then commit: state, counts, and one warp
-// per touched set for the insert/evict/bypass rule.
+// row's new value and check it (changing nothing), then commit: state and counts, one warp
+// per touched set deciding the insert/evict/bypass rule, one warp per row moving the rows.
 #pragma once
 
 #include <string>
@@ -127,31 +127,21 @@ __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const 
   }
 }
 
-/// The commit for the tables without a cache: every updated row bypasses. One warp per row.
-__global__ void commit_bypass_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
-                                     int64_t nu, const float* fresh) {
-  for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
-    const UpdateTable& T = tables[table_of_row(tables, nt, u)];
-    if (T.t.num_sets != 0) continue;
-    const RowFormat f = T.t.f;
-    const int64_t row = rows[u];
-    warp_quantize_row(f, fresh + T.value_start + (u - T.row_start) * f.dim, T.t.stochastic,
-                      T.t.stream(T.step), row, T.state.weights + row * f.row_bytes());
-  }
-}
-
 /// The commit, step 2: one warp per touched set (the warp at the first sorted position of
-/// the set; the others return) applies docs/contract.md §4: updated residents take their new value;
-/// the slots are ranked by priority (empty first, ties by way) with shuffles; candidate k
-/// (k-th non-resident in priority order) replaces the slot of rank k iff its priority is
-/// strictly higher, writing the evicted row back; other candidates bypass into the table.
-/// Rows are copied and quantized (warp_quantize_row) by the whole warp, one after another.
+/// the set; the others return) decides docs/contract.md §4's rule and writes the set's tags
+/// and priorities: updated residents stay, with their new priority; the slots are ranked by
+/// priority (empty first, ties by way) with shuffles; candidate k (k-th non-resident in
+/// priority order) replaces the slot of rank k iff its priority is strictly higher; other
+/// candidates bypass into the table. No row is moved here: for each unique row u it sets
+/// dest[u] (the cache slot its new value goes to; -1, as set before: the table) and, for an
+/// insertion, evicted[u] (the row whose cached value it writes back first; -1: none). An
+/// updated resident that an insertion evicts goes to the table straight from its new value.
 /// Table k's stats[3k..3k+2] += unique hits, insertions, evictions (the other candidates
-/// bypass). Keys of set no_set (tables without a cache) are left to commit_bypass_kernel.
-__global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
-                                   const float* fresh, const int64_t* slot_of,
-                                   const uint64_t* keys, const int64_t* vals, int64_t nu,
-                                   uint64_t no_set, unsigned long long* stats) {
+/// bypass). Keys of set no_set (tables without a cache) are left as they are: all bypass.
+__global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                                   const int64_t* slot_of, const uint64_t* keys,
+                                   const int64_t* vals, int64_t nu, uint64_t no_set,
+                                   int64_t* dest, int64_t* evicted, unsigned long long* stats) {
   const unsigned lane = lane_id();
   const int64_t kEmpty = INT64_MIN;
   for (int64_t first = warp_global(); first < nu; first += warps_in_grid()) {
@@ -170,34 +160,32 @@ __global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const 
     }
     const int64_t table = table_of_set(tables, nt, (int64_t)set);
     const UpdateTable& T = tables[table];
-    const RowFormat f = T.t.f;
-    const int dim = f.dim;
-    const bool lfu = T.t.lfu, stochastic = T.t.stochastic;
+    const bool lfu = T.t.lfu;
     const int64_t ways = T.t.ways, step = T.step;
-    const RoundingStream s = T.t.stream(step);
-    uint8_t* w = T.state.weights;
     int32_t* tags = T.state.cache_tags;
-    float* cache_rows = T.state.cache_rows;
     int32_t* priority = T.state.cache_priority;
     const int32_t* counts = T.state.counts;
-    const float* table_fresh = fresh + T.value_start - T.row_start * dim;  // row u at u * dim
     const int64_t base = ((int64_t)set - T.set_start) * ways;
     unsigned long long hits = 0, ins = 0, evict = 0;
     // 1. Updated residents stay, with their new value and priority (LRU: the step; LFU:
-    //    a copy of the row's count, so that step 2 reads no random counts). The warp copies
-    //    each resident's row in turn.
+    //    a copy of the row's count, so that step 2 reads no random counts). Lane w learns
+    //    which updated row (if any) holds way w.
+    int64_t resident_of_way = -1;
     for (int64_t c0 = first; c0 < end; c0 += 32) {
       const int64_t k = c0 + lane;
       const int64_t u = k < end ? vals[k] : -1;
       const int64_t slot = k < end ? slot_of[u] : -1;
-      if (slot >= 0) priority[slot] = lfu ? counts[rows[u]] : (int32_t)step;
+      if (slot >= 0) {
+        priority[slot] = lfu ? counts[rows[u]] : (int32_t)step;
+        dest[u] = slot;
+      }
       unsigned resident = __ballot_sync(kFullMask, slot >= 0);
       hits += __popc(resident);
       for (; resident; resident &= resident - 1) {
         const int src = __ffs(resident) - 1;
-        const int64_t ru = __shfl_sync(kFullMask, u, src), rs = __shfl_sync(kFullMask, slot, src);
-        for (int j = (int)lane; j < dim; j += 32)
-          cache_rows[rs * dim + j] = table_fresh[ru * dim + j];
+        const int64_t ru = __shfl_sync(kFullMask, u, src);
+        const int64_t way = __shfl_sync(kFullMask, slot, src) - base;
+        if ((int64_t)lane == way) resident_of_way = ru;
       }
     }
     __syncwarp(kFullMask);
@@ -230,6 +218,7 @@ __global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const 
       const int src = r < 32 ? (int)r : 0;
       const int way = __shfl_sync(kFullMask, way_of_rank, src);
       const int64_t slot_prio = __shfl_sync(kFullMask, prio_of_rank, src);
+      const int64_t victim = __shfl_sync(kFullMask, resident_of_way, way);
       const int64_t row = cand ? rows[u] : -1;
       const int64_t p = !cand ? 0 : lfu ? (int64_t)counts[row] : step;
       const bool insert = cand && r < ways && p > slot_prio;
@@ -238,32 +227,49 @@ __global__ void commit_sets_kernel(const UpdateTable* tables, int64_t nt, const 
       if (insert) {
         tags[slot] = (int32_t)row;
         priority[slot] = (int32_t)p;
+        dest[u] = slot;
+        if (victim >= 0) dest[victim] = -1;  // its new value, to the table
+        else if (old >= 0) evicted[u] = old;
       }
       ins += __popc(__ballot_sync(kFullMask, insert));
       evict += __popc(__ballot_sync(kFullMask, old >= 0));
-      // Each candidate in turn, by the whole warp: an insertion writes the row it evicts
-      // back to the table, then takes the slot; any other candidate bypasses the cache.
-      for (unsigned todo = m; todo; todo &= todo - 1) {
-        const int src = __ffs(todo) - 1;
-        const int64_t cu = __shfl_sync(kFullMask, u, src), crow = __shfl_sync(kFullMask, row, src);
-        const int64_t cslot = __shfl_sync(kFullMask, slot, src);
-        const int32_t cold = __shfl_sync(kFullMask, old, src);
-        const bool cins = __shfl_sync(kFullMask, (int)insert, src) != 0;
-        const float* value = table_fresh + cu * dim;
-        if (!cins || cold >= 0)  // the evicted row, or the candidate itself, to the table
-          warp_quantize_row(f, cins ? cache_rows + cslot * dim : value, stochastic, s,
-                            cins ? (int64_t)cold : crow,
-                            w + (cins ? (int64_t)cold : crow) * f.row_bytes());
-        __syncwarp(kFullMask);  // the evicted row is read before the slot is overwritten
-        if (cins)
-          for (int j = (int)lane; j < dim; j += 32) cache_rows[cslot * dim + j] = value[j];
-      }
     }
     if (lane == 0) {  // the counts are the warp's (ballots)
       if (hits) atomicAdd(&stats[3 * table], hits);
       if (ins) atomicAdd(&stats[3 * table + 1], ins);
       if (evict) atomicAdd(&stats[3 * table + 2], evict);
     }
+  }
+}
+
+/// The commit, step 3: one warp per unique row moves it where decide_sets_kernel said: an
+/// insertion first writes the row it evicts back to the table (quantized, warp_quantize_row),
+/// then copies the new value into the slot; a resident's new value goes into its slot; any
+/// other row is quantized into the table. Every slot and table row has one writer, and an
+/// evicted slot is read only by the warp that overwrites it.
+__global__ void write_rows_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+                                  int64_t nu, const float* fresh, const int64_t* dest,
+                                  const int64_t* evicted) {
+  const int lane = (int)lane_id();
+  for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
+    const UpdateTable& T = tables[table_of_row(tables, nt, u)];
+    const RowFormat f = T.t.f;
+    const int dim = f.dim;
+    const float* value = fresh + T.value_start + (u - T.row_start) * dim;
+    const int64_t slot = dest[u];
+    const RoundingStream s = T.t.stream(T.step);
+    if (slot < 0) {
+      const int64_t row = rows[u];
+      warp_quantize_row(f, value, T.t.stochastic, s, row, T.state.weights + row * f.row_bytes());
+      continue;
+    }
+    float* cached = T.state.cache_rows + slot * dim;
+    const int64_t old = evicted[u];
+    if (old >= 0) {
+      warp_quantize_row(f, cached, T.t.stochastic, s, old, T.state.weights + old * f.row_bytes());
+      __syncwarp(kFullMask);  // the evicted row is read before the slot is overwritten
+    }
+    for (int j = lane; j < dim; j += 32) cached[j] = value[j];
   }
 }
 
@@ -301,12 +307,11 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
   if (nu == 0) return;
   std::vector<UpdateTable> numbered(tables, tables + nt);
   int64_t sets = 0;
-  bool any_lfu = false, any_uncached = false;
+  bool any_lfu = false;
   for (UpdateTable& t : numbered) {
     t.set_start = sets;
     sets += t.t.num_sets;
     any_lfu = any_lfu || t.t.lfu;
-    any_uncached = any_uncached || t.t.num_sets == 0;
   }
   if (sets > kMaxCommitSets)
     throw std::runtime_error("embcache (cuda): the cached tables of one update have " +
@@ -314,6 +319,11 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                              std::to_string(kMaxCommitSets) + " one commit can order");
   const DeviceTables d(numbered.data(), nt, stream);
   const uint64_t no_set = (uint64_t)sets;
+  // dest and evicted (decide_sets_kernel), -1 (every byte 0xff): each row to the table.
+  Scratch moves(nu * 16, stream);
+  dev_fill(moves.p, 0xff, nu * 16, stream);
+  int64_t* dest = moves.as<int64_t>();
+  int64_t* evicted = dest + nu;
   if (sets == 0) {
     EC_LAUNCH(commit_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
               fresh_state, occ, no_set, (uint64_t*)nullptr, (int64_t*)nullptr);
@@ -324,13 +334,12 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
     // Only the bits that vary: the priority's (LFU) and the set's, up to no_set.
     sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, any_lfu ? 0 : 31,
                        31 + bit_length(no_set), stream);
-    EC_LAUNCH(commit_sets_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, fresh,
-              slots, (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(),
-              nu, no_set, counts);
+    EC_LAUNCH(decide_sets_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, slots,
+              (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu,
+              no_set, dest, evicted, counts);
   }
-  if (any_uncached)
-    EC_LAUNCH(commit_bypass_kernel, grid_threads(nu), block_dim(), stream, d.get(), nt, rows,
-              nu, fresh);
+  EC_LAUNCH(write_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu, fresh,
+            (const int64_t*)dest, (const int64_t*)evicted);
 }
 
 }  // namespace EMBCACHE_GPU_NS

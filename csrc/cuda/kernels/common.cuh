@@ -194,11 +194,29 @@ __device__ __forceinline__ bool bag_is_valid(int64_t start, int64_t end, int64_t
          (g != total - 1 || end == n);
 }
 
-/// Sums kept in registers: a warp covers a row in tiles of kTileChunks * 32 elements, lane
-/// `lane` holding elements tile + lane + 32 * k, k < kTileChunks (the row's elements in
-/// order, so each element is summed in the same order as with one pass per element).
-constexpr int kTileChunks = 8;
-constexpr int kTileWidth = kTileChunks * 32;
+/// Sums kept in registers: a warp covers a row in tiles of Chunks * 32 elements, lane
+/// `lane` holding elements tile + lane + 32 * k, k < Chunks (the row's elements in order, so
+/// each element is summed in the same order as with one pass per element). Kernels that
+/// keep them take Chunks as a template parameter and are launched with tile_chunks(dim):
+/// the fewest of 1, 2, 4 or 8 that hold the row in one tile (8 for wider rows), so that a
+/// narrow row holds no registers for elements it does not have.
+inline int tile_chunks(int dim) { return dim <= 32 ? 1 : dim <= 64 ? 2 : dim <= 128 ? 4 : 8; }
+
+/// EC_LAUNCH of kernel<tile_chunks(dim)>.
+#define EC_LAUNCH_TILED(kernel, dim, grid, block, stream, ...)                   \
+  do {                                                                          \
+    switch (tile_chunks(dim)) {                                                 \
+      case 1: EC_LAUNCH(kernel<1>, grid, block, stream, __VA_ARGS__); break;    \
+      case 2: EC_LAUNCH(kernel<2>, grid, block, stream, __VA_ARGS__); break;    \
+      case 4: EC_LAUNCH(kernel<4>, grid, block, stream, __VA_ARGS__); break;    \
+      default: EC_LAUNCH(kernel<8>, grid, block, stream, __VA_ARGS__); break;   \
+    }                                                                           \
+  } while (0)
+
+/// Rows whose values a lane loads before adding them (the lookup's and the backward's
+/// independent loads in flight, for a hot row's thousands of contributions too; the adds
+/// stay in lookup order).
+constexpr int kLoadsInFlight = 4;
 
 inline dim3 grid_threads(int64_t n) {
   return dim3((unsigned)grid_for((n + kThreadsPerBlock - 1) / kThreadsPerBlock));

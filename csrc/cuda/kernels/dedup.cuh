@@ -72,16 +72,13 @@ __global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* start
   }
 }
 
-/// Contributions whose gradients a lane loads before adding them (independent loads in
-/// flight where a hot row has thousands of contributions; the adds stay in lookup order).
-constexpr int kLoadsInFlight = 4;
-
 /// Backward, step 5, for one feature (its bags from `first`, its unique rows from `u0`): one
 /// warp per unique row sums its contributions in lookup order, the sums in registers (a tile
-/// of kTileWidth elements at a time); the gradient of the feature's bag b is
+/// of Chunks * 32 elements at a time); the gradient of the feature's bag b is
 /// g[b * g_stride + j]. The contributions come 32 at a time: lane i reads the i-th one's bag
 /// and factor (one round of loads for 32), then the warp loads kLoadsInFlight rows of g
 /// before adding them.
+template <int Chunks>
 __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
                                  int64_t u0, int64_t nu, const int64_t* bag_of, int64_t first,
                                  const int64_t* off, const float* psw, const float* g,
@@ -94,10 +91,10 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
       rows[u] = (int64_t)(keys[s] & ((uint64_t(1) << kRowBits) - 1));
       occ[u] = e - s;
     }
-    for (int tile = 0; tile < dim; tile += kTileWidth) {
-      float acc[kTileChunks];
+    for (int tile = 0; tile < dim; tile += Chunks * 32) {
+      float acc[Chunks];
 #pragma unroll
-      for (int k = 0; k < kTileChunks; ++k) acc[k] = 0.f;
+      for (int k = 0; k < Chunks; ++k) acc[k] = 0.f;
       for (int64_t c0 = s; c0 < e; c0 += 32) {
         const int n = e - c0 < 32 ? (int)(e - c0) : 32;
         // Lane i: contribution c0 + i's row of g and its factor (its weight, 1 / its bag's
@@ -111,12 +108,12 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
           if (mean) len = (float)(off[bag + 1] - off[bag]);
         }
         for (int i0 = 0; i0 < n; i0 += kLoadsInFlight) {
-          float v[kLoadsInFlight][kTileChunks];
+          float v[kLoadsInFlight][Chunks];
 #pragma unroll
           for (int i = 0; i < kLoadsInFlight; ++i) {
             const int64_t at = __shfl_sync(kFullMask, row_at, (i0 + i) & 31);
 #pragma unroll
-            for (int k = 0; k < kTileChunks; ++k) {
+            for (int k = 0; k < Chunks; ++k) {
               const int j = tile + lane + 32 * k;
               v[i][k] = i0 + i < n && j < dim ? g[at + j] : 0.f;
             }
@@ -127,14 +124,14 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
             const float li = __shfl_sync(kFullMask, len, (i0 + i) & 31);
             if (i0 + i < n) {
 #pragma unroll
-              for (int k = 0; k < kTileChunks; ++k)
+              for (int k = 0; k < Chunks; ++k)
                 acc[k] += psw ? v[i][k] * wi : mean ? v[i][k] / li : v[i][k];
             }
           }
         }
       }
 #pragma unroll
-      for (int k = 0; k < kTileChunks; ++k) {
+      for (int k = 0; k < Chunks; ++k) {
         const int j = tile + lane + 32 * k;
         if (j < dim) grads[u * dim + j] = acc[k];
       }
@@ -189,7 +186,7 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
     const TableSpec& t = specs[feature_table[f]];
     const int64_t u0 = row_starts[f], nu = row_starts[f + 1] - u0;
     if (nu > 0)
-      EC_LAUNCH(dedup_sum_kernel, grid_warps(nu), block_dim(), stream,
+      EC_LAUNCH_TILED(dedup_sum_kernel, t.f.dim, grid_warps(nu), block_dim(), stream,
                 (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
                 (const int64_t*)starts.as<int64_t>(), u0, nu,
                 (const int64_t*)bag_of.as<int64_t>(), f * batch, bags.off, bags.psw, g + col,

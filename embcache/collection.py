@@ -269,7 +269,8 @@ class CachedLowPrecisionEmbeddingCollection(CachedLowPrecisionEmbeddingBagCollec
     statistics it has. Its forward makes a bag of each id: feature ``f``'s ``n_f`` ids are
     bags ``[0, n_f)`` of a batch of ``max n_f`` bags, the rest empty (zeros, no gradient), so
     one table-batched call serves every feature whatever its length; the empty bags cost
-    output rows when the features' lengths differ much. Not sharded yet."""
+    output rows when the features' lengths differ much. ``DistributedModelParallel`` shards it
+    with :class:`embcache.sharding.CachedEmbeddingCollectionSharder`."""
 
     def __init__(
         self,

@@ -14,9 +14,12 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from embcache.collection import CachedLowPrecisionEmbeddingCollection
 from embcache.sharding import (
     CachedEmbeddingBagCollectionSharder,
+    CachedEmbeddingCollectionSharder,
     ShardedCachedEmbeddingBagCollection,
+    ShardedCachedEmbeddingCollection,
 )
 
 # A collective waiting on a dead or stuck rank raises after this long instead of hanging.
@@ -91,11 +94,17 @@ def shard_placed(
     world_size: int,
     device: torch.device = CPU,
     **dmp_options,
-) -> tuple[DistributedModelParallel, ShardedCachedEmbeddingBagCollection]:
+) -> tuple[
+    DistributedModelParallel,
+    ShardedCachedEmbeddingBagCollection | ShardedCachedEmbeddingCollection,
+]:
     """``model`` in TorchRec's DMP over the default group on ``device``, its collection
-    ``model.<name>`` sharded by our sharder as ``placement`` (table -> parameter sharding)
-    says; and this rank's sharded collection."""
-    sharder = CachedEmbeddingBagCollectionSharder()
+    ``model.<name>`` (pooled or unpooled) sharded by our sharder of its kind as ``placement``
+    (table -> parameter sharding) says; and this rank's sharded collection."""
+    unpooled = isinstance(getattr(model, name), CachedLowPrecisionEmbeddingCollection)
+    sharder = (
+        CachedEmbeddingCollectionSharder() if unpooled else CachedEmbeddingBagCollectionSharder()
+    )
     plan = construct_module_sharding_plan(
         getattr(model, name),
         placement,
@@ -112,5 +121,5 @@ def shard_placed(
         sharders=[sharder],
         **dmp_options,
     )
-    (sharded,) = [m for m in dmp.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
+    (sharded,) = [m for m in dmp.modules() if isinstance(m, sharder.sharded_module_type)]
     return dmp, sharded

@@ -1,11 +1,11 @@
-"""Sharding our collection with TorchRec's DistributedModelParallel (2 processes, gloo, CPU).
+"""Sharding our collections with TorchRec's DistributedModelParallel (2 processes, gloo, CPU).
 
 The oracle is the unsharded collection trained in one process on the same global batches,
-with the loss a fixed linear function of the pooled embeddings, so that each pooled
-gradient is exact and independent of how the ranks split the batch: each rank's loss is
-the mean over its own samples (as DDP expects), TorchRec's output communication divides the
-gradient by the world size on the way back (2: exact), and so the tables must end
-byte-identical.
+with the loss a fixed linear function of the pooled embeddings (of the rows, for the
+unpooled collection), so that each gradient is exact and independent of how the ranks split
+the batch: each rank's loss is the mean over its own samples (as DDP expects), TorchRec's
+output communication divides the gradient by the world size on the way back (2: exact), and
+so the tables must end byte-identical.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embcache import CachedLowPrecisionEmbeddingBagCollection
+from embcache import CachedLowPrecisionEmbeddingBagCollection, CachedLowPrecisionEmbeddingCollection
 from embcache.sharding import (
     KERNEL,
     CachedEmbeddingBagCollectionSharder,
+    CachedEmbeddingCollectionSharder,
 )
 from tests._distributed import features_of, run_ranks, shard_placed, skewed_features
 
@@ -80,9 +81,9 @@ def _global_batch(step: int, world_size: int):
 
 
 class _Model(nn.Module):
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, collection: nn.Module) -> None:
         super().__init__()
-        self.ebc = _collection(device)
+        self.ebc = collection
 
     def forward(self, features: KeyedJaggedTensor):
         return self.ebc(features)
@@ -93,7 +94,7 @@ def _train_sharded_and_reference(rank: int, world_size: int, build: str | None) 
     (built on the meta device, sharded onto this rank's GPU)."""
     on = torch.device("cuda", rank) if build == "cuda" else torch.device("cpu")
     placement = _placement(world_size)
-    model = _Model("meta" if build in ("meta", "cuda") else None)
+    model = _Model(_collection("meta" if build in ("meta", "cuda") else None))
     dmp, sharded = shard_placed(model, "ebc", placement, world_size, device=on)
     reference = _collection()
     first, last = rank * BATCH, (rank + 1) * BATCH
@@ -116,6 +117,14 @@ def _train_sharded_and_reference(rank: int, world_size: int, build: str | None) 
         ((out.values() * weights[first:last].to(on)).sum() / BATCH).backward()
         sharded.step()
 
+    _assert_shards_hold_the_unsharded_state(sharded, reference, rank, world_size)
+    if rank == 0:  # the cached table really used its cache
+        assert sharded.local_tables()["t_0"].stats()["hits"] > 0
+
+
+def _assert_shards_hold_the_unsharded_state(sharded, reference, rank: int, world_size: int):
+    """Each of this rank's shards holds what the reference's table (one process) holds: a
+    table-wise shard its whole state, the row-wise shard its rows and their AdaGrad state."""
     local = sharded.local_tables()
     row_wise_shards = [name for name in local if name.startswith("t_2@")]
     owned = {t for t, owner in OWNER.items() if owner % world_size == rank}
@@ -136,8 +145,6 @@ def _train_sharded_and_reference(rank: int, world_size: int, build: str | None) 
                 assert torch.equal(got[key].cpu(), want[key]), f"{name}.{key}"
             else:
                 assert got[key] == want[key], f"{name}.{key}"
-    if rank == 0:  # the cached table really used its cache
-        assert local["t_0"].stats()["hits"] > 0
 
 
 # "meta": the sharded model is built without memory, and each rank draws only its shards
@@ -154,6 +161,113 @@ def test_sharded_training_on_cuda_equals_one_process_on_the_cpu():
     """Table-wise and row-wise shards on GPUs (NCCL; one rank on a machine of one GPU)."""
     world_size = min(2, torch.cuda.device_count())
     run_ranks(_train_sharded_and_reference, world_size, "cuda", backend="nccl")
+
+
+# The unpooled collection: the same tables, t_1 and t_3 of another dimension. A sequence
+# sharding's tables share a dimension, so the shardings are table-wise t_0 (rank 1 has no
+# shard of it), table-wise t_1 and t_3, and row-wise t_2: their features come out of the
+# shardings in another order than the unsharded one.
+SEQUENCE_DIMS = [DIM, 4, DIM, 4]
+
+
+def _unpooled_collection(
+    precision: str, device: str | None = None
+) -> CachedLowPrecisionEmbeddingCollection:
+    tables = [
+        EmbeddingConfig(name=f"t_{i}", num_embeddings=n, embedding_dim=d, feature_names=[f"f_{i}"])
+        for i, (n, d) in enumerate(zip(ROWS, SEQUENCE_DIMS))
+    ]
+    options = {**OPTIONS, "precision": precision}
+    if precision == "fp32":
+        options["cache_ratio"] = 0.0
+    return CachedLowPrecisionEmbeddingCollection(
+        tables, per_table=PER_TABLE, device=device, **options
+    )
+
+
+def _train_unpooled_sharded_and_reference(
+    rank: int, world_size: int, precision: str, build: str | None, seed: int
+) -> None:
+    """The sharded unpooled collection's rows and tables equal, bit for bit, those of the
+    unsharded one trained in one process: every id's row comes from one shard (row-wise
+    too, put back in the input's order), and each row's gradient is exact."""
+    model = _Model(_unpooled_collection(precision, build))
+    dmp, sharded = shard_placed(model, "ebc", _placement(world_size), world_size)
+    assert type(sharded.local_collection) is CachedLowPrecisionEmbeddingCollection
+    reference = _unpooled_collection(precision)
+    samples, first, last = BATCH * world_size, rank * BATCH, (rank + 1) * BATCH
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(seed + step)
+        lengths, ids = skewed_features(gen, ROWS, samples)
+        weights = [torch.randn(len(i), d, generator=gen) for i, d in zip(ids, SEQUENCE_DIMS)]
+        expected = reference(features_of(lengths, ids, 0, samples))
+        sum((expected[f"f_{f}"].values() * w).sum() for f, w in enumerate(weights)).div(
+            samples
+        ).backward()
+        reference.step()
+
+        out = dmp(features_of(lengths, ids, first, last)).wait()
+        assert list(out) == list(expected)
+        loss = 0
+        for f, w in enumerate(weights):
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[f].cumsum(0)])
+            mine = slice(int(offsets[first]), int(offsets[last]))
+            got, want = out[f"f_{f}"], expected[f"f_{f}"]
+            assert torch.equal(got.lengths(), want.lengths()[first:last]), f"seed {seed}"
+            assert torch.equal(got.values().detach(), want.values()[mine].detach()), (
+                f"seed {seed}, step {step}, feature f_{f}"
+            )
+            loss = loss + (got.values() * w[mine]).sum()
+        (loss / BATCH).backward()
+        assert not sharded.has_nonfinite_grad()
+        sharded.check_step()  # the trainer's dry run: changes nothing
+        sharded.step()
+
+    _assert_shards_hold_the_unsharded_state(sharded, reference, rank, world_size)
+    if rank == 0 and precision != "fp32":  # the cached table really used its cache
+        assert sharded.local_tables()["t_0"].stats()["hits"] > 0
+
+
+# FP32 tables without a cache, built in memory; INT8 behind caches, built on the meta device
+@pytest.mark.parametrize("precision, build", [("fp32", None), ("int8", "meta")])
+def test_sharded_unpooled_training_equals_one_process(precision, build):
+    seed = int(torch.randint(0, 1 << 30, ()))  # fresh inputs each run; failures name it
+    run_ranks(_train_unpooled_sharded_and_reference, 2, precision, build, seed)
+
+
+def _train_with_every_table_on_rank_0(rank: int, world_size: int, unpooled: bool, seed: int):
+    """Rank 1 holds no shard: its empty lookups still take part in the backward
+    communication, and rank 0's tables end as the unsharded ones do."""
+    make = (lambda: _unpooled_collection("int8")) if unpooled else _collection
+    placement = {f"t_{i}": table_wise(rank=0, compute_kernel=KERNEL) for i in range(len(ROWS))}
+    dmp, sharded = shard_placed(_Model(make()), "ebc", placement, world_size)
+    reference = make()
+    samples, first, last = BATCH * world_size, rank * BATCH, (rank + 1) * BATCH
+
+    def squares(out) -> torch.Tensor:  # its gradient, 2 x / samples, is exact
+        rows = [jt.values() for jt in out.values()] if unpooled else [out.values()]
+        return sum(r.pow(2).sum() for r in rows)
+
+    for step in range(3):
+        lengths, ids = skewed_features(torch.Generator().manual_seed(seed + step), ROWS, samples)
+        (squares(reference(features_of(lengths, ids, 0, samples))) / samples).backward()
+        reference.step()
+        out = dmp(features_of(lengths, ids, first, last)).wait()
+        (squares(out) / BATCH).backward()
+        sharded.step()
+    local = sharded.local_tables()
+    assert set(local) == (set(reference.embedding_bags) if rank == 0 else set())
+    for name, shard in local.items():
+        for key, want in reference.embedding_bags[name].state_dict().items():
+            got = shard.state_dict()[key]
+            same = torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+            assert same, f"seed {seed}: {name}.{key}"
+
+
+@pytest.mark.parametrize("unpooled", [False, True])
+def test_a_rank_without_shards_takes_part_in_training(unpooled):
+    seed = int(torch.randint(0, 1 << 30, ()))
+    run_ranks(_train_with_every_table_on_rank_0, 2, unpooled, seed)
 
 
 BIG_ROWS = 3_000_000  # per table: about 110 MB in INT8 with LFU counts and AdaGrad state
@@ -258,9 +372,12 @@ def test_a_shard_of_a_meta_table_holds_the_rows_the_table_draws(precision):
         ),
     ],
 )
-def test_sharder_refuses_a_plan_it_cannot_run(placement, message):
-    sharder = CachedEmbeddingBagCollectionSharder()
-    ebc = _collection()
+@pytest.mark.parametrize("unpooled", [False, True])
+def test_sharder_refuses_a_plan_it_cannot_run(placement, message, unpooled):
+    if unpooled:
+        sharder, ebc = CachedEmbeddingCollectionSharder(), _unpooled_collection("int8")
+    else:
+        sharder, ebc = CachedEmbeddingBagCollectionSharder(), _collection()
     full = {f"t_{i}": table_wise(rank=0, compute_kernel=KERNEL) for i in range(len(ROWS))}
     plan = construct_module_sharding_plan(
         ebc, {**full, **placement}, sharder=sharder, local_size=1, world_size=1, device_type="cpu"

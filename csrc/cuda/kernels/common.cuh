@@ -84,26 +84,24 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-/// One lane's share of row_is_storable(f, x, stochastic): whether a value it saw is not
-/// storable on its own (not finite; beyond the fp16 range), and the extremes of its values.
-struct RowRange {
+/// row_is_storable(f, x, stochastic) computed by a warp (same answer: with every value finite, the
+/// minimum and maximum are order-independent up to the sign of a zero, which no check sees).
+__device__ __forceinline__ bool warp_row_is_storable(const RowFormat& f, const float* x,
+                                                     bool stochastic) {
+  const unsigned lane = lane_id();
+  const float fp16_limit = stochastic ? 65504.f : 65519.996f;  // as row_is_storable
   bool bad = false;
-  float mn = 3.40282347e38f, mx = -3.40282347e38f;  // no value yet
-  __device__ __forceinline__ void add(const RowFormat& f, bool stochastic, float v) {
-    const float fp16_limit = stochastic ? 65504.f : 65519.996f;  // as row_is_storable
+  float mn = x[0], mx = x[0];
+  for (int j = (int)lane; j < f.dim; j += 32) {
+    const float v = x[j];
     if (!is_finite(v)) bad = true;
     if (f.bits == 16 && (v > fp16_limit || v < -fp16_limit)) bad = true;
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
   }
-};
-
-/// row_is_storable(f, x, stochastic) from the lanes' RowRanges over x (every element in
-/// one lane's), all 32 lanes calling it: the same answer, as with every value finite the
-/// minimum and maximum are order-independent up to the sign of a zero, which no check sees.
-__device__ __forceinline__ bool warp_range_is_storable(const RowFormat& f, RowRange r) {
-  if (__any_sync(kFullMask, r.bad)) return false;
-  const float mn = warp_min(r.mn), mx = warp_max(r.mx);
+  if (__any_sync(kFullMask, bad)) return false;
+  mn = warp_min(mn);
+  mx = warp_max(mx);
   if (f.is_int()) {
     if (!is_finite(mx - mn)) return false;
     if (f.qparams_fp16) {

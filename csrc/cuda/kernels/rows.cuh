@@ -13,9 +13,7 @@ __global__ void quantize_rows_kernel(const float* x, const int64_t* ids, int64_t
                                      unsigned long long* first_bad) {
   for (int64_t r = warp_global(); r < n; r += warps_in_grid()) {
     const float* xr = x + r * f.dim;
-    RowRange range;
-    for (int j = (int)lane_id(); j < f.dim; j += 32) range.add(f, stochastic, xr[j]);
-    if (!warp_range_is_storable(f, range)) {
+    if (!warp_row_is_storable(f, xr, stochastic)) {
       if (lane_id() == 0) atomicMin(first_bad, (unsigned long long)r);
       continue;
     }

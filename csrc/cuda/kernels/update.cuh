@@ -35,16 +35,13 @@ __device__ __forceinline__ int64_t table_of_set(const UpdateTable* tables, int64
 }
 
 /// The first phase: one warp per unique row finds its slot (ballot), fetches the value
-/// (cache row or dequantized table row) and applies the optimizer into fresh and fresh_state,
-/// checking the new values as it writes them (RowRange). The row-wise AdaGrad sum of squares
-/// is in element order, as the CPU sums it: the lanes load and square 32 elements at a time
-/// and every lane adds the 32 squares in turn (shuffles). Table k's flags[2k] |= error bits;
-/// flags[2k + 1] = min(row that cannot be stored).
+/// (cache row or dequantized table row) and applies the optimizer into fresh and fresh_state.
+/// Table k's flags[2k] |= error bits; flags[2k + 1] = min(row that cannot be stored).
 __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                                       int64_t nu, const float* g, float* fresh,
                                       float* fresh_state, int64_t* slots,
                                       unsigned long long* flags) {
-  const int lane = (int)lane_id();
+  const unsigned lane = lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
     const int64_t k = table_of_row(tables, nt, u);
     const UpdateTable& T = tables[k];
@@ -66,40 +63,34 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
     float* out = fresh + T.value_start + i * dim;
     const float* state = T.state.optimizer_state;
     const float lr = (float)T.t.lr, eps = (float)T.t.eps;
-    const bool adagrad = T.t.optimizer == kAdagrad;
-    float step = lr;  // SGD: v - lr * g
-    if (T.t.optimizer == kRowwiseAdagrad) {
-      float sum_sq = 0.f;
-#pragma unroll 4
-      for (int c0 = 0; c0 < dim; c0 += 32) {
-        const float gj = c0 + lane < dim ? gu[c0 + lane] : 0.f;
-        const float sq = gj * gj;
-        for (int src = 0; src < 32; ++src) {
-          const float q = __shfl_sync(kFullMask, sq, src);
-          if (c0 + src < dim) sum_sq += q;
-        }
+    if (T.t.optimizer == kSGD) {
+      for (int j = (int)lane; j < dim; j += 32) {
+        const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
+        out[j] = v - lr * gu[j];
       }
+    } else if (T.t.optimizer == kRowwiseAdagrad) {
+      float sum_sq = 0.f;  // in element order, as the CPU sums it
+      if (lane == 0)
+        for (int j = 0; j < dim; ++j) sum_sq += gu[j] * gu[j];
+      sum_sq = __shfl_sync(kFullMask, sum_sq, 0);
       const float acc = state[row] + sum_sq / (float)dim;
-      step = lr / (sqrtf(acc) + eps);
-      if (lane == 0) fresh_state[T.state_start + i] = acc;
-    }
-    float* fs = adagrad ? fresh_state + T.state_start + i * dim : nullptr;
-    RowRange range;
-#pragma unroll 4
-    for (int j = lane; j < dim; j += 32) {
-      const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
-      float value;
-      if (adagrad) {
-        const float acc = state[row * dim + j] + gu[j] * gu[j];
-        value = v - (lr / (sqrtf(acc) + eps)) * gu[j];
-        fs[j] = acc;
-      } else {
-        value = v - step * gu[j];
+      const float step = lr / (sqrtf(acc) + eps);
+      for (int j = (int)lane; j < dim; j += 32) {
+        const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
+        out[j] = v - step * gu[j];
       }
-      out[j] = value;
-      range.add(f, T.t.stochastic, value);
+      if (lane == 0) fresh_state[T.state_start + i] = acc;
+    } else {
+      float* fs = fresh_state + T.state_start + i * dim;
+      for (int j = (int)lane; j < dim; j += 32) {
+        const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
+        const float acc = state[row * dim + j] + gu[j] * gu[j];
+        out[j] = v - (lr / (sqrtf(acc) + eps)) * gu[j];
+        fs[j] = acc;
+      }
     }
-    if (!warp_range_is_storable(f, range) && lane == 0)
+    __syncwarp(kFullMask);
+    if (!warp_row_is_storable(f, out, T.t.stochastic) && lane == 0)
       atomicMin(&flags[2 * k + 1], (unsigned long long)row);
   }
 }

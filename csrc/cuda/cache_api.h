@@ -104,8 +104,8 @@ using DedupAlloc = DedupOutputs (*)(void* ctx, int64_t nu, int64_t grad_floats);
 /// g[b * g_stride + (the feature's column) + j], the features' columns side by side in their
 /// order. Writes, feature after feature, the unique rows ascending, their occurrences and
 /// their gradient rows (contributions summed in lookup order), and row_starts (host, nf + 1
-/// entries): where each feature's unique rows start. One sort for every feature; the one
-/// read-back learns the errors and the sizes.
+/// entries): where each feature's unique rows start. One sort and one summing launch for
+/// every feature; the one read-back learns the errors and the sizes.
 void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* feature_table,
                     const TableSpec* specs, const float* g, int64_t g_stride, DedupAlloc alloc,
                     void* alloc_ctx, int64_t* row_starts, Stream stream);

@@ -224,6 +224,19 @@ inline dim3 grid_threads(int64_t n) {
 inline dim3 grid_warps(int64_t n) { return grid_threads(n * 32); }
 inline dim3 block_dim() { return dim3((unsigned)kThreadsPerBlock); }
 
+/// The last of items[0..n) whose field `start` is at or before x (binary search; the
+/// starts ascending): the table or feature that holds row, set or unique row x, as one that
+/// holds none of them starts where the next one does.
+template <class Item, int64_t Item::*start>
+__device__ __forceinline__ int64_t last_at(const Item* items, int64_t n, int64_t x) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (items[mid].*start <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 /// Device scratch memory, freed on scope exit.
 struct Scratch {
   Stream stream;
@@ -238,6 +251,17 @@ struct Scratch {
   T* as() const {
     return static_cast<T*>(p);
   }
+};
+
+/// A copy of items[0..n) in device memory (the per-table or per-feature descriptors of a
+/// batched launch: one async copy), freed on scope exit.
+template <class Item>
+struct DeviceArray {
+  Scratch mem;
+  DeviceArray(const Item* items, int64_t n, Stream stream) : mem(n * sizeof(Item), stream) {
+    copy_to_device(mem.p, items, n * sizeof(Item), stream);
+  }
+  const Item* get() const { return mem.as<const Item>(); }
 };
 
 

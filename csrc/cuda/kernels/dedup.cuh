@@ -3,6 +3,7 @@
 // lookup order.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "common.cuh"
@@ -72,21 +73,36 @@ __global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* start
   }
 }
 
-/// Backward, step 5, for one feature (its bags from `first`, its unique rows from `u0`): one
+/// One feature's part of the backward's sums: its unique rows [u_start, u_end) of the op's,
+/// its bags from `first`, its gradient's column in g, its rows' dim, pooling mode, and where
+/// its gradient rows start in the output.
+struct DedupFeature {
+  int64_t u_start, u_end, first, col, block;
+  int dim;
+  bool mean;
+};
+
+/// Backward, step 5, every feature in one launch (the nf features with unique rows): one
 /// warp per unique row sums its contributions in lookup order, the sums in registers (a tile
-/// of Chunks * 32 elements at a time); the gradient of the feature's bag b is
-/// g[b * g_stride + j]. The contributions come 32 at a time: lane i reads the i-th one's bag
-/// and factor (one round of loads for 32), then the warp loads kLoadsInFlight rows of g
-/// before adding them.
+/// of Chunks * 32 elements at a time); the gradient of feature F's bag b is
+/// g[F.col + (b - F.first) * g_stride + j]. The contributions come 32 at a time: lane i reads
+/// the i-th one's bag and factor (one round of loads), then the warp loads kLoadsInFlight
+/// rows of g before adding them. One launch for every feature: a feature's hot row (its
+/// warp walks thousands of contributions) overlaps the other features' work.
 template <int Chunks>
 __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
-                                 int64_t u0, int64_t nu, const int64_t* bag_of, int64_t first,
-                                 const int64_t* off, const float* psw, const float* g,
-                                 int64_t g_stride, int dim, bool mean, int64_t* rows,
-                                 float* grads, int64_t* occ) {
+                                 const DedupFeature* features, int64_t nf, int64_t nu,
+                                 const int64_t* bag_of, const int64_t* off, const float* psw,
+                                 const float* g, int64_t g_stride, int64_t* rows, float* grads,
+                                 int64_t* occ) {
   const int lane = (int)lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
-    const int64_t s = starts[u0 + u], e = starts[u0 + u + 1];
+    const DedupFeature& F = features[last_at<DedupFeature, &DedupFeature::u_start>(features, nf, u)];
+    const int dim = F.dim;
+    const bool mean = F.mean;
+    const float* gf = g + F.col;  // bag b's gradient at (b - F.first) * g_stride
+    float* out = grads + F.block + (u - F.u_start) * dim;
+    const int64_t s = starts[u], e = starts[u + 1];
     if (lane == 0) {
       rows[u] = (int64_t)(keys[s] & ((uint64_t(1) << kRowBits) - 1));
       occ[u] = e - s;
@@ -103,7 +119,7 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
         float weight = 0.f, len = 0.f;
         if (lane < n) {
           const int64_t l = pos[c0 + lane], bag = bag_of[l];
-          row_at = (bag - first) * g_stride;
+          row_at = (bag - F.first) * g_stride;
           if (psw) weight = psw[l];
           if (mean) len = (float)(off[bag + 1] - off[bag]);
         }
@@ -115,7 +131,7 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
 #pragma unroll
             for (int k = 0; k < Chunks; ++k) {
               const int j = tile + lane + 32 * k;
-              v[i][k] = i0 + i < n && j < dim ? g[at + j] : 0.f;
+              v[i][k] = i0 + i < n && j < dim ? gf[at + j] : 0.f;
             }
           }
 #pragma unroll
@@ -133,7 +149,7 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
 #pragma unroll
       for (int k = 0; k < Chunks; ++k) {
         const int j = tile + lane + 32 * k;
-        if (j < dim) grads[u * dim + j] = acc[k];
+        if (j < dim) out[j] = acc[k];
       }
     }
   }
@@ -181,19 +197,26 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
   for (int64_t f = 0; f < nf; ++f)
     grad_floats += (row_starts[f + 1] - row_starts[f]) * specs[feature_table[f]].f.dim;
   const DedupOutputs out = alloc(alloc_ctx, row_starts[nf], grad_floats);
-  int64_t block = 0;
-  for (int64_t f = 0, col = 0; f < nf; ++f) {
+  std::vector<DedupFeature> features;
+  int max_dim = 0;
+  for (int64_t f = 0, col = 0, block = 0; f < nf; ++f) {
     const TableSpec& t = specs[feature_table[f]];
-    const int64_t u0 = row_starts[f], nu = row_starts[f + 1] - u0;
-    if (nu > 0)
-      EC_LAUNCH_TILED(dedup_sum_kernel, t.f.dim, grid_warps(nu), block_dim(), stream,
-                (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
-                (const int64_t*)starts.as<int64_t>(), u0, nu,
-                (const int64_t*)bag_of.as<int64_t>(), f * batch, bags.off, bags.psw, g + col,
-                g_stride, t.f.dim, t.mean, out.rows + u0, out.grads + block, out.occ + u0);
-    block += nu * t.f.dim;
+    const int64_t u0 = row_starts[f], u1 = row_starts[f + 1];
+    if (u1 > u0) {
+      features.push_back({u0, u1, f * batch, col, block, t.f.dim, t.mean});
+      max_dim = std::max(max_dim, t.f.dim);
+    }
+    block += (u1 - u0) * t.f.dim;
     col += t.f.dim;
   }
+  if (features.empty()) return;
+  const DeviceArray<DedupFeature> d(features.data(), (int64_t)features.size(), stream);
+  const int64_t nu = row_starts[nf];
+  EC_LAUNCH_TILED(dedup_sum_kernel, max_dim, grid_warps(nu), block_dim(), stream,
+                  (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
+                  (const int64_t*)starts.as<int64_t>(), d.get(), (int64_t)features.size(), nu,
+                  (const int64_t*)bag_of.as<int64_t>(), bags.off, bags.psw, g, g_stride,
+                  out.rows, out.grads, out.occ);
 }
 
 }  // namespace EMBCACHE_GPU_NS

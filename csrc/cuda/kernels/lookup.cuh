@@ -8,10 +8,7 @@ namespace EMBCACHE_GPU_NS {
 
 /// Pooled lookups: one warp per bag, lookups in order, the sums in registers (a tile of
 /// Chunks * 32 elements at a time); bag b is written to out[b * out_stride + j].
-/// *errors |= error bits, *hits += cache hits. The lookups come 32 at a time: lane i reads
-/// the i-th one's row, weight and set (one round of loads, and each lane hashes one row);
-/// then the warp has kLoadsInFlight lookups' tag reads in flight, then their rows' reads,
-/// before adding them in order.
+/// *errors |= error bits, *hits += cache hits.
 template <int Chunks>
 __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
                                  const float* cache_rows, Bags bags, RowFormat f,
@@ -20,6 +17,8 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
                                  unsigned long long* hits) {
   const int lane = (int)lane_id();
   const int dim = f.dim;
+  const int64_t* idx = bags.idx;
+  const float* psw = bags.psw;
   for (int64_t b = warp_global(); b < bags.nb; b += warps_in_grid()) {
     float* row_out = out + b * out_stride;
     const int64_t g = bags.first + b, start = bags.off[g], end = bags.off[g + 1];
@@ -33,60 +32,33 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
       float acc[Chunks];
 #pragma unroll
       for (int k = 0; k < Chunks; ++k) acc[k] = 0.f;
-      for (int64_t l0 = start; l0 < end; l0 += 32) {
-        const int n = end - l0 < 32 ? (int)(end - l0) : 32;
-        // Lane i: lookup l0 + i's row (-1: out of range, it adds nothing), weight and set.
-        int64_t my_row = -1, my_set = 0;
-        float my_weight = 0.f;
-        if (lane < n) {
-          my_row = bags.idx[l0 + lane];
-          if (my_row < 0 || my_row >= num_rows) {
-            if (tile == 0) atomicOr(errors, (unsigned long long)kBadIndex);
-            my_row = -1;
-          } else if (num_sets > 0) {
-            my_set = set_of_row(my_row, num_sets);
-          }
-          if (bags.psw) my_weight = bags.psw[l0 + lane];
+      for (int64_t l = start; l < end; ++l) {
+        const int64_t row = idx[l];
+        if (row < 0 || row >= num_rows) {
+          if (lane == 0) atomicOr(errors, (unsigned long long)kBadIndex);
+          continue;
         }
-        for (int i0 = 0; i0 < n; i0 += kLoadsInFlight) {
-          int64_t row[kLoadsInFlight], base[kLoadsInFlight];
-          int32_t tag[kLoadsInFlight];
+        const int64_t slot = warp_find_slot(tags, num_sets, ways, row);
+        const float s = psw ? psw[l] : 0.f;
+        if (slot >= 0) {
+          if (tile == 0) ++bag_hits;
+          const float* v = cache_rows + slot * dim;
 #pragma unroll
-          for (int i = 0; i < kLoadsInFlight; ++i) {
-            row[i] = __shfl_sync(kFullMask, my_row, (i0 + i) & 31);
-            base[i] = __shfl_sync(kFullMask, my_set, (i0 + i) & 31) * ways;
-            if (i0 + i >= n) row[i] = -1;
-            tag[i] = row[i] >= 0 && num_sets > 0 && lane < ways ? tags[base[i] + lane] : -1;
+          for (int k = 0; k < Chunks; ++k) {
+            const int j = tile + lane + 32 * k;
+            if (j < dim) acc[k] = psw ? acc[k] + s * v[j] : acc[k] + v[j];
           }
-          int64_t slot[kLoadsInFlight];
+        } else {
+          const uint8_t* r = w + row * f.row_bytes();
+          float scale = 0.f, bias = 0.f;
+          if (f.is_int()) load_qparams(f, r, &scale, &bias);
 #pragma unroll
-          for (int i = 0; i < kLoadsInFlight; ++i) {
-            const unsigned m = __ballot_sync(kFullMask, row[i] >= 0 && tag[i] == row[i]);
-            slot[i] = m ? base[i] + (__ffs(m) - 1) : -1;
-          }
-          float v[kLoadsInFlight][Chunks];
-#pragma unroll
-          for (int i = 0; i < kLoadsInFlight; ++i) {
-            const float* cached = slot[i] >= 0 ? cache_rows + slot[i] * dim : nullptr;
-            const uint8_t* r = row[i] >= 0 ? w + row[i] * f.row_bytes() : nullptr;
-            float scale = 0.f, bias = 0.f;
-            if (!cached && r && f.is_int()) load_qparams(f, r, &scale, &bias);
-#pragma unroll
-            for (int k = 0; k < Chunks; ++k) {
-              const int j = tile + lane + 32 * k;
-              v[i][k] = j >= dim || !r ? 0.f
-                        : cached       ? cached[j]
-                                       : dequantize_element(f, r, j, scale, bias);
+          for (int k = 0; k < Chunks; ++k) {
+            const int j = tile + lane + 32 * k;
+            if (j < dim) {
+              const float v = dequantize_element(f, r, j, scale, bias);
+              acc[k] = psw ? acc[k] + s * v : acc[k] + v;
             }
-          }
-#pragma unroll
-          for (int i = 0; i < kLoadsInFlight; ++i) {
-            const float s = __shfl_sync(kFullMask, my_weight, (i0 + i) & 31);
-            if (row[i] < 0) continue;
-            if (tile == 0 && slot[i] >= 0) ++bag_hits;
-#pragma unroll
-            for (int k = 0; k < Chunks; ++k)
-              acc[k] = bags.psw ? acc[k] + s * v[i][k] : acc[k] + v[i][k];
           }
         }
       }

@@ -11,27 +11,14 @@
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
-/// The last of the nt tables whose field `start` (row_start or set_start) is at or before x:
-/// the table that holds row or set x, as a table with none of them starts where the next
-/// one does.
-template <int64_t UpdateTable::*start>
-__device__ __forceinline__ int64_t last_table_at(const UpdateTable* tables, int64_t nt, int64_t x) {
-  int64_t lo = 0, hi = nt - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (tables[mid].*start <= x) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 /// The table of unique row u of the op's rows.
 __device__ __forceinline__ int64_t table_of_row(const UpdateTable* tables, int64_t nt, int64_t u) {
-  return last_table_at<&UpdateTable::row_start>(tables, nt, u);
+  return last_at<UpdateTable, &UpdateTable::row_start>(tables, nt, u);
 }
 
 /// The table of set `set` in the commit's numbering.
 __device__ __forceinline__ int64_t table_of_set(const UpdateTable* tables, int64_t nt, int64_t set) {
-  return last_table_at<&UpdateTable::set_start>(tables, nt, set);
+  return last_at<UpdateTable, &UpdateTable::set_start>(tables, nt, set);
 }
 
 /// The first phase: one warp per unique row finds its slot (ballot), fetches the value
@@ -273,16 +260,6 @@ __global__ void write_rows_kernel(const UpdateTable* tables, int64_t nt, const i
   }
 }
 
-/// The tables' descriptors in device memory, freed on scope exit.
-struct DeviceTables {
-  Scratch mem;
-  DeviceTables(const UpdateTable* tables, int64_t nt, Stream stream)
-      : mem(nt * sizeof(UpdateTable), stream) {
-    copy_to_device(mem.p, tables, nt * sizeof(UpdateTable), stream);
-  }
-  const UpdateTable* get() const { return mem.as<const UpdateTable>(); }
-};
-
 /// The bits of n's binary representation (0 for 0).
 inline int bit_length(uint64_t n) {
   int bits = 0;
@@ -295,7 +272,7 @@ void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                      unsigned long long* flags, Stream stream) {
   const int64_t nu = nt > 0 ? tables[nt - 1].row_end : 0;
   if (nu == 0) return;
-  const DeviceTables d(tables, nt, stream);
+  const DeviceArray<UpdateTable> d(tables, nt, stream);
   EC_LAUNCH(compute_update_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
             g, fresh, fresh_state, slots, flags);
 }
@@ -317,7 +294,7 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
     throw std::runtime_error("embcache (cuda): the cached tables of one update have " +
                              std::to_string(sets) + " sets together, more than the " +
                              std::to_string(kMaxCommitSets) + " one commit can order");
-  const DeviceTables d(numbered.data(), nt, stream);
+  const DeviceArray<UpdateTable> d(numbered.data(), nt, stream);
   const uint64_t no_set = (uint64_t)sets;
   // dest and evicted (decide_sets_kernel), -1 (every byte 0xff): each row to the table.
   Scratch moves(nu * 16, stream);

@@ -318,12 +318,18 @@ class TableGroup:
     def _mark_touched(self, chosen: list[int], rows: torch.Tensor, row_starts) -> None:
         """Marks the sampled rows (each table's :class:`~embcache.telemetry.TouchedSample`)
         among the committed unique rows, for every table in one search: keys
-        ``position << 32 | row`` ascending on both sides."""
+        ``position << 32 | row`` ascending on both sides. On a GPU: one small copy to the
+        device and no wait for it (the output's size is known)."""
         if rows.numel() == 0:
             return
         keys, touched = self._touch_index(rows.device)
-        counts = torch.tensor(row_starts).diff().to(rows.device)
-        position = torch.repeat_interleave(torch.tensor(chosen, device=rows.device), counts)
+        n = len(chosen)
+        host = torch.cat([torch.tensor(chosen), torch.tensor(row_starts).diff()])
+        # From pageable memory the copy is staged before it returns: nothing to wait for.
+        tables_and_counts = host.to(rows.device, non_blocking=True)
+        position = torch.repeat_interleave(
+            tables_and_counts[:n], tables_and_counts[n:], output_size=rows.numel()
+        )
         updated = (position << 32) | rows
         at = torch.searchsorted(updated, keys).clamp_(max=updated.numel() - 1)
         touched |= updated[at] == keys

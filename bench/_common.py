@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 
 # torch.fx's import-time notice concerns neither us nor the user (as in dlrm.cli).
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -40,6 +41,12 @@ PACKAGES = {
     "fbgemm_gpu": ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu"),
     "torchrec": ("torchrec", "torchrec-nightly"),
 }
+
+
+def progress(iterable=None, **kwargs) -> tqdm:
+    """A tqdm bar on a terminal and nothing when the output is a file or a pipe (logs and CI
+    stay clean); ``tqdm.write`` still prints either way."""
+    return tqdm(iterable, disable=None, **kwargs)
 
 
 def _git(*args: str) -> str | None:

@@ -47,9 +47,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import environment, environment_markdown, save_figure, write_text
+from _common import environment, environment_markdown, progress, save_figure, write_text
 from torch import nn
-from tqdm import tqdm
 
 import embcache
 from embcache.config import PRECISION_BITS
@@ -477,7 +476,7 @@ def main() -> None:
             rows, max(1, min(slots // 2, bags * args.pooling)), bags, args.pooling, device
         )
         r = results["dims"][str(dim)] = {"rows": rows, "hot_rows": trace.hot, "engines": {}}
-        for name, kind, options in tqdm(engines, desc=f"dim {dim}", unit="engine"):
+        for name, kind, options in progress(engines, desc=f"dim {dim}", unit="engine"):
             if kind in ("cached", "ours"):
                 engine = Ours(rows, dim, device, **options)
             elif kind == "bag":

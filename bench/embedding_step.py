@@ -71,9 +71,8 @@ def keep_freed_memory() -> bool:
 KEEP_FREED_MEMORY = os.environ.get("EMBCACHE_KEEP_FREED_MEMORY", "1") != "0" and keep_freed_memory()
 
 import torch  # noqa: E402
-from _common import environment, environment_markdown, write_text  # noqa: E402
+from _common import environment, environment_markdown, progress, write_text  # noqa: E402
 from torch import nn  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import embcache  # noqa: E402
 from dlrm.data.criteo import KAGGLE_CARDINALITIES  # noqa: E402
@@ -241,13 +240,13 @@ def main():
         "FBGEMM TBE fp32 EXACT_SGD": FbgemmTBE(cards, args.dim),
         "nn.EmbeddingBag + SGD": EmbeddingBagSGD(cards, args.dim),
     }
-    for engine in tqdm(engines.values(), desc="warm-up", unit="engine"):
+    for engine in progress(engines.values(), desc="warm-up", unit="engine"):
         for k in range(0, args.warmup, args.steps):
             run_steps(engine, batches[k : min(k + args.steps, args.warmup)], grad)
     counted = {name: e.lookups_and_hits() for name, e in engines.items() if isinstance(e, Ours)}
     per_round = {name: [] for name in engines}
     faults = {name: [] for name in engines}
-    for r in tqdm(range(args.rounds), desc="timed rounds"):
+    for r in progress(range(args.rounds), desc="timed rounds"):
         timed = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
         for name, engine in engines.items():
             sec, fault = run_steps(engine, timed, grad)

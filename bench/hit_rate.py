@@ -52,11 +52,11 @@ from _common import (
     load_source,
     markdown_table,
     parser,
+    progress,
     save_figure,
     small_tables_note,
     write_text,
 )
-from tqdm import tqdm
 
 from embcache.config import POLICIES
 from embcache.planner import replay
@@ -79,7 +79,7 @@ def gather_trace(ids: np.ndarray, tables: list[int], rows: np.ndarray) -> np.nda
     """int32 [len(tables), len(rows)]: the ids of ``tables`` at ``rows``, a table per row."""
     out = np.empty((len(tables), len(rows)), np.int32)
     chunk = 1 << 20
-    for lo in tqdm(range(0, len(rows), chunk), desc="trace", unit="chunk", leave=False):
+    for lo in progress(range(0, len(rows), chunk), desc="trace", unit="chunk", leave=False):
         out[:, lo : lo + chunk] = ids[rows[lo : lo + chunk]][:, tables].T
     return out
 
@@ -118,7 +118,7 @@ def run_grid(
     work = [(i, cards[i], batch_size, s / 100, p, w) for i in range(len(trace)) for s, p, w in grid]
     if jobs == 1:
         _trace, _current = trace, None
-        results = dict(tqdm(map(_job, work), total=len(work), desc="replay", unit="cfg"))
+        results = dict(progress(map(_job, work), total=len(work), desc="replay", unit="cfg"))
         _trace = _current = None
     else:
         with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +128,7 @@ def run_grid(
                 jobs, initializer=_init, initargs=(str(Path(tmp) / "trace.npy"),)
             ) as pool:
                 results = dict(
-                    tqdm(
+                    progress(
                         pool.imap_unordered(_job, work), total=len(work), desc="replay", unit="cfg"
                     )
                 )

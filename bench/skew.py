@@ -31,11 +31,11 @@ from _common import (
     load_source,
     markdown_table,
     parser,
+    progress,
     save_figure,
     small_tables_note,
     write_text,
 )
-from tqdm import tqdm
 
 CURVE_POINTS = 400  # log-spaced points per curve in skew.json / skew.png
 
@@ -44,7 +44,7 @@ def access_counts(ids: np.ndarray, tables: list[int], cards: list[int]) -> list[
     """Per table in ``tables``: int64 [cardinality] accesses of each row (read in chunks)."""
     counts = [np.zeros(cards[t], np.int64) for t in tables]
     chunk = 1 << 20
-    for lo in tqdm(range(0, len(ids), chunk), desc="count", unit="chunk", leave=False):
+    for lo in progress(range(0, len(ids), chunk), desc="count", unit="chunk", leave=False):
         block = np.asarray(ids[lo : lo + chunk])
         for c, t in zip(counts, tables):
             c += np.bincount(block[:, t], minlength=len(c))

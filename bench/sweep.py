@@ -53,6 +53,7 @@ from _common import (
     environment_markdown,
     markdown_table,
     parser,
+    progress,
     save_figure,
     write_atomic,
     write_text,
@@ -615,7 +616,7 @@ def main(argv=None) -> int:
         resolve_data(run_config(Run("fp32", None, 0, None, None, seed), base, None), args.runs)
     failed = []
     with open(args.out / "runs.jsonl", "a") as log:
-        for run, row, error in tqdm(
+        for run, row, error in progress(
             run_all(todo, base, args.runs, args.jobs, args.checkpoint_every),
             total=len(todo),
             desc="sweep",

@@ -102,3 +102,10 @@ def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_pat
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
     md = (tmp_path / "bandwidth.md").read_text().splitlines()
     assert md[2] == f"Command: `python bench/bandwidth.py {' '.join(argv)}`  "
+
+
+def test_progress_bars_are_quiet_off_a_terminal(capsys):
+    """Benchmarks' progress bars (tqdm) draw on a terminal only: a log or CI keeps none."""
+    assert list(_common.progress(range(3), desc="steps")) == [0, 1, 2]
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""

@@ -415,7 +415,11 @@ def main() -> None:
         help="formats behind a cache (default: the low-precision ones, %(default)s)",
     )
     p.add_argument("--policies", default="lfu,lru")
-    p.add_argument("--hit-rates", default=",".join(f"{h:g}" for h in HIT_RATES))
+    p.add_argument(
+        "--hit-rates",
+        default=",".join(f"{h:g}" for h in HIT_RATES),
+        help="target hit rates, fractions in [0, 1] (default: %(default)s)",
+    )
     p.add_argument(
         "--rows",
         type=int,
@@ -432,7 +436,12 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bandwidth.py: --device cuda, but torch sees no CUDA device")
     bags = args.bags or (16384 if device.type == "cuda" else 2048)
-    targets = [float(h) for h in args.hit_rates.split(",")]
+    try:
+        targets = [float(h) for h in args.hit_rates.split(",")]
+    except ValueError:
+        p.error(f"--hit-rates: {args.hit_rates!r} is not a comma-separated list of numbers")
+    if not all(0.0 <= t <= 1.0 for t in targets):
+        p.error(f"--hit-rates: {args.hit_rates} are not all fractions in [0, 1] (90% is 0.9)")
     clock = Clock(device)
     env = environment(__file__, threads=torch.get_num_threads(), gpu=device.type == "cuda")
     where = env.get("gpu", env["cpu_model"]) + (" (device memory)" if device.type == "cuda" else "")

@@ -109,3 +109,17 @@ def test_progress_bars_are_quiet_off_a_terminal(capsys):
     assert list(_common.progress(range(3), desc="steps")) == [0, 1, 2]
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_bandwidth_refuses_hit_rates_given_in_percent():
+    """`--hit-rates 0,90` (percent, not fractions) is refused in one line naming the option,
+    before any table is made."""
+    done = subprocess.run(
+        [sys.executable, "bench/bandwidth.py", "--hit-rates", "0,90", "--dims", "16"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--hit-rates: 0,90 are not all fractions in [0, 1]" in done.stderr

@@ -60,7 +60,9 @@ inline TableSpec decode_table_spec(const at::Tensor& spec) {
 /// order. Each must be contiguous, on the `device` of its table's weights, of its dtype and
 /// shape: weights uint8 [rows, row bytes]; cache_tags and cache_priority int32 [slots];
 /// cache_rows float32 [slots, dim]; cache_set_floor int32 [num_sets]; counts int32 [rows] if
-/// the table keeps LFU counts, else [0]; optimizer_state float32 [rows * state width].
+/// the table keeps LFU counts, else [0]; optimizer_state float32 [rows * state width]. The
+/// weights start at a 16-byte boundary (every allocation does), so that the rows of an fp32 or
+/// fp16 table are aligned to their values (the CUDA kernels read them as words).
 inline std::vector<TableState> table_states(at::TensorList state,
                                             const std::vector<TableSpec>& specs,
                                             const DeviceKind& device) {
@@ -83,6 +85,8 @@ inline std::vector<TableState> table_states(at::TensorList state,
     };
     const int64_t slots = spec.slots();
     check(kWeights, at::kByte, {spec.rows, spec.f.row_bytes()});
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(x[kWeights].data_ptr()) % 16 == 0, "embcache: table ",
+                t, ": weights must start at a 16-byte boundary (a view into another tensor may not)");
     check(kCacheTags, at::kInt, {slots});
     check(kCacheRows, at::kFloat, {slots, spec.f.dim});
     check(kCachePriority, at::kInt, {slots});

@@ -607,6 +607,38 @@ def test_flush_refuses_a_misshaped_set_floor(ops_name, floor_shape, floor_dtype)
     twin.compare_state("after a refused flush")
 
 
+@pytest.mark.parametrize("ops_name", ["cpu", "emu", "cuda"])
+def test_weights_off_a_16_byte_boundary_are_refused(ops_name):
+    """The CUDA kernels read an fp32 or fp16 table's values as words, so every op requires the
+    weights to start at a 16-byte boundary (every allocation does; a view may not): refused
+    before anything is written, the message naming the table and the rule."""
+    if ops_name == "cpu":
+        b = Backend("emu")
+        b.ops = CPU
+    elif ops_name == "emu":
+        if not _emulator_available():
+            pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
+        b = Backend("emu")
+    else:
+        if not _cuda_kernels_available():
+            pytest.skip("no GPU, or torch / embcache built without CUDA")
+        b = Backend("cuda")
+    twin = run_training(
+        b, rows=90, dim=5, sets=5, ways=4, steps=2, seed=43, precision="fp32", policy="lru"
+    )
+    state = twin.dev
+    weights = state["weights"]
+    buffer = torch.empty(weights.numel() + 16, dtype=torch.uint8, device=b.device)
+    shifted = buffer[4 : 4 + weights.numel()].view(weights.shape)
+    shifted.copy_(weights)
+    tensors = [shifted if k == "weights" else state[k] for k in STATE]
+    before = [bits_of(t).clone() for t in tensors]
+    with pytest.raises(RuntimeError, match="table 0: weights must start at a 16-byte boundary"):
+        b.ops.cache_flush(tensors, twin.specs, [twin.dev_counters])
+    for name, was, t in zip(STATE, before, tensors):
+        assert torch.equal(bits_of(t), was), f"{name} changed"
+
+
 @pytest.mark.parametrize("qparams", ["fp32", "fp16"])
 def test_quantize_dequantize_rows(backend, qparams):
     gen = torch.Generator().manual_seed(1)

@@ -137,7 +137,7 @@ __device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* 
   const unsigned lane = lane_id();
   const int dim = f.dim;
   if (f.bits == 32) {
-    for (int j = (int)lane; j < dim; j += 32) store_f32(out + 4 * j, x[j]);
+    for (int j = (int)lane; j < dim; j += 32) store_f32_aligned(out + 4 * j, x[j]);
     return;
   }
   float u[4] = {0.f, 0.f, 0.f, 0.f};
@@ -150,7 +150,7 @@ __device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* 
         const uint16_t h = stochastic ? (uint16_t)((b >> 16) & 0x8000u) |
                                             half_stochastic_magnitude(b & 0x7fffffffu, u[i])
                                       : float_to_half_rn(x[j]);
-        store_u16(out + 2 * j, h);
+        store_u16_aligned(out + 2 * j, h);
       }
     }
     return;

@@ -127,6 +127,38 @@ EMBCACHE_HD uint16_t load_u16(const uint8_t* p) {
 
 EMBCACHE_HD void store_u16(uint8_t* p, uint16_t h) { memcpy(p, &h, 2); }
 
+/// load_f32 and store_f32, load_u16 and store_u16 at an address aligned to the value: one
+/// word access on a GPU, where memcpy from a byte pointer compiles to byte accesses. An fp32
+/// or fp16 table's rows are aligned (its weights start at a 16-byte boundary, csrc/tables.h).
+EMBCACHE_HD float load_f32_aligned(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const float*>(p);
+#else
+  return load_f32(p);
+#endif
+}
+EMBCACHE_HD void store_f32_aligned(uint8_t* p, float f) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<float*>(p) = f;
+#else
+  store_f32(p, f);
+#endif
+}
+EMBCACHE_HD uint16_t load_u16_aligned(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const uint16_t*>(p);
+#else
+  return load_u16(p);
+#endif
+}
+EMBCACHE_HD void store_u16_aligned(uint8_t* p, uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint16_t*>(p) = h;
+#else
+  store_u16(p, h);
+#endif
+}
+
 /// The row's scale and bias as floats.
 EMBCACHE_HD void load_qparams(const RowFormat& f, const uint8_t* row, float* scale,
                               float* bias) {
@@ -152,8 +184,8 @@ EMBCACHE_HD int load_code(const RowFormat& f, const uint8_t* row, int j) {
 /// Element j of a stored row, as float32.
 EMBCACHE_HD float dequantize_element(const RowFormat& f, const uint8_t* row, int j,
                                      float scale, float bias) {
-  if (f.bits == 32) return load_f32(row + 4 * j);
-  if (f.bits == 16) return half_to_float(load_u16(row + 2 * j));
+  if (f.bits == 32) return load_f32_aligned(row + 4 * j);
+  if (f.bits == 16) return half_to_float(load_u16_aligned(row + 2 * j));
   return (float)load_code(f, row, j) * scale + bias;
 }
 

@@ -169,19 +169,27 @@ __device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* 
   const RowQparams qp = row_qparams(f, mn, mx);
   const float bias = qp.bias, inv = qp.inv;
   if (lane == 0) store_qparams(f, qp, out + f.payload_bytes());
-  // Group g's four codes fill 4 * bits / 8 bytes from byte (4 * g * bits) / 8.
+  // Group g's four codes fill 4 * bits / 8 bytes from byte (4 * g * bits) / 8: one word
+  // (little-endian, code i at bit i * bits), stored whole where it lies in the payload and at
+  // an address aligned to its size, else byte by byte up to the payload's end.
   const int lg = log2_codes_per_byte(f.bits), per_byte = 1 << lg;
+  const int group_bytes = 4 / per_byte;
   for (int g = (int)lane; 4 * g < dim; g += 32) {
     if (stochastic) philox_uniforms4(s, row_id, g, u);
-    int code[4] = {0, 0, 0, 0};  // elements past the row's end: zero bits
+    uint32_t word = 0;  // elements past the row's end: zero bits
     for (int i = 0; i < 4 && 4 * g + i < dim; ++i)
-      code[i] = round_code((x[4 * g + i] - bias) * inv, stochastic, u[i], q_max);
-    for (int b = 0; b < 4 / per_byte; ++b) {
-      const int byte = ((4 * g) >> lg) + b;
-      if (byte >= f.payload_bytes()) break;
-      int v = 0;
-      for (int i = 0; i < per_byte; ++i) v |= code[b * per_byte + i] << (i * f.bits);
-      out[byte] = (uint8_t)v;
+      word |= (uint32_t)round_code((x[4 * g + i] - bias) * inv, stochastic, u[i], q_max)
+              << (i * f.bits);
+    uint8_t* at = out + ((4 * g) >> lg);
+    const bool whole = (at - out) + group_bytes <= f.payload_bytes() &&
+                       reinterpret_cast<uintptr_t>(at) % group_bytes == 0;
+    if (whole && group_bytes == 4) {
+      store_u32_aligned(at, word);
+    } else if (whole && group_bytes == 2) {
+      store_u16_aligned(at, (uint16_t)word);
+    } else {
+      for (int b = 0; b < group_bytes && (at - out) + b < f.payload_bytes(); ++b)
+        at[b] = (uint8_t)(word >> (8 * b));
     }
   }
 }

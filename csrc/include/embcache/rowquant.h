@@ -127,8 +127,9 @@ EMBCACHE_HD uint16_t load_u16(const uint8_t* p) {
 
 EMBCACHE_HD void store_u16(uint8_t* p, uint16_t h) { memcpy(p, &h, 2); }
 
-/// load_f32 and store_f32, load_u16 and store_u16 at an address aligned to the value: one
-/// word access on a GPU, where memcpy from a byte pointer compiles to byte accesses. An fp32
+/// load_f32 and store_f32, load_u16 and store_u16 (and a uint32 store) at an address aligned
+/// to the value: one word access on a GPU, where memcpy from a byte pointer compiles to byte
+/// accesses. An fp32
 /// or fp16 table's rows are aligned (its weights start at a 16-byte boundary, csrc/tables.h).
 EMBCACHE_HD float load_f32_aligned(const uint8_t* p) {
 #if defined(__CUDA_ARCH__)
@@ -156,6 +157,13 @@ EMBCACHE_HD void store_u16_aligned(uint8_t* p, uint16_t h) {
   *reinterpret_cast<uint16_t*>(p) = h;
 #else
   store_u16(p, h);
+#endif
+}
+EMBCACHE_HD void store_u32_aligned(uint8_t* p, uint32_t w) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint32_t*>(p) = w;
+#else
+  memcpy(p, &w, 4);  // little-endian hosts (x86-64, AArch64): the GPU's byte order
 #endif
 }
 

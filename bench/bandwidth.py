@@ -47,7 +47,14 @@ import time
 from pathlib import Path
 
 import torch
-from _common import environment, environment_markdown, progress, save_figure, write_text
+from _common import (
+    environment,
+    environment_markdown,
+    huge_page_share,
+    progress,
+    save_figure,
+    write_text,
+)
 from torch import nn
 
 import embcache
@@ -128,6 +135,9 @@ class Ours:
     def forward(self, ids, offsets):
         return self.table(ids, offsets[:-1])  # nn.EmbeddingBag's convention: bag starts
 
+    def rows(self) -> torch.Tensor:
+        return self.table.weights
+
     def update(self, out, grad):
         out.backward(grad)
         self.table.step()
@@ -172,6 +182,9 @@ class EmbeddingBagSGD(Peer):
     def forward(self, ids, offsets):
         return self.bag(ids, offsets[:-1])
 
+    def rows(self) -> torch.Tensor:
+        return self.bag.weight
+
     def update(self, out, grad):
         self.opt.zero_grad()
         out.backward(grad)
@@ -213,6 +226,9 @@ class FbgemmTBE(Peer):
 
     def forward(self, ids, offsets):
         return self.tbe(ids, offsets)
+
+    def rows(self) -> torch.Tensor:
+        return self.tbe.weights_dev if self.tbe.weights_dev.numel() else self.tbe.weights_host
 
     def update(self, out, grad):
         out.backward(grad)
@@ -402,6 +418,14 @@ def markdown(results: dict, env: dict) -> str:
                 hr = "" if pt["hit_rate"] is None else f" ({100 * pt['hit_rate']:.1f}%)"
                 cells.append(f"{pt['forward_gbs']:.3g} / {pt['update_gbs']:.3g}{hr}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        shares = {k: v for k, v in r.get("huge_pages", {}).items() if v is not None}
+        if shares:
+            lines += [
+                "",
+                "Share of each table's rows on huge pages (cold lookups depend on it): "
+                + ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
+                + ".",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -502,6 +526,7 @@ def main() -> None:
                     point = measure(engine, trace, p_hot, args.steps, args.rounds, clock)
                 points.append({"target": target, "p_hot": p_hot, **point})
             r["engines"][name] = points
+            r.setdefault("huge_pages", {})[name] = huge_page_share(engine.rows())
             del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()

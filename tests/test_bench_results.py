@@ -99,6 +99,9 @@ def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_pat
             assert p["forward_gbs"] > 0 and p["update_gbs"] > 0
     assert {p["hit_rate"] for p in engines["ours int8, no cache"]} == {0.0}
     assert "nn.EmbeddingBag fp32 + SGD" in engines and "FBGEMM TBE fp32 EXACT_SGD" in engines
+    shares = result["dims"]["8"]["huge_pages"]  # each table's rows on huge pages (Linux)
+    assert shares.keys() == engines.keys()
+    assert all(0.0 <= s <= 1.0 for s in shares.values()), shares
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
     md = (tmp_path / "bandwidth.md").read_text().splitlines()
     assert md[2] == f"Command: `python bench/bandwidth.py {' '.join(argv)}`  "
@@ -123,3 +126,24 @@ def test_bandwidth_refuses_hit_rates_given_in_percent():
     )
     assert done.returncode == 2
     assert "--hit-rates: 0,90 are not all fractions in [0, 1]" in done.stderr
+
+
+def test_huge_page_share_of_a_tensor():
+    """The share of a tensor's bytes on transparent huge pages, from /proc/self/smaps: a
+    fraction for a CPU tensor (how much depends on the kernel's supply), None for no bytes."""
+    import torch
+
+    big = torch.ones(8 << 20, dtype=torch.uint8)  # touched: its pages exist
+    share = _common.huge_page_share(big)
+    assert share is None or 0.0 <= share <= 1.0
+    if sys.platform.startswith("linux"):
+        assert share is not None
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if mode.exists() and "[madvise]" in mode.read_text():
+        assert share == 0.0  # torch's own allocation asks for none
+        from embcache.embedding import _state_tensor  # asks for them (madvise)
+
+        advised = _state_tensor((64 << 20,), torch.uint8).fill_(1)
+        also = _common.huge_page_share(advised)
+        assert also is not None and 0.0 <= also <= 1.0
+    assert _common.huge_page_share(torch.empty(0)) is None

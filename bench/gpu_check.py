@@ -233,8 +233,9 @@ def _kernels_per_phase(events, phases, steps, top: int = 8) -> dict:
         totals: dict = {}
         for e in device:
             if inside(e):
-                us, n = totals.get(_kernel_name(e.name), (0.0, 0))
-                totals[_kernel_name(e.name)] = (us + e.time_range.elapsed_us(), n + 1)
+                name = _kernel_name(e.name)
+                us, n = totals.get(name, (0.0, 0))
+                totals[name] = (us + e.time_range.elapsed_us(), n + 1)
         ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
         out[p] = {k: [round(us / 1e3 / steps, 4), n // steps] for k, (us, n) in ranked}
     return out

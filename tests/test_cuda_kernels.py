@@ -70,13 +70,28 @@ class Backend:
         return None if t is None else t.to(self.device)
 
 
+def _backend_or_skip(name: str) -> Backend:
+    """The kernels ``name`` names: "emu", "cuda", or "cpu" (the CPU ops, on the emulator's
+    CPU tensors); skips the test where they are not built."""
+    if name == "emu" and not _emulator_available():
+        pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
+    if name == "cuda" and not _cuda_kernels_available():
+        pytest.skip("no GPU, or torch / embcache built without CUDA")
+    b = Backend("emu" if name == "cpu" else name)
+    if name == "cpu":
+        b.ops = CPU
+    return b
+
+
 @pytest.fixture(params=["emu", "cuda"])
 def backend(request) -> Backend:
-    if request.param == "emu" and not _emulator_available():
-        pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
-    if request.param == "cuda" and not _cuda_kernels_available():
-        pytest.skip("no GPU, or torch / embcache built without CUDA")
-    return Backend(request.param)
+    return _backend_or_skip(request.param)
+
+
+@pytest.fixture(params=["cpu", "emu", "cuda"])
+def any_ops(request) -> Backend:
+    """Every implementation of the ops, the CPU's included: for the argument checks."""
+    return _backend_or_skip(request.param)
 
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:
@@ -574,22 +589,11 @@ BAD_FLOORS = {
 
 
 @pytest.mark.parametrize("floor_shape,floor_dtype", BAD_FLOORS.values(), ids=BAD_FLOORS.keys())
-@pytest.mark.parametrize("ops_name", ["cpu", "emu", "cuda"])
-def test_flush_refuses_a_misshaped_set_floor(ops_name, floor_shape, floor_dtype):
+def test_flush_refuses_a_misshaped_set_floor(any_ops, floor_shape, floor_dtype):
     """cache_flush checks cache_set_floor (int32, one floor per set) with the rest of the state
     before it writes anything: a floor of another shape or dtype is refused, the message names
     it, and no tensor changes (a dirty cache: a flush would write rows back)."""
-    if ops_name == "cpu":
-        b = Backend("emu")
-        b.ops = CPU
-    elif ops_name == "emu":
-        if not _emulator_available():
-            pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
-        b = Backend("emu")
-    else:
-        if not _cuda_kernels_available():
-            pytest.skip("no GPU, or torch / embcache built without CUDA")
-        b = Backend("cuda")
+    b = any_ops
     twin = run_training(
         b, rows=90, dim=5, sets=5, ways=4, steps=2, seed=41, precision="int8", policy="lfu"
     )
@@ -607,22 +611,11 @@ def test_flush_refuses_a_misshaped_set_floor(ops_name, floor_shape, floor_dtype)
     twin.compare_state("after a refused flush")
 
 
-@pytest.mark.parametrize("ops_name", ["cpu", "emu", "cuda"])
-def test_weights_off_a_16_byte_boundary_are_refused(ops_name):
+def test_weights_off_a_16_byte_boundary_are_refused(any_ops):
     """The CUDA kernels read an fp32 or fp16 table's values as words, so every op requires the
     weights to start at a 16-byte boundary (every allocation does; a view may not): refused
     before anything is written, the message naming the table and the rule."""
-    if ops_name == "cpu":
-        b = Backend("emu")
-        b.ops = CPU
-    elif ops_name == "emu":
-        if not _emulator_available():
-            pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
-        b = Backend("emu")
-    else:
-        if not _cuda_kernels_available():
-            pytest.skip("no GPU, or torch / embcache built without CUDA")
-        b = Backend("cuda")
+    b = any_ops
     twin = run_training(
         b, rows=90, dim=5, sets=5, ways=4, steps=2, seed=43, precision="fp32", policy="lru"
     )

@@ -137,7 +137,7 @@ __device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* 
   const unsigned lane = lane_id();
   const int dim = f.dim;
   if (f.bits == 32) {
-    for (int j = (int)lane; j < dim; j += 32) store_f32_aligned(out + 4 * j, x[j]);
+    for (int j = (int)lane; j < dim; j += 32) store_aligned<float>(out + 4 * j, x[j]);
     return;
   }
   float u[4] = {0.f, 0.f, 0.f, 0.f};
@@ -150,7 +150,7 @@ __device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* 
         const uint16_t h = stochastic ? (uint16_t)((b >> 16) & 0x8000u) |
                                             half_stochastic_magnitude(b & 0x7fffffffu, u[i])
                                       : float_to_half_rn(x[j]);
-        store_u16_aligned(out + 2 * j, h);
+        store_aligned<uint16_t>(out + 2 * j, h);
       }
     }
     return;
@@ -184,9 +184,9 @@ __device__ __noinline__ void warp_quantize_row(const RowFormat& f, const float* 
     const bool whole = (at - out) + group_bytes <= f.payload_bytes() &&
                        reinterpret_cast<uintptr_t>(at) % group_bytes == 0;
     if (whole && group_bytes == 4) {
-      store_u32_aligned(at, word);
+      store_aligned<uint32_t>(at, word);
     } else if (whole && group_bytes == 2) {
-      store_u16_aligned(at, (uint16_t)word);
+      store_aligned<uint16_t>(at, (uint16_t)word);
     } else {
       for (int b = 0; b < group_bytes && (at - out) + b < f.payload_bytes(); ++b)
         at[b] = (uint8_t)(word >> (8 * b));

@@ -127,43 +127,26 @@ EMBCACHE_HD uint16_t load_u16(const uint8_t* p) {
 
 EMBCACHE_HD void store_u16(uint8_t* p, uint16_t h) { memcpy(p, &h, 2); }
 
-/// load_f32 and store_f32, load_u16 and store_u16 (and a uint32 store) at an address aligned
-/// to the value: one word access on a GPU, where memcpy from a byte pointer compiles to byte
-/// accesses. An fp32
-/// or fp16 table's rows are aligned (its weights start at a 16-byte boundary, csrc/tables.h).
-EMBCACHE_HD float load_f32_aligned(const uint8_t* p) {
+/// A value of type T loaded from, or stored to, an address aligned to T: one word access on
+/// a GPU, where memcpy from a byte pointer compiles to one access per byte; memcpy on the host
+/// (x86-64 and AArch64 are little-endian, as the GPU is). An fp32 or fp16 table's rows are
+/// aligned to their values (its weights start at a 16-byte boundary, csrc/tables.h).
+template <class T>
+EMBCACHE_HD T load_aligned(const uint8_t* p) {
 #if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const float*>(p);
+  return *reinterpret_cast<const T*>(p);
 #else
-  return load_f32(p);
+  T v;
+  memcpy(&v, p, sizeof v);
+  return v;
 #endif
 }
-EMBCACHE_HD void store_f32_aligned(uint8_t* p, float f) {
+template <class T>
+EMBCACHE_HD void store_aligned(uint8_t* p, T v) {
 #if defined(__CUDA_ARCH__)
-  *reinterpret_cast<float*>(p) = f;
+  *reinterpret_cast<T*>(p) = v;
 #else
-  store_f32(p, f);
-#endif
-}
-EMBCACHE_HD uint16_t load_u16_aligned(const uint8_t* p) {
-#if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const uint16_t*>(p);
-#else
-  return load_u16(p);
-#endif
-}
-EMBCACHE_HD void store_u16_aligned(uint8_t* p, uint16_t h) {
-#if defined(__CUDA_ARCH__)
-  *reinterpret_cast<uint16_t*>(p) = h;
-#else
-  store_u16(p, h);
-#endif
-}
-EMBCACHE_HD void store_u32_aligned(uint8_t* p, uint32_t w) {
-#if defined(__CUDA_ARCH__)
-  *reinterpret_cast<uint32_t*>(p) = w;
-#else
-  memcpy(p, &w, 4);  // little-endian hosts (x86-64, AArch64): the GPU's byte order
+  memcpy(p, &v, sizeof v);
 #endif
 }
 
@@ -192,8 +175,8 @@ EMBCACHE_HD int load_code(const RowFormat& f, const uint8_t* row, int j) {
 /// Element j of a stored row, as float32.
 EMBCACHE_HD float dequantize_element(const RowFormat& f, const uint8_t* row, int j,
                                      float scale, float bias) {
-  if (f.bits == 32) return load_f32_aligned(row + 4 * j);
-  if (f.bits == 16) return half_to_float(load_u16_aligned(row + 2 * j));
+  if (f.bits == 32) return load_aligned<float>(row + 4 * j);
+  if (f.bits == 16) return half_to_float(load_aligned<uint16_t>(row + 2 * j));
   return (float)load_code(f, row, j) * scale + bias;
 }
 

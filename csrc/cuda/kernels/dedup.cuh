@@ -82,13 +82,20 @@ struct DedupFeature {
   bool mean;
 };
 
+/// The gradient rows whose loads a lane has in flight before adding them in dedup_sum_kernel
+/// (a hot row's thousands of contributions; the adds stay in lookup order): 4 rows, or about
+/// 8 chunks of 32 floats for wider tiles, whose registers would otherwise cost occupancy.
+template <int Chunks>
+constexpr int kRowsInFlight = Chunks >= 8 ? 1 : Chunks >= 4 ? 2 : 4;
+
 /// Backward, step 5, every feature in one launch (the nf features with unique rows): one
 /// warp per unique row sums its contributions in lookup order, the sums in registers (a tile
 /// of Chunks * 32 elements at a time); the gradient of feature F's bag b is
 /// g[F.col + (b - F.first) * g_stride + j]. The contributions come 32 at a time: lane i reads
-/// the i-th one's bag and factor (one round of loads), then the warp loads kLoadsInFlight
-/// rows of g before adding them. One launch for every feature: a feature's hot row (its
-/// warp walks thousands of contributions) overlaps the other features' work.
+/// the i-th one's bag and factor (one round of loads), then the warp loads
+/// kRowsInFlight<Chunks> rows of g before adding them. One launch for every feature: a
+/// feature's hot row (its warp walks thousands of contributions) overlaps the other
+/// features' work.
 template <int Chunks>
 __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
                                  const DedupFeature* features, int64_t nf, int64_t nu,
@@ -123,10 +130,11 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
           if (psw) weight = psw[l];
           if (mean) len = (float)(off[bag + 1] - off[bag]);
         }
-        for (int i0 = 0; i0 < n; i0 += kLoadsInFlight) {
-          float v[kLoadsInFlight][Chunks];
+        constexpr int kInFlight = kRowsInFlight<Chunks>;
+        for (int i0 = 0; i0 < n; i0 += kInFlight) {
+          float v[kInFlight][Chunks];
 #pragma unroll
-          for (int i = 0; i < kLoadsInFlight; ++i) {
+          for (int i = 0; i < kInFlight; ++i) {
             const int64_t at = __shfl_sync(kFullMask, row_at, (i0 + i) & 31);
 #pragma unroll
             for (int k = 0; k < Chunks; ++k) {
@@ -135,7 +143,7 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
             }
           }
 #pragma unroll
-          for (int i = 0; i < kLoadsInFlight; ++i) {
+          for (int i = 0; i < kInFlight; ++i) {
             const float wi = __shfl_sync(kFullMask, weight, (i0 + i) & 31);
             const float li = __shfl_sync(kFullMask, len, (i0 + i) & 31);
             if (i0 + i < n) {

@@ -56,26 +56,16 @@ __device__ __forceinline__ int64_t thread_global() {
 
 __device__ __forceinline__ int64_t threads_in_grid() { return (int64_t)gridDim.x * blockDim.x; }
 
-/// The first slot of `row`'s set, or -1 for a table without a cache.
-__device__ __forceinline__ int64_t set_base(int64_t num_sets, int64_t ways, int64_t row) {
-  return num_sets == 0 ? -1 : set_of_row(row, num_sets) * ways;
-}
-
-/// The slot holding `row` (or -1) in the set starting at `base` (-1: none): lane w reads the
-/// tag of way w, a ballot finds the match. Called by all 32 lanes with the same row and base.
-__device__ __forceinline__ int64_t warp_slot_in_set(const int32_t* tags, int64_t base,
-                                                    int64_t ways, int64_t row) {
-  if (base < 0) return -1;
+/// The slot holding `row` (or -1): lane w reads the tag of way w, a ballot finds the match.
+/// Called by all 32 lanes with the same row.
+__device__ __forceinline__ int64_t warp_find_slot(const int32_t* tags, int64_t num_sets,
+                                                  int64_t ways, int64_t row) {
+  if (num_sets == 0) return -1;
+  const int64_t base = set_of_row(row, num_sets) * ways;
   const unsigned lane = lane_id();
   const bool match = (int64_t)lane < ways && (int64_t)tags[base + lane] == row;
   const unsigned m = __ballot_sync(kFullMask, match);
   return m ? base + (__ffs(m) - 1) : -1;
-}
-
-/// The slot holding `row` (or -1). Called by all 32 lanes with the same row.
-__device__ __forceinline__ int64_t warp_find_slot(const int32_t* tags, int64_t num_sets,
-                                                  int64_t ways, int64_t row) {
-  return warp_slot_in_set(tags, set_base(num_sets, ways, row), ways, row);
 }
 
 __device__ __forceinline__ float warp_min(float v) {

@@ -7,9 +7,7 @@ namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
 /// Pooled lookups: one warp per bag, lookups in order, the sums in registers (a tile of
-/// Chunks * 32 elements at a time); bag b is written to out[b * out_stride + j]. The lookups
-/// come 32 at a time: lane i reads the i-th one's row and weight and hashes its set (one
-/// round of loads and hashes), so a lookup's own chain is its set's tags, then its row.
+/// Chunks * 32 elements at a time); bag b is written to out[b * out_stride + j].
 /// *errors |= error bits, *hits += cache hits.
 template <int Chunks>
 __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
@@ -34,46 +32,32 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
       float acc[Chunks];
 #pragma unroll
       for (int k = 0; k < Chunks; ++k) acc[k] = 0.f;
-      for (int64_t l0 = start; l0 < end; l0 += 32) {
-        const int n = end - l0 < 32 ? (int)(end - l0) : 32;
-        // Lane i: lookup l0 + i's row (-1: out of range), its set's first slot and weight.
-        int64_t my_row = -1, my_base = -1;
-        float my_weight = 0.f;
-        if (lane < n) {
-          const int64_t row = idx[l0 + lane];
-          if (row < 0 || row >= num_rows) {
-            atomicOr(errors, (unsigned long long)kBadIndex);
-          } else {
-            my_row = row;
-            my_base = set_base(num_sets, ways, row);
-          }
-          if (psw) my_weight = psw[l0 + lane];
+      for (int64_t l = start; l < end; ++l) {
+        const int64_t row = idx[l];
+        if (row < 0 || row >= num_rows) {
+          if (lane == 0) atomicOr(errors, (unsigned long long)kBadIndex);
+          continue;
         }
-        for (int i = 0; i < n; ++i) {
-          const int64_t row = __shfl_sync(kFullMask, my_row, i);
-          if (row < 0) continue;
-          const int64_t slot =
-              warp_slot_in_set(tags, __shfl_sync(kFullMask, my_base, i), ways, row);
-          const float s = __shfl_sync(kFullMask, my_weight, i);
-          if (slot >= 0) {
-            if (tile == 0) ++bag_hits;
-            const float* v = cache_rows + slot * dim;
+        const int64_t slot = warp_find_slot(tags, num_sets, ways, row);
+        const float s = psw ? psw[l] : 0.f;
+        if (slot >= 0) {
+          if (tile == 0) ++bag_hits;
+          const float* v = cache_rows + slot * dim;
 #pragma unroll
-            for (int k = 0; k < Chunks; ++k) {
-              const int j = tile + lane + 32 * k;
-              if (j < dim) acc[k] = psw ? acc[k] + s * v[j] : acc[k] + v[j];
-            }
-          } else {
-            const uint8_t* r = w + row * f.row_bytes();
-            float scale = 0.f, bias = 0.f;
-            if (f.is_int()) load_qparams(f, r, &scale, &bias);
+          for (int k = 0; k < Chunks; ++k) {
+            const int j = tile + lane + 32 * k;
+            if (j < dim) acc[k] = psw ? acc[k] + s * v[j] : acc[k] + v[j];
+          }
+        } else {
+          const uint8_t* r = w + row * f.row_bytes();
+          float scale = 0.f, bias = 0.f;
+          if (f.is_int()) load_qparams(f, r, &scale, &bias);
 #pragma unroll
-            for (int k = 0; k < Chunks; ++k) {
-              const int j = tile + lane + 32 * k;
-              if (j < dim) {
-                const float v = dequantize_element(f, r, j, scale, bias);
-                acc[k] = psw ? acc[k] + s * v : acc[k] + v;
-              }
+          for (int k = 0; k < Chunks; ++k) {
+            const int j = tile + lane + 32 * k;
+            if (j < dim) {
+              const float v = dequantize_element(f, r, j, scale, bias);
+              acc[k] = psw ? acc[k] + s * v : acc[k] + v;
             }
           }
         }

@@ -16,7 +16,16 @@ table's rows; 0 = no cache) x --policy x --ways. For every seed the FP32 referen
 ``(acc_fp32 - acc) / acc_fp32 * 100`` against the reference of the same seed (docs/contract.md §7),
 shown as mean ± std over seeds; "neutral" (bold) is a mean below 0.02%. The compression factor
 is the run's embedding memory over FP32's (docs/contract.md §5); the hit rate is averaged over the
-low-precision tables (every table has the same number of lookups; small tables stay FP32).
+tables with a cache (every table has the same number of lookups; small tables stay FP32).
+
+--budget F adds planned runs (issue 30's validation): ``dlrm train --memory-budget`` with F
+times the tables' FP32 bytes, so each table's precision, cache, associativity and policy come
+from the planner; sweep.md sets each budget beside the uniform configuration with the
+smallest drop that takes no more memory, and figure7.png draws the budgets as a line:
+
+    python bench/sweep.py --steps 2000 --seeds 0 1 2 --jobs 2 --synthetic-rows 12000000 \
+        --precision int8 int4 int2 --rounding stochastic --cache 0 5 --budget 0.52 0.35 0.25 0.18 \
+        --out bench/results/planner
 
 Each run lives in --runs/NAME/ (checkpoint, report.json; the synthetic data in --runs/data/);
 its result is one row of --out/runs.jsonl (mirrored in runs.csv). A run whose row is present
@@ -41,6 +50,7 @@ import json
 import multiprocessing
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from itertools import product
 from pathlib import Path
@@ -64,15 +74,18 @@ from dlrm.build import resolve_data
 from dlrm.cli import add_data_options
 from dlrm.config import RunConfig
 from dlrm.model import PRESETS
+from dlrm.plan import run_cardinalities
 from dlrm.run_dir import latest_checkpoint, remove_checkpoints
 from dlrm.train import train
 from embcache import TableConfig, compression_factor
 from embcache.config import POLICIES, PRECISION_BITS, ROUNDINGS
+from embcache.memory import fp32_bytes
 
 PRECISIONS = tuple(PRECISION_BITS)  # fp32 (the reference) first, then the low precisions
+PLANNED = "planned"  # the precision column of a run planned to a memory budget
 NEUTRAL = 0.02  # % relative accuracy drop
 PAPER_TABLE = {("lfu", 32): 3, ("lru", 1): 4, ("lfu", 1): 5}
-CONFIG = ["precision", "rounding", "cache", "policy", "ways"]
+CONFIG = ["precision", "rounding", "cache", "policy", "ways", "budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,20 +96,27 @@ class Run:
     policy: str | None  # None without a cache
     ways: int | None
     seed: int
+    # a planned run's memory budget, a fraction of its tables' FP32 bytes (dlrm train
+    # --memory-budget chooses each table's precision and cache); None for a uniform run
+    budget: float | None = None
 
     @property
     def name(self) -> str:
         if self.precision == "fp32":
             return f"fp32-s{self.seed}"
+        if self.budget is not None:
+            return f"{PLANNED}{self.budget:g}-{self.rounding}-s{self.seed}"
         cache = f"-c{self.cache:g}-{self.policy}{self.ways}" if self.cache else "-c0"
         return f"{self.precision}-{self.rounding}{cache}-s{self.seed}"
 
 
-def grid(precisions, roundings, caches, policies, ways, seeds) -> list[Run]:
-    """Seed after seed: the FP32 reference, then every low-precision configuration."""
+def grid(precisions, roundings, caches, policies, ways, seeds, budgets=()) -> list[Run]:
+    """Seed after seed: the FP32 reference, then every low-precision configuration, then
+    every planned one."""
     runs = []
     for seed in seeds:
         runs.append(Run("fp32", None, 0, None, None, seed))
+        runs += [Run(PLANNED, r, 0, None, None, seed, b) for b, r in product(budgets, roundings)]
         for precision, rounding, cache in product(precisions, roundings, caches):
             if precision == "fp32":
                 continue
@@ -112,9 +132,9 @@ def grid(precisions, roundings, caches, policies, ways, seeds) -> list[Run]:
 def run_config(
     run: Run, base: dict, threads: int | None, checkpoint_every: int = RunConfig.checkpoint_every
 ) -> RunConfig:
-    return RunConfig(
+    cfg = RunConfig(
         **base,
-        precision=run.precision,
+        precision="int8" if run.budget is not None else run.precision,
         rounding=run.rounding or "nearest",
         cache_ratio=run.cache / 100,
         policy=run.policy or "lfu",
@@ -125,6 +145,10 @@ def run_config(
         threads=threads,
         checkpoint_every=checkpoint_every,
     )
+    if run.budget is None:
+        return cfg
+    fp32 = sum(fp32_bytes(t) for t in cfg.table_configs(run_cardinalities(cfg)))
+    return dataclasses.replace(cfg, memory_budget=int(run.budget * fp32))
 
 
 def execute(
@@ -137,14 +161,13 @@ def execute(
     report = train(cfg, run_dir, resume=latest_checkpoint(run_dir) is not None)
     remove_checkpoints(run_dir)
     emb = report["embeddings"]
-    cached = (
-        [t["hit_rate"] for t in emb["tables"].values() if t["precision"] != "fp32"]
-        if run.cache
-        else []
-    )
+    cached = [t["hit_rate"] for t in emb["tables"].values() if t["cache_slots"]]
+    plan = report.get("plan")
     return {
         "name": run.name,
         **dataclasses.asdict(run),
+        "plan": None if plan is None else [_planned_table(t) for t in plan["tables"]],
+        "proxy": None if plan is None else plan["proxy"],
         "steps": report["steps"],
         **{k: report["test"][k] for k in ("accuracy", "auc", "log_loss", "normalized_entropy")},
         "compression_factor": emb["compression_factor"],
@@ -153,6 +176,15 @@ def execute(
         "seconds": time.perf_counter() - start,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _planned_table(t: dict) -> str:
+    """One table of a plan in a few words, e.g. ``t_2 int4 + 2% 32-way lru``."""
+    cache = (
+        t["cache_slots"]
+        and f" + {t['cache_ratio'] * 100:g}% {t['associativity']}-way {t['policy']}"
+    )
+    return f"{t['name']} {t['precision']}{cache or ''}"
 
 
 def run_all(todo: list[Run], base: dict, runs_dir: Path, jobs: int, checkpoint_every: int):
@@ -197,6 +229,8 @@ def relative_drop(rows: pd.DataFrame) -> pd.Series:
 
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration: mean and std over seeds of the drop, and the other metrics."""
+    if "budget" not in rows:  # rows of sweeps before planned runs
+        rows = rows.assign(budget=np.nan)
     g = rows.assign(drop=relative_drop(rows)).groupby(CONFIG, dropna=False, sort=False)
     out = g.agg(
         seeds=("seed", "nunique"),
@@ -208,7 +242,7 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
         hit_rate=("hit_rate", "mean"),
     )
     rank = {
-        "precision": PRECISIONS.index,
+        "precision": lambda p: PRECISIONS.index(p) if p in PRECISIONS else len(PRECISIONS),
         "rounding": lambda r: ROUNDINGS.index(r) if r in ROUNDINGS else -1,
     }
     return out.reset_index().sort_values(
@@ -228,7 +262,7 @@ def rounding_effect(rows: pd.DataFrame) -> pd.DataFrame:
     from scipy import stats
 
     d = rows.assign(drop=relative_drop(rows))
-    d = d[d.precision != "fp32"].assign(
+    d = d[~d.precision.isin(["fp32", PLANNED])].assign(
         policy=d.policy.fillna("-"), ways=d.ways.astype("Int64").fillna(0)
     )
     key = ["precision", "cache", "policy", "ways"]
@@ -317,7 +351,7 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
         "",
     ]
 
-    lp = s[s.precision != "fp32"]
+    lp = s[~s.precision.isin(["fp32", PLANNED])]
     nocache = lp[lp.cache == 0]
     if len(nocache):
         t = nocache.pivot(index="rounding", columns="precision", values="cell")
@@ -378,10 +412,16 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
             "",
         ]
 
-    s["config"] = [cache_label(c, p, w) for c, p, w in zip(s.cache, s.policy, s.ways)]
-    comp = s.groupby(["config", "precision"], sort=False).compression_factor.mean().unstack()
+    out += planned_section(rows, s)
+
+    s["config"] = [
+        f"planned to {b:g} of FP32" if p == PLANNED else cache_label(c, pol, w)
+        for p, c, pol, w, b in zip(s.precision, s.cache, s.policy, s.ways, s.budget)
+    ]
+    uniform = s[s.precision != PLANNED]
+    comp = uniform.groupby(["config", "precision"], sort=False).compression_factor.mean().unstack()
     comp = comp.reindex(columns=[p for p in PRECISIONS if p in comp.columns])
-    kind = s.drop_duplicates("config").set_index("config").loc[comp.index]
+    kind = uniform.drop_duplicates("config").set_index("config").loc[comp.index]
     paper = pd.DataFrame(
         {
             p: [formula_factor(p, k.cache, k.policy, k.ways) for k in kind.itertuples()]
@@ -439,6 +479,63 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
     return "\n".join(out)
 
 
+def planned_section(rows: pd.DataFrame, s: pd.DataFrame) -> list[str]:
+    """Markdown lines: each planned budget's drop beside the best uniform configuration that
+    takes at most its memory, the smallest neutral budget, and what the plans chose."""
+    planned = s[s.precision == PLANNED].sort_values(["rounding", "budget"])
+    if planned.empty:
+        return []
+    uniform = s[~s.precision.isin(["fp32", PLANNED])]
+    table = []
+    for p in planned.itertuples():
+        fits = uniform[
+            (uniform.rounding == p.rounding) & (uniform.compression_factor <= p.compression_factor)
+        ]
+        best = fits.loc[fits["drop"].idxmin()] if len(fits) else None
+        table.append(
+            {
+                "rounding": p.rounding,
+                "budget": f"{p.budget:g}",
+                "memory factor": f"{p.compression_factor:.4f}",
+                "seeds": p.seeds,
+                "planned: drop": cell(p.drop, p.drop_std),
+                "best uniform within that memory": "–"
+                if best is None
+                else f"{best.precision} {cache_label(best.cache, best.policy, best.ways)} "
+                f"({best.compression_factor:.4f})",
+                "its drop": "–" if best is None else cell(best["drop"], best.drop_std),
+            }
+        )
+    neutral = planned[planned["drop"] < NEUTRAL]
+    smallest = (
+        f"The smallest neutral budget: **{neutral.budget.min():g} of FP32 memory** "
+        f"({1 / neutral.compression_factor.min():.1f}x less)."
+        if len(neutral)
+        else "No budget run was neutral."
+    )
+    plans = rows[rows.precision == PLANNED].sort_values(["budget", "seed"])
+    chosen = [
+        f"- {r.budget:g} (seed {r.seed}, proxy {r.proxy:.3g}): "
+        + ", ".join(f"{n} {c}" for c, n in Counter(t.split(" ", 1)[1] for t in r.plan).items())
+        for r in plans.drop_duplicates("budget").itertuples()
+    ]
+    return [
+        "## Planned to a memory budget",
+        "",
+        "Each table's precision, cache size, associativity and policy chosen by "
+        "`dlrm train --memory-budget` (the budget: this fraction of the tables' FP32 bytes) "
+        "from the first 1M rows training reads. Beside it, the uniform configuration of this "
+        f"sweep with the smallest drop that takes at most the same memory. {smallest}",
+        "",
+        markdown_table(pd.DataFrame(table).set_index("rounding")),
+        "",
+        "What the plans chose (tables per choice):",
+        "",
+        *chosen,
+        "",
+    ]
+
+
 def _pyplot():
     import matplotlib
 
@@ -452,7 +549,8 @@ def plot_figure7(rows: pd.DataFrame, path: Path) -> None:
     """Accuracy drop against compression factor, one point per configuration, a panel per rounding."""
     plt, colors = _pyplot()
     s = summarize(rows)
-    lp = s[s.precision != "fp32"]
+    planned = s[s.precision == PLANNED].sort_values("compression_factor")
+    lp = s[~s.precision.isin(["fp32", PLANNED])]
     roundings = [r for r in ROUNDINGS if r in set(lp.rounding)] or ROUNDINGS[-1:]
     fig, axes = plt.subplots(
         1, len(roundings), figsize=(6 * len(roundings), 4.5), sharey=True, squeeze=False
@@ -480,6 +578,17 @@ def plot_figure7(rows: pd.DataFrame, path: Path) -> None:
                     xytext=(3, 3),
                     textcoords="offset points",
                 )
+        p = planned[planned.rounding == rounding]
+        if len(p):
+            ax.errorbar(
+                p.compression_factor,
+                p["drop"],
+                yerr=p.drop_std.fillna(0),
+                fmt="-D",
+                color="black",
+                capsize=2,
+                label="planned to a budget",
+            )
         ax.axhline(NEUTRAL, color="gray", ls="--", lw=0.8)
         ax.set(
             title=f"{rounding} rounding",
@@ -495,7 +604,7 @@ def plot_figure2(rows: pd.DataFrame, path: Path) -> None:
     """Accuracy drop against cache size (0 = no cache), a panel per (cache kind, rounding)."""
     plt, colors = _pyplot()
     s = summarize(rows)
-    lp = s[s.precision != "fp32"]
+    lp = s[~s.precision.isin(["fp32", PLANNED])]
     kinds = list(dict.fromkeys(zip(lp[lp.cache != 0].policy, lp[lp.cache != 0].ways)))
     panels = [(k, r) for k in kinds for r in ROUNDINGS if r in set(lp.rounding)]
     if not panels:
@@ -555,6 +664,14 @@ def main(argv=None) -> int:
     g.add_argument("--policy", nargs="+", choices=POLICIES, default=["lfu"])
     g.add_argument("--ways", type=int, nargs="+", default=[32], help="associativities")
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    g.add_argument(
+        "--budget",
+        type=float,
+        nargs="+",
+        default=[],
+        help="planned runs: each table's precision and cache chosen (dlrm train "
+        "--memory-budget) to fit this fraction of the tables' FP32 bytes, per --rounding",
+    )
     g = p.add_argument_group("shared by every run (fixed by the sweep's first invocation)")
     d = RunConfig()
     add_data_options(g)
@@ -585,6 +702,8 @@ def main(argv=None) -> int:
         help="run directories and synthetic data (default: %(default)s, git-ignored)",
     )
     args = p.parse_args(argv)
+    if any(not 0 < b <= 1 for b in args.budget):
+        p.error("--budget: a fraction of the tables' FP32 bytes in (0, 1], e.g. 0.25")
     # Runs of --jobs > 1 train in their own processes with 1 thread each.
     threads = 1 if args.jobs > 1 else torch.get_num_threads()
     env = environment(__file__, argv, threads=threads)
@@ -605,7 +724,9 @@ def main(argv=None) -> int:
             )
     write_text(settings, json.dumps({"settings": base, "environment": env}, indent=1))
 
-    runs = grid(args.precision, args.rounding, args.cache, args.policy, args.ways, args.seeds)
+    runs = grid(
+        args.precision, args.rounding, args.cache, args.policy, args.ways, args.seeds, args.budget
+    )
     done = set(read_rows(args.out).name)
     todo = [r for r in runs if r.name not in done]
     print(

@@ -139,3 +139,40 @@ def test_relative_drop_by_hand():
         },
     )
     assert "| stochastic | 0.575 ± 0.955 | **0.010** |" in md
+
+
+def test_planned_runs_fit_their_budget_and_are_compared_with_uniform_ones(tmp_path):
+    out, runs = tmp_path / "sweep", tmp_path / "runs"
+    tiny = [*TINY[:-1], "--out", str(out), "--runs", str(runs), "--seeds", "0"]
+    assert sweep.main([*tiny, "--budget", "0.5", "0.3"]) == 0
+    rows = {r["name"]: r for r in map(json.loads, (out / "runs.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [
+        "fp32-s0",
+        "int8-stochastic-c0-s0",
+        "planned0.3-stochastic-s0",
+        "planned0.5-stochastic-s0",
+    ]
+    report = json.loads((runs / "planned0.3-stochastic-s0" / "report.json").read_text())
+    for budget in (0.5, 0.3):
+        row = rows[f"planned{budget:g}-stochastic-s0"]
+        assert row["budget"] == budget and 0 < row["compression_factor"] <= budget
+        assert len(row["plan"]) == 26 and row["proxy"] >= 0
+    assert report["plan"]["total_bytes"] <= 0.3 * report["plan"]["fp32_bytes"]
+    assert [f"{t['name']} {t['precision']}" for t in report["plan"]["tables"]] == [
+        p.split(" + ")[0] for p in rows["planned0.3-stochastic-s0"]["plan"]
+    ]
+    md = (out / "sweep.md").read_text()
+    assert "## Planned to a memory budget" in md
+    # uniform int8 without cache takes ~0.41 of FP32: within 0.5's memory, not within 0.3's
+    assert "| stochastic | 0.5 |" in md and "| stochastic | 0.3 |" in md
+    line = next(x for x in md.splitlines() if x.startswith("| stochastic | 0.5 |"))
+    assert "int8 no cache" in line
+    line = next(x for x in md.splitlines() if x.startswith("| stochastic | 0.3 |"))
+    assert line.rstrip().endswith("| – | – |")
+
+
+def test_budget_outside_zero_one_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        sweep.main([*TINY, "--out", str(tmp_path), "--budget", "25"])
+    assert exit.value.code == 2
+    assert "--budget: a fraction" in capsys.readouterr().err

@@ -40,7 +40,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
   int32_t* tags = cache_tags.data_ptr<int32_t>();
   int32_t* prio = cache_priority.data_ptr<int32_t>();
   int32_t* cnt = counts.data_ptr<int32_t>();
-  const Cache cache{tags, nullptr, num_sets, ways};
+  const Cache cache{tags, nullptr, num_sets, ways, t.set_divisor};
   int64_t max_index = 0;
   for (int64_t l = 0; l < indices.numel(); ++l) max_index = std::max(max_index, idx[l]);
   const int index_bits = bits_for(max_index + 1);
@@ -74,7 +74,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
       bypass = nu;  // no cache: every updated row goes to the table
     else
       for (int64_t u = 0; u < nu; ++u)
-        set_keys.push_back(((uint64_t)set_of_row(rows[u], num_sets) << 32) | (uint64_t)u);
+        set_keys.push_back(((uint64_t)set_of_row(rows[u], t.set_divisor) << 32) | (uint64_t)u);
     const std::vector<int64_t> starts = sort_into_runs(set_keys, bits_for(num_sets), tmp);
     for (size_t gi = 0; gi + 1 < starts.size(); ++gi) {
       const int64_t base = (int64_t)(set_keys[starts[gi]] >> 32) * ways;

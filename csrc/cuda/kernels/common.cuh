@@ -58,10 +58,10 @@ __device__ __forceinline__ int64_t threads_in_grid() { return (int64_t)gridDim.x
 
 /// The slot holding `row` (or -1): lane w reads the tag of way w, a ballot finds the match.
 /// Called by all 32 lanes with the same row.
-__device__ __forceinline__ int64_t warp_find_slot(const int32_t* tags, int64_t num_sets,
+__device__ __forceinline__ int64_t warp_find_slot(const int32_t* tags, const SetDivisor& sets,
                                                   int64_t ways, int64_t row) {
-  if (num_sets == 0) return -1;
-  const int64_t base = set_of_row(row, num_sets) * ways;
+  if (sets.d == 0) return -1;
+  const int64_t base = set_of_row(row, sets) * ways;
   const unsigned lane = lane_id();
   const bool match = (int64_t)lane < ways && (int64_t)tags[base + lane] == row;
   const unsigned m = __ballot_sync(kFullMask, match);

@@ -12,7 +12,7 @@ namespace EMBCACHE_GPU_NS {
 template <int Chunks>
 __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
                                  const float* cache_rows, Bags bags, RowFormat f,
-                                 int64_t num_sets, int64_t ways, bool mean, float* out,
+                                 SetDivisor sets, int64_t ways, bool mean, float* out,
                                  int64_t out_stride, unsigned long long* errors,
                                  unsigned long long* hits) {
   const int lane = (int)lane_id();
@@ -38,7 +38,7 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
           if (lane == 0) atomicOr(errors, (unsigned long long)kBadIndex);
           continue;
         }
-        const int64_t slot = warp_find_slot(tags, num_sets, ways, row);
+        const int64_t slot = warp_find_slot(tags, sets, ways, row);
         const float s = psw ? psw[l] : 0.f;
         if (slot >= 0) {
           if (tile == 0) ++bag_hits;
@@ -79,7 +79,7 @@ void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, fl
   if (bags.nb == 0) return;
   EC_LAUNCH_TILED(pool_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
                   state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
-                  t.num_sets, t.ways, t.mean, out, out_stride, errors, hits);
+                  t.set_divisor, t.ways, t.mean, out, out_stride, errors, hits);
 }
 
 }  // namespace EMBCACHE_GPU_NS

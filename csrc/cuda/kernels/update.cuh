@@ -40,7 +40,7 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
       if (lane == 0) atomicOr(&flags[2 * k], (unsigned long long)kBadUniqueRows);
       continue;
     }
-    const int64_t slot = warp_find_slot(T.state.cache_tags, T.t.num_sets, T.t.ways, row);
+    const int64_t slot = warp_find_slot(T.state.cache_tags, T.t.set_divisor, T.t.ways, row);
     if (lane == 0) slots[u] = slot;
     const float* cv = slot >= 0 ? T.state.cache_rows + slot * dim : nullptr;
     const uint8_t* tr = T.state.weights + row * f.row_bytes();
@@ -107,7 +107,7 @@ __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const 
     if (!keys) continue;
     const uint64_t set = T.t.num_sets == 0
                              ? no_set
-                             : (uint64_t)(T.set_start + set_of_row(row, T.t.num_sets));
+                             : (uint64_t)(T.set_start + set_of_row(row, T.t.set_divisor));
     const uint64_t inv = T.t.lfu ? (uint64_t)(0x7fffffff - count) : 0;
     keys[u] = (set << 31) | inv;
     vals[u] = u;

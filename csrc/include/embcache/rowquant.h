@@ -86,8 +86,58 @@ EMBCACHE_HD uint64_t murmur_fmix64(uint64_t h) {
   return h;
 }
 
-EMBCACHE_HD int64_t set_of_row(int64_t row, int64_t num_sets) {
-  return (int64_t)(murmur_fmix64((uint64_t)row) % (uint64_t)num_sets);
+/// The high 64 bits of a * b.
+EMBCACHE_HD uint64_t mul_hi64(uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umul64hi(a, b);
+#else
+  return (uint64_t)(((unsigned __int128)a * b) >> 64);
+#endif
+}
+
+/// A table's set count d as a divisor: rem(x) == x % d for every uint64 x (d >= 1), by a
+/// multiply and shifts (Granlund and Montgomery, "Division by invariant integers using
+/// multiplication", 1994: the round-up method, whose 65-bit multiplier for some d is kept as
+/// its low 64 bits and an add step). A 64-bit `%` is a long instruction sequence on a GPU,
+/// and every lookup's chain of loads waits for one. d == 0: a table without a cache.
+struct SetDivisor {
+  uint64_t d = 0;
+  uint64_t magic = 0;  // 0: d is a power of two, x / d == x >> shift
+  uint32_t shift = 0;
+  bool add = false;  // the multiplier is 2^64 + magic
+
+  static SetDivisor of(uint64_t d) {
+    SetDivisor v;
+    v.d = d;
+    if (d == 0) return v;
+    uint32_t l = 0;  // floor(log2(d))
+    while (l < 63 && (d >> (l + 1)) != 0) ++l;
+    v.shift = l;
+    if ((d & (d - 1)) == 0) return v;
+    // 2^l < d < 2^(l+1): m = floor(2^(64+l) / d) < 2^64, r its remainder
+    const unsigned __int128 p = (unsigned __int128)1 << (64 + l);
+    const uint64_t m = (uint64_t)(p / d), r = (uint64_t)(p % d);
+    if (d - r < (uint64_t(1) << l)) {
+      v.magic = m + 1;  // ceil(2^(64+l) / d): exact for every 64-bit x
+    } else {  // ceil(2^(65+l) / d) - 2^64 = 2m + 1 - 2^64 (r <= d - 2^l < d / 2), plus x
+      v.magic = 2 * m + 1;
+      v.add = true;
+    }
+    return v;
+  }
+
+  EMBCACHE_HD uint64_t quotient(uint64_t x) const {
+    if (magic == 0) return x >> shift;
+    const uint64_t t = mul_hi64(magic, x);
+    return add ? (((x - t) >> 1) + t) >> shift : t >> shift;
+  }
+
+  EMBCACHE_HD uint64_t rem(uint64_t x) const { return x - quotient(x) * d; }
+};
+
+/// The set of `row` in a cache of sets.d sets (sets.d >= 1): murmur_fmix64(row) % sets.d.
+EMBCACHE_HD int64_t set_of_row(int64_t row, const SetDivisor& sets) {
+  return (int64_t)sets.rem(murmur_fmix64((uint64_t)row));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -109,6 +109,7 @@ struct TableSpec {
   uint64_t seed;
   uint32_t table;
   bool mean;
+  SetDivisor set_divisor;  // num_sets as a divisor (set_of_row)
 
   EMBCACHE_HD int64_t slots() const { return num_sets * ways; }
   EMBCACHE_HD int64_t state_width() const { return optimizer_state_width(optimizer, f.dim); }
@@ -165,7 +166,8 @@ inline int decode_spec(const int64_t* s, TableSpec* out) {
                    ways,
                    (uint64_t)s[kSeed],
                    (uint32_t)s[kTable],
-                   s[kMean] != 0};
+                   s[kMean] != 0,
+                   SetDivisor::of((uint64_t)sets)};
   return -1;
 }
 

@@ -11,7 +11,8 @@ nearest/stochastic x no cache, 5, 10, 30, 50% 32-way LFU, plus FP32 = 41 runs pe
 What it measures: every run trains DLRM with ``dlrm.train.train`` (same data, steps, batch size
 and seed for every configuration; intermediate evaluations off) and evaluates the whole test
 split; the table configuration varies over --precision x --rounding x --cache (% of each
-table's rows; 0 = no cache) x --policy x --ways. For every seed the FP32 reference run
+table's rows; 0 = no cache) x --policy x --ways x --qparams (integer rows' scale and bias in
+FP32 or FP16; the paper's tables show FP32's). For every seed the FP32 reference run
 (precision fp32, no cache) is added, and a configuration's accuracy drop is
 ``(acc_fp32 - acc) / acc_fp32 * 100`` against the reference of the same seed (docs/contract.md §7),
 shown as mean ± std over seeds; "neutral" (bold) is a mean below 0.02%. The compression factor
@@ -78,14 +79,15 @@ from dlrm.plan import run_cardinalities
 from dlrm.run_dir import latest_checkpoint, remove_checkpoints
 from dlrm.train import train
 from embcache import TableConfig, compression_factor
-from embcache.config import POLICIES, PRECISION_BITS, ROUNDINGS
+from embcache.config import POLICIES, PRECISION_BITS, QPARAMS, ROUNDINGS
 from embcache.memory import fp32_bytes
 
 PRECISIONS = tuple(PRECISION_BITS)  # fp32 (the reference) first, then the low precisions
 PLANNED = "planned"  # the precision column of a run planned to a memory budget
 NEUTRAL = 0.02  # % relative accuracy drop
+MARKERS = {(False, "fp32"): "s", (True, "fp32"): "o", (False, "fp16"): "v", (True, "fp16"): "^"}
 PAPER_TABLE = {("lfu", 32): 3, ("lru", 1): 4, ("lfu", 1): 5}
-CONFIG = ["precision", "rounding", "cache", "policy", "ways", "budget"]
+CONFIG = ["precision", "rounding", "cache", "policy", "ways", "qparams", "budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Run:
     policy: str | None  # None without a cache
     ways: int | None
     seed: int
+    qparams: str = "fp32"  # an integer row's scale and bias (TableConfig.qparams)
     # a planned run's memory budget, a fraction of its tables' FP32 bytes (dlrm train
     # --memory-budget chooses each table's precision and cache); None for a uniform run
     budget: float | None = None
@@ -104,28 +107,35 @@ class Run:
     def name(self) -> str:
         if self.precision == "fp32":
             return f"fp32-s{self.seed}"
+        qparams = "-qp16" if self.qparams == "fp16" else ""
         if self.budget is not None:
-            return f"{PLANNED}{self.budget:g}-{self.rounding}-s{self.seed}"
+            return f"{PLANNED}{self.budget:g}-{self.rounding}{qparams}-s{self.seed}"
         cache = f"-c{self.cache:g}-{self.policy}{self.ways}" if self.cache else "-c0"
-        return f"{self.precision}-{self.rounding}{cache}-s{self.seed}"
+        return f"{self.precision}-{self.rounding}{cache}{qparams}-s{self.seed}"
 
 
-def grid(precisions, roundings, caches, policies, ways, seeds, budgets=()) -> list[Run]:
-    """Seed after seed: the FP32 reference, then every low-precision configuration, then
-    every planned one."""
+def grid(
+    precisions, roundings, caches, policies, ways, seeds, budgets=(), qparams=("fp32",)
+) -> list[Run]:
+    """Seed after seed: the FP32 reference, then every planned configuration, then every
+    low-precision one."""
     runs = []
     for seed in seeds:
         runs.append(Run("fp32", None, 0, None, None, seed))
-        runs += [Run(PLANNED, r, 0, None, None, seed, b) for b, r in product(budgets, roundings)]
-        for precision, rounding, cache in product(precisions, roundings, caches):
-            if precision == "fp32":
-                continue
-            if cache == 0:
-                runs.append(Run(precision, rounding, 0, None, None, seed))
-            else:
-                runs += [
-                    Run(precision, rounding, cache, p, w, seed) for p, w in product(policies, ways)
-                ]
+        for q in qparams:
+            runs += [
+                Run(PLANNED, r, 0, None, None, seed, q, b) for b, r in product(budgets, roundings)
+            ]
+            for precision, rounding, cache in product(precisions, roundings, caches):
+                if precision == "fp32":
+                    continue
+                if cache == 0:
+                    runs.append(Run(precision, rounding, 0, None, None, seed, q))
+                else:
+                    runs += [
+                        Run(precision, rounding, cache, p, w, seed, q)
+                        for p, w in product(policies, ways)
+                    ]
     return list(dict.fromkeys(runs))
 
 
@@ -139,6 +149,7 @@ def run_config(
         cache_ratio=run.cache / 100,
         policy=run.policy or "lfu",
         associativity=run.ways or 1,
+        qparams=run.qparams,
         seed=run.seed,
         eval_every=0,
         progress=False,
@@ -227,10 +238,15 @@ def relative_drop(rows: pd.DataFrame) -> pd.Series:
     return (acc32 - rows.accuracy) / acc32 * 100
 
 
+def with_later_columns(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with the columns that rows of older sweeps lack, at their values then."""
+    defaults = {"budget": np.nan, "qparams": "fp32"}
+    return rows.assign(**{k: v for k, v in defaults.items() if k not in rows})
+
+
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration: mean and std over seeds of the drop, and the other metrics."""
-    if "budget" not in rows:  # rows of sweeps before planned runs
-        rows = rows.assign(budget=np.nan)
+    rows = with_later_columns(rows)
     g = rows.assign(drop=relative_drop(rows)).groupby(CONFIG, dropna=False, sort=False)
     out = g.agg(
         seeds=("seed", "nunique"),
@@ -261,8 +277,8 @@ def rounding_effect(rows: pd.DataFrame) -> pd.DataFrame:
     spread."""
     from scipy import stats
 
-    d = rows.assign(drop=relative_drop(rows))
-    d = d[~d.precision.isin(["fp32", PLANNED])].assign(
+    d = with_later_columns(rows).assign(drop=relative_drop(rows))
+    d = d[~d.precision.isin(["fp32", PLANNED]) & (d.qparams == "fp32")].assign(
         policy=d.policy.fillna("-"), ways=d.ways.astype("Int64").fillna(0)
     )
     key = ["precision", "cache", "policy", "ways"]
@@ -351,7 +367,8 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
         "",
     ]
 
-    lp = s[~s.precision.isin(["fp32", PLANNED])]
+    # the paper's tables: FP32 qparams (the others are in "All configurations")
+    lp = s[~s.precision.isin(["fp32", PLANNED]) & (s.qparams == "fp32")]
     nocache = lp[lp.cache == 0]
     if len(nocache):
         t = nocache.pivot(index="rounding", columns="precision", values="cell")
@@ -418,7 +435,7 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
         f"planned to {b:g} of FP32" if p == PLANNED else cache_label(c, pol, w)
         for p, c, pol, w, b in zip(s.precision, s.cache, s.policy, s.ways, s.budget)
     ]
-    uniform = s[s.precision != PLANNED]
+    uniform = s[(s.precision != PLANNED) & (s.qparams == "fp32")]
     comp = uniform.groupby(["config", "precision"], sort=False).compression_factor.mean().unstack()
     comp = comp.reindex(columns=[p for p in PRECISIONS if p in comp.columns])
     kind = uniform.drop_duplicates("config").set_index("config").loc[comp.index]
@@ -460,6 +477,7 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
             "precision",
             "rounding",
             "cache",
+            "qparams",
             "seeds",
             "accuracy",
             "drop",
@@ -501,7 +519,8 @@ def planned_section(rows: pd.DataFrame, s: pd.DataFrame) -> list[str]:
                 "planned: drop": cell(p.drop, p.drop_std),
                 "best uniform within that memory": "–"
                 if best is None
-                else f"{best.precision} {cache_label(best.cache, best.policy, best.ways)} "
+                else f"{best.precision} {cache_label(best.cache, best.policy, best.ways)}"
+                f"{', fp16 qparams' if best.qparams == 'fp16' else ''} "
                 f"({best.compression_factor:.4f})",
                 "its drop": "–" if best is None else cell(best["drop"], best.drop_std),
             }
@@ -558,8 +577,8 @@ def plot_figure7(rows: pd.DataFrame, path: Path) -> None:
     for ax, rounding in zip(axes[0], roundings):
         ax.scatter([1.0], [0.0], color=colors["fp32"], marker="*", s=80, label="fp32 (reference)")
         for precision, d in lp[lp.rounding == rounding].groupby("precision", sort=False):
-            for cached, marker in ((False, "s"), (True, "o")):
-                e = d[(d.cache != 0) == cached]
+            for (cached, qparams), marker in MARKERS.items():
+                e = d[((d.cache != 0) == cached) & (d.qparams == qparams)]
                 if len(e):
                     ax.errorbar(
                         e.compression_factor,
@@ -568,7 +587,8 @@ def plot_figure7(rows: pd.DataFrame, path: Path) -> None:
                         fmt=marker,
                         color=colors[precision],
                         capsize=2,
-                        label=f"{precision} {'+ cache' if cached else 'no cache'}",
+                        label=f"{precision} {'+ cache' if cached else 'no cache'}"
+                        + (", fp16 qparams" if qparams == "fp16" else ""),
                     )
             for _, r in d[d.cache != 0].iterrows():
                 ax.annotate(
@@ -604,7 +624,7 @@ def plot_figure2(rows: pd.DataFrame, path: Path) -> None:
     """Accuracy drop against cache size (0 = no cache), a panel per (cache kind, rounding)."""
     plt, colors = _pyplot()
     s = summarize(rows)
-    lp = s[~s.precision.isin(["fp32", PLANNED])]
+    lp = s[~s.precision.isin(["fp32", PLANNED]) & (s.qparams == "fp32")]
     kinds = list(dict.fromkeys(zip(lp[lp.cache != 0].policy, lp[lp.cache != 0].ways)))
     panels = [(k, r) for k in kinds for r in ROUNDINGS if r in set(lp.rounding)]
     if not panels:
@@ -664,6 +684,13 @@ def main(argv=None) -> int:
     g.add_argument("--policy", nargs="+", choices=POLICIES, default=["lfu"])
     g.add_argument("--ways", type=int, nargs="+", default=[32], help="associativities")
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    g.add_argument(
+        "--qparams",
+        nargs="+",
+        choices=QPARAMS,
+        default=["fp32"],
+        help="integer rows' scale and bias (low-precision and planned runs)",
+    )
     g.add_argument(
         "--budget",
         type=float,
@@ -725,7 +752,14 @@ def main(argv=None) -> int:
     write_text(settings, json.dumps({"settings": base, "environment": env}, indent=1))
 
     runs = grid(
-        args.precision, args.rounding, args.cache, args.policy, args.ways, args.seeds, args.budget
+        args.precision,
+        args.rounding,
+        args.cache,
+        args.policy,
+        args.ways,
+        args.seeds,
+        args.budget,
+        args.qparams,
     )
     done = set(read_rows(args.out).name)
     todo = [r for r in runs if r.name not in done]

@@ -176,3 +176,18 @@ def test_budget_outside_zero_one_is_refused(tmp_path, capsys):
         sweep.main([*TINY, "--out", str(tmp_path), "--budget", "25"])
     assert exit.value.code == 2
     assert "--budget: a fraction" in capsys.readouterr().err
+
+
+def test_fp16_qparams_runs_are_their_own_configuration(tmp_path):
+    out, runs = tmp_path / "sweep", tmp_path / "runs"
+    tiny = [*TINY[:-1], "--out", str(out), "--runs", str(runs), "--seeds", "0"]
+    assert sweep.main([*tiny, "--qparams", "fp32", "fp16"]) == 0
+    rows = {r["name"]: r for r in map(json.loads, (out / "runs.jsonl").read_text().splitlines())}
+    assert sorted(rows) == ["fp32-s0", "int8-stochastic-c0-qp16-s0", "int8-stochastic-c0-s0"]
+    half, full = rows["int8-stochastic-c0-qp16-s0"], rows["int8-stochastic-c0-s0"]
+    assert half["qparams"] == "fp16" and full["qparams"] == "fp32"
+    assert half["compression_factor"] < full["compression_factor"]
+    md = (out / "sweep.md").read_text()
+    table2 = md.split("## Without cache")[1].split("##")[0]
+    assert table2.count("| stochastic |") == 1  # the paper's tables: FP32 qparams only
+    assert "| int8 | stochastic | no cache | fp16 |" in md

@@ -76,7 +76,7 @@ def process_model(cfg: RunConfig, cardinalities: list[int], ranks, loading: bool
     when a checkpoint is about to fill them (``loading``), so none is drawn in vain."""
     if ranks.world_size > 1:
         model = build_model(cfg, cardinalities, device="meta")
-        return distributed.shard(model, ranks, cfg.batch_size)
+        return distributed.shard(model, ranks, cfg.batch_size, cfg.memory_budget)
     return build_model(cfg, cardinalities, device="meta" if loading else None)
 
 

@@ -163,9 +163,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         type=_size,
         default=d.memory_budget,
         metavar="SIZE",
-        help="bytes all the tables may take (700MiB, 1.5GiB, 800MB, bytes): each table's "
-        "precision, cache, associativity and policy are planned to fit it ('dlrm plan' shows "
-        "the plan)",
+        help="bytes the tables may take in each process (700MiB, 1.5GiB, 800MB, bytes): each "
+        "table's precision, cache, associativity and policy are planned to fit it, times "
+        "--nproc-per-node, whose processes TorchRec's planner then gives at most this each "
+        "('dlrm plan' shows the plan)",
     )
     g.add_argument(
         "--plan-rows",
@@ -283,8 +284,9 @@ def _summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _plan_text(plan: dict, seconds: float) -> str:
-    """A plan (``embcache.planner.plan``) as a table, a line per table, and its total."""
+def _plan_text(plan: dict, seconds: float, processes: int = 1) -> str:
+    """A plan (``embcache.planner.plan``) as a table, a line per table, and its total (its
+    budget that of ``processes`` processes)."""
 
     def size(n: int) -> str:
         k = max([0] + [k for k in range(1, 4) if n >= 1024**k])
@@ -318,8 +320,11 @@ def _plan_text(plan: dict, seconds: float) -> str:
         for r in [head, *rows]
     ]
     sample = max(t["lookups"] for t in plan["tables"])
+    budget = f"a {size(plan['budget'])} budget"
+    if processes > 1:
+        budget += f", {size(plan['budget'] // processes)} for each of {processes} processes"
     lines.append(
-        f"total {size(plan['total_bytes'])} of a {size(plan['budget'])} budget "
+        f"total {size(plan['total_bytes'])} of {budget} "
         f"({plan['total_bytes'] / plan['fp32_bytes']:.3f} of FP32 tables, "
         f"{size(plan['fp32_bytes'])}); loss proxy {plan['proxy']:.3g}; planned from "
         f"{sample:,} training rows in {seconds:.1f} s"
@@ -462,7 +467,7 @@ def _dispatch(args) -> int:
             refuse_unmeetable(cfg, run_cardinalities(cfg))
             start = time.perf_counter()
             plan = plan_run(cfg, resolve_dataset(cfg, _DEFAULT_OUT)[1])
-            print(_plan_text(plan, time.perf_counter() - start))
+            print(_plan_text(plan, time.perf_counter() - start, cfg.nproc_per_node))
         elif args.command == "report":
             from dlrm.plots import render
 

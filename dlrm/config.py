@@ -116,10 +116,6 @@ class RunConfig:
                 )
             if self.embeddings != "embcache":
                 raise RunError("--nproc-per-node > 1 shards our tables: use --embeddings embcache")
-            if self.memory_budget is not None:
-                raise RunError(
-                    "--memory-budget plans the tables of one process: leave out --nproc-per-node"
-                )
         if self.memory_budget is not None and self.embeddings != "embcache":
             raise RunError("--memory-budget plans our tables: use --embeddings embcache")
         for option, (field, value) in _TABLE_DEFAULT_OPTIONS.items():

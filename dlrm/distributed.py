@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ShardingEnv
 
 from dlrm.errors import RunError, Stopped
@@ -90,15 +92,31 @@ class Ranks:
 ONE_PROCESS = Ranks()
 
 
-def shard(model: torch.nn.Module, ranks: Ranks, batch_size: int) -> DistributedModelParallel:
+def shard(
+    model: torch.nn.Module, ranks: Ranks, batch_size: int, memory_budget: int | None = None
+) -> DistributedModelParallel:
     """``model`` with its embedding collection sharded over ``ranks`` as TorchRec's planner
     places it (by our tables' real bytes; table-wise but for a table larger than a rank's
     share, ``embcache.sharding.default_constraints``), the dense part left for the trainer
-    to make data-parallel (``init_data_parallel=False``)."""
+    to make data-parallel (``init_data_parallel=False``). With ``memory_budget``, the
+    planner keeps each rank's shards within that many bytes, counted as ``memory_bytes()``
+    counts them (its host-memory capacity, none of it reserved for other modules);
+    ``RunError`` if it finds no such placement."""
     sharder = CachedEmbeddingBagCollectionSharder()
-    topology = Topology(world_size=ranks.world_size, compute_device="cpu")
+    topology = Topology(world_size=ranks.world_size, compute_device="cpu", ddr_cap=memory_budget)
     constraints = default_constraints(model.embedding_collection, ranks.world_size)
-    plan = planner(topology, batch_size, constraints).collective_plan(model, [sharder], ranks.group)
+    reserve = None if memory_budget is None else FixedPercentageStorageReservation(0.0)
+    try:
+        plan = planner(topology, batch_size, constraints, reserve).collective_plan(
+            model, [sharder], ranks.group
+        )
+    except PlannerError as e:
+        if memory_budget is None:
+            raise
+        raise RunError(
+            f"--memory-budget: TorchRec's planner cannot place the planned tables in "
+            f"{memory_budget:,} bytes a process: {_last_line(str(e))}"
+        ) from None
     return DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(ranks.group),

@@ -1,6 +1,9 @@
 """A run's tables planned to a memory budget (``--memory-budget``, ``dlrm plan``; docs/design.md,
 "The memory-budget planner"): :func:`embcache.planner.plan` on the ids of the first
-``plan_rows`` rows the run trains on, in the order it reads them."""
+``plan_rows`` rows the run trains on, in the order it reads them. The budget is per process:
+the tables of a run of ``--nproc-per-node`` processes are planned to that many budgets, and
+TorchRec's planner shards them so that each process holds at most one
+(:func:`dlrm.distributed.shard`)."""
 
 from __future__ import annotations
 
@@ -26,18 +29,32 @@ def run_cardinalities(cfg: RunConfig) -> list[int]:
     return data_batches.cardinalities(cfg.data)
 
 
+def tables_budget(cfg: RunConfig) -> int:
+    """The bytes all the run's tables may take: ``--memory-budget`` in each process."""
+    return cfg.memory_budget * cfg.nproc_per_node
+
+
 def refuse_unmeetable(cfg: RunConfig, cardinalities: list[int]) -> None:
     """``RunError`` (one line naming the option) if ``cfg.memory_budget`` is below the smallest
-    budget a plan of its tables can meet (the message names that budget), or if ``--table``
-    sets a field the plan chooses."""
+    budget a plan of its tables can meet (the message names that budget, per process), or if
+    ``--table`` sets a field the plan chooses."""
     for name, options in cfg.tables.items():
         fixed = sorted(set(options) & set(planner.PLANNED))
         if fixed:
             raise RunError(f"--table {name}: {fixed[0]} is chosen by --memory-budget, leave it out")
+    tables = cfg.table_configs(cardinalities)
+    n = cfg.nproc_per_node
     try:
-        planner.check_budget(cfg.table_configs(cardinalities), cfg.memory_budget)
+        planner.check_budget(tables, tables_budget(cfg))
     except ValueError as e:
-        raise RunError(f"--memory-budget: {e}") from None
+        if n == 1:
+            raise RunError(f"--memory-budget: {e}") from None
+        least = -(-planner.smallest_budget(tables) // n)
+        raise RunError(
+            f"--memory-budget: {cfg.memory_budget:,} bytes a process cannot be met by {n} "
+            f"processes: the smallest that can is {least:,} bytes ({least / 2**20:.1f} MiB) "
+            "a process"
+        ) from None
 
 
 def sample_ids(cfg: RunConfig, dataset: data_batches.Dataset) -> dict[str, torch.Tensor]:
@@ -61,7 +78,7 @@ def plan_run(cfg: RunConfig, dataset: data_batches.Dataset) -> dict:
     refuse_unmeetable(cfg, cardinalities)
     return planner.plan(
         cfg.table_configs(cardinalities),
-        cfg.memory_budget,
+        tables_budget(cfg),
         sample_ids(cfg, dataset),
         batch_size=cfg.batch_size,
     )

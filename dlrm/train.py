@@ -82,11 +82,17 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
             return _train_here(cfg, out_dir, resume, ranks, plan)
         resolve_dataset(cfg, out_dir)  # once, before the processes start
         try:
-            return distributed.launch(train, cfg.nproc_per_node, cfg, out_dir, resume)
+            return distributed.launch(_train_rank, cfg.nproc_per_node, cfg, out_dir, resume, plan)
         except Stopped as e:
             path = run_dir.latest_checkpoint(out_dir)
             step = run_dir.read_manifest(path)["step"] if path else None
             return {"stopped_at_step": None, "signal": str(e), "checkpoint_step": step}
+
+
+def _train_rank(cfg: RunConfig, out_dir: Path, resume: bool, plan: dict | None) -> dict:
+    """A launched process's entry: its rank's part of :func:`train`, whose launcher checked
+    ``cfg`` and planned the tables (``plan``, for the report)."""
+    return _train_here(cfg, out_dir, resume, distributed.Ranks.current(), plan)
 
 
 def _refuse_early(cfg: RunConfig, out_dir: Path, resume: bool) -> None:

@@ -53,7 +53,12 @@ from torchrec.distributed.planner.shard_estimators import (
     EmbeddingPerfEstimator,
     EmbeddingStorageEstimator,
 )
-from torchrec.distributed.planner.types import ParameterConstraints, ShardEstimator, Storage
+from torchrec.distributed.planner.types import (
+    ParameterConstraints,
+    ShardEstimator,
+    Storage,
+    StorageReservation,
+)
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import (
     BaseRwEmbeddingSharding,
@@ -256,9 +261,11 @@ def planner(
     topology: Topology,
     batch_size: int = 512,
     constraints: dict[str, ParameterConstraints] | None = None,
+    storage_reservation: StorageReservation | None = None,
 ) -> EmbeddingShardingPlanner:
     """TorchRec's ``EmbeddingShardingPlanner`` with :class:`CachedTableEstimator`, so that it
-    places our tables by their real size."""
+    places our tables by their real size (``storage_reservation``: TorchRec's, by default a
+    share of each device's capacity kept for the other modules)."""
     enumerator = EmbeddingEnumerator(
         topology,
         batch_size,
@@ -266,7 +273,11 @@ def planner(
         estimator=CachedTableEstimator(topology, constraints),
     )
     return EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=constraints
+        topology=topology,
+        batch_size=batch_size,
+        enumerator=enumerator,
+        storage_reservation=storage_reservation,
+        constraints=constraints,
     )
 
 

@@ -58,7 +58,10 @@ def _strict_json(path):
         (["train", "--memory-budget", "1KiB"], "--memory-budget: a budget of 1,024 bytes"),
         (["train", "--memory-budget", "lots"], "--memory-budget"),
         (["train", "--memory-budget", "1GiB", "--table", "t_2:cache_ratio=0.1"], "--table t_2"),
-        (["train", "--memory-budget", "1GiB", "--nproc-per-node", "2"], "--memory-budget plans"),
+        (
+            ["train", "--memory-budget", "1KiB", "--nproc-per-node", "2"],
+            "--memory-budget: 1,024 bytes a process cannot be met by 2 processes",
+        ),
         (["train", "--plan-rows", "0"], "--plan-rows"),
         (["generate", "OUT", "--synthetic-scale", "-1"], "--synthetic-scale"),
         (["generate", "OUT", "--rows", "0"], "--synthetic-rows"),  # its old name, the same check

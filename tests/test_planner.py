@@ -274,3 +274,28 @@ def test_dlrm_train_with_a_budget_trains_the_plan_and_reports_it(tiny_data, tmp_
     # the plan is the run's configuration: resuming re-plans the same and continues
     assert main([*argv[:-4], "--steps", "4", "--eval-every", "0", "--resume"]) == 0
     assert json.loads((out / "report.json").read_text())["plan"] == p
+
+
+def test_a_budget_per_process_plans_every_process_and_each_holds_at_most_its_own(
+    tiny_data, tmp_path, capsys
+):
+    """Two processes: the tables are planned to twice the budget, and TorchRec's planner
+    places them so that each process's shards take at most one budget (the same bytes)."""
+    tables = RunConfig(synthetic_scale=0.001).table_configs(
+        json.loads((tiny_data / "meta.json").read_text())["cardinalities"]
+    )
+    least, full = smallest_budget(tables), sum(fp32_bytes(t) for t in tables)
+    budget = (least + full) // 4  # a process's: the two between the smallest plan and FP32
+    out = tmp_path / "run"
+    argv = ["--data", str(tiny_data), *SMALL[2:], "--memory-budget", str(budget)]
+    argv += ["--nproc-per-node", "2", "--plan-rows", "5000"]
+    assert main(["train", *argv, "--out", str(out), "--steps", "2", "--eval-every", "0"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    p, emb = report["plan"], report["embeddings"]
+    assert p["budget"] == 2 * budget and least < p["total_bytes"] <= 2 * budget
+    assert emb["memory_bytes"] == p["total_bytes"]
+    assert len(emb["memory_bytes_per_rank"]) == 2 and max(emb["memory_bytes_per_rank"]) <= budget
+    capsys.readouterr()
+    assert main(["plan", *argv]) == 0
+    total = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"budget, {budget / 1024:,.1f} KiB for each of 2 processes" in total

@@ -497,18 +497,27 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
     return "\n".join(out)
 
 
+def _plan_summary(plan: list[str]) -> str:
+    """Tables per precision, and how many of them have a cache: ``fp32 11, fp16 9 (7 cached)``."""
+    kinds = [t.split(" ", 2)[1:] for t in plan]  # [precision] or [precision, "+ cache ..."]
+    counts = Counter(k[0] for k in kinds)
+    cached = Counter(k[0] for k in kinds if len(k) > 1)
+    return ", ".join(
+        f"{p} {n}" + (f" ({cached[p]} cached)" if cached[p] else "")
+        for p, n in sorted(counts.items(), key=lambda pn: PRECISIONS.index(pn[0]))
+    )
+
+
 def planned_section(rows: pd.DataFrame, s: pd.DataFrame) -> list[str]:
     """Markdown lines: each planned budget's drop beside the best uniform configuration that
-    takes at most its memory, the smallest neutral budget, and what the plans chose."""
+    fits the budget, the smallest neutral budget, and what the plans chose."""
     planned = s[s.precision == PLANNED].sort_values(["rounding", "budget"])
     if planned.empty:
         return []
     uniform = s[~s.precision.isin(["fp32", PLANNED])]
     table = []
     for p in planned.itertuples():
-        fits = uniform[
-            (uniform.rounding == p.rounding) & (uniform.compression_factor <= p.compression_factor)
-        ]
+        fits = uniform[(uniform.rounding == p.rounding) & (uniform.compression_factor <= p.budget)]
         best = fits.loc[fits["drop"].idxmin()] if len(fits) else None
         table.append(
             {
@@ -517,7 +526,7 @@ def planned_section(rows: pd.DataFrame, s: pd.DataFrame) -> list[str]:
                 "memory factor": f"{p.compression_factor:.4f}",
                 "seeds": p.seeds,
                 "planned: drop": cell(p.drop, p.drop_std),
-                "best uniform within that memory": "–"
+                "best uniform within the budget": "–"
                 if best is None
                 else f"{best.precision} {cache_label(best.cache, best.policy, best.ways)}"
                 f"{', fp16 qparams' if best.qparams == 'fp16' else ''} "
@@ -534,8 +543,7 @@ def planned_section(rows: pd.DataFrame, s: pd.DataFrame) -> list[str]:
     )
     plans = rows[rows.precision == PLANNED].sort_values(["budget", "seed"])
     chosen = [
-        f"- {r.budget:g} (seed {r.seed}, proxy {r.proxy:.3g}): "
-        + ", ".join(f"{n} {c}" for c, n in Counter(t.split(" ", 1)[1] for t in r.plan).items())
+        f"- {r.budget:g} (seed {r.seed}, proxy {r.proxy:.3g}): " + _plan_summary(r.plan)
         for r in plans.drop_duplicates("budget").itertuples()
     ]
     return [
@@ -544,11 +552,12 @@ def planned_section(rows: pd.DataFrame, s: pd.DataFrame) -> list[str]:
         "Each table's precision, cache size, associativity and policy chosen by "
         "`dlrm train --memory-budget` (the budget: this fraction of the tables' FP32 bytes) "
         "from the first 1M rows training reads. Beside it, the uniform configuration of this "
-        f"sweep with the smallest drop that takes at most the same memory. {smallest}",
+        f"sweep with the smallest drop that fits the same budget. {smallest}",
         "",
         markdown_table(pd.DataFrame(table).set_index("rounding")),
         "",
-        "What the plans chose (tables per choice):",
+        "What the plans chose (tables per stored precision; every plan's tables are in "
+        "runs.jsonl):",
         "",
         *chosen,
         "",

@@ -163,6 +163,9 @@ def test_planned_runs_fit_their_budget_and_are_compared_with_uniform_ones(tmp_pa
     ]
     md = (out / "sweep.md").read_text()
     assert "## Planned to a memory budget" in md
+    chose = next(x for x in md.splitlines() if x.startswith("- 0.3 (seed 0, proxy "))
+    plan = rows["planned0.3-stochastic-s0"]["plan"]
+    assert f"fp32 {sum(t.split()[1] == 'fp32' for t in plan)}" in chose
     # uniform int8 without cache takes ~0.41 of FP32: within 0.5's memory, not within 0.3's
     assert "| stochastic | 0.5 |" in md and "| stochastic | 0.3 |" in md
     line = next(x for x in md.splitlines() if x.startswith("| stochastic | 0.5 |"))

@@ -241,7 +241,7 @@ def relative_drop(rows: pd.DataFrame) -> pd.Series:
 def with_later_columns(rows: pd.DataFrame) -> pd.DataFrame:
     """``rows`` with the columns that rows of older sweeps lack, at their values then."""
     defaults = {"budget": np.nan, "qparams": "fp32"}
-    return rows.assign(**{k: v for k, v in defaults.items() if k not in rows})
+    return rows.assign(**{k: rows[k].fillna(v) if k in rows else v for k, v in defaults.items()})
 
 
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:

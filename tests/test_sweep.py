@@ -194,3 +194,27 @@ def test_fp16_qparams_runs_are_their_own_configuration(tmp_path):
     table2 = md.split("## Without cache")[1].split("##")[0]
     assert table2.count("| stochastic |") == 1  # the paper's tables: FP32 qparams only
     assert "| int8 | stochastic | no cache | fp16 |" in md
+
+
+def test_rows_of_older_sweeps_count_as_fp32_qparams_beside_newer_ones():
+    """Rows written before the qparams axis have none: beside fp16 rows they are FP32's."""
+    base = {"rounding": "stochastic", "cache": 0.0, "policy": None, "ways": None, "auc": 0.7}
+    rows = pd.DataFrame(
+        [
+            {**base, "precision": "fp32", "rounding": None, "seed": 0, "accuracy": 0.8},
+            {**base, "precision": "int8", "seed": 0, "accuracy": 0.79, "compression_factor": 0.5},
+            {
+                **base,
+                "precision": "int8",
+                "seed": 0,
+                "accuracy": 0.78,
+                "compression_factor": 0.4,
+                "qparams": "fp16",
+            },
+        ]
+    ).astype({"ways": "Int64"})
+    s = sweep.summarize(rows.assign(hit_rate=None, compression_factor=[1.0, 0.5, 0.4]))
+    int8 = s[s.precision == "int8"].set_index("qparams")
+    assert sorted(int8.index) == ["fp16", "fp32"]
+    assert int8.loc["fp32", "drop"] == pytest.approx(1.25)
+    assert int8.loc["fp16", "drop"] == pytest.approx(2.5)

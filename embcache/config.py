@@ -98,7 +98,7 @@ class TableConfig:
     lr: float = 0.01
     eps: float = 1e-8
     mode: str = "sum"
-    qparams: str = "fp32"
+    qparams: str = "fp16"
     seed: int = 0
     min_rows_for_low_precision: int = 1000
     name: str = "table"

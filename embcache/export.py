@@ -11,8 +11,8 @@
 :func:`inference_tbe` loads them into FBGEMM's inference TBE
 (``IntNBitTableBatchedEmbeddingBagsCodegen``, the engine of TorchRec's quantized inference
 collections), which keeps one FP16 scale and bias per row. The codes are ours exactly. Tables
-made with ``qparams="fp16"`` keep their scale and bias bit for bit, so the served rows are
-the trained ones; with the default FP32 qparams, scale and bias are rounded to FP16 (to
+with FP16 qparams (the default) keep their scale and bias bit for bit, so the served rows are
+the trained ones; with ``qparams="fp32"``, scale and bias are rounded to FP16 (to
 nearest), which moves an element by at most ``2^-11 * (|code * scale| + |bias|)`` plus the
 same for the product: about 0.1% of the row's range. A bias beyond FP16's range cannot be
 served that way and is refused.

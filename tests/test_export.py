@@ -126,7 +126,13 @@ def test_an_fp32_export_is_an_embedding_bag():
 
 def test_a_bias_beyond_fp16_is_refused_naming_the_table():
     table = CachedLowPrecisionEmbedding(
-        ROWS, DIM, precision="int8", cache_ratio=0, name="huge", min_rows_for_low_precision=0
+        ROWS,
+        DIM,
+        precision="int8",
+        qparams="fp32",
+        cache_ratio=0,
+        name="huge",
+        min_rows_for_low_precision=0,
     )
     weights = table.weights.clone()  # row 7's bias set beyond FP16's range
     qparams = weights[7, DIM:].contiguous().view(torch.float32)

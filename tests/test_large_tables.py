@@ -31,7 +31,14 @@ def _emulator():
 @pytest.fixture(scope="module")
 def table():
     t = CachedLowPrecisionEmbedding(
-        ROWS, DIM, precision="int8", cache_ratio=0.0, optimizer="sgd", lr=LR, device="meta"
+        ROWS,
+        DIM,
+        precision="int8",
+        qparams="fp32",
+        cache_ratio=0.0,
+        optimizer="sgd",
+        lr=LR,
+        device="meta",
     )
     t._allocate_state(None)  # reserved, not written: pages are mapped as rows are written
     t._reset_state()

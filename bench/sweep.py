@@ -320,7 +320,7 @@ def cache_label(cache: float, policy: str, ways: int) -> str:
     return "no cache" if cache == 0 else f"{cache:g}% {kind_label(policy, ways)}"
 
 
-def formula_factor(precision: str, cache: float, policy, ways) -> float:
+def formula_factor(precision: str, cache: float, policy, ways, qparams: str) -> float:
     """The compression factor of a 10M-row, dim-128 table without optimizer state (docs/contract.md §5)."""
     return compression_factor(
         TableConfig(
@@ -331,6 +331,7 @@ def formula_factor(precision: str, cache: float, policy, ways) -> float:
             policy=policy if cache else "lfu",
             associativity=int(ways) if cache else 1,
             optimizer="sgd",
+            qparams=qparams,
         )
     )
 
@@ -441,7 +442,7 @@ def render(rows: pd.DataFrame, base: dict, env: dict | None = None) -> str:
     kind = uniform.drop_duplicates("config").set_index("config").loc[comp.index]
     paper = pd.DataFrame(
         {
-            p: [formula_factor(p, k.cache, k.policy, k.ways) for k in kind.itertuples()]
+            p: [formula_factor(p, k.cache, k.policy, k.ways, k.qparams) for k in kind.itertuples()]
             for p in comp.columns
         },
         index=comp.index,

@@ -139,6 +139,8 @@ def test_relative_drop_by_hand():
         },
     )
     assert "| stochastic | 0.575 ± 0.955 | **0.010** |" in md
+    # the paper's setting at the rows' qparams (FP32: they have none): contract.md §5
+    assert "| no cache | 1.0000 | 0.2656 | 0.1406 |" in md
 
 
 def test_planned_runs_fit_their_budget_and_are_compared_with_uniform_ones(tmp_path):

@@ -131,7 +131,7 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   // Pass 2, by set: the set rule for the contenders, each set's floor made exact.
   std::vector<uint64_t> tmp;
   // group g: contenders[starts[g] .. starts[g + 1]), one set
-  const std::vector<int64_t> starts = sort_into_runs(contenders, bits_for(cache.num_sets), tmp);
+  const std::vector<int64_t> starts = sort_into_runs(contenders, bits_for(cache.num_sets()), tmp);
   const int64_t ngroups = (int64_t)starts.size() - 1;
   auto set_of_group = [&](int64_t gi) { return (int64_t)(contenders[starts[gi]] >> 32); };
   auto prefetch_set = [&](int64_t gi) {

@@ -66,11 +66,11 @@ inline void prefetch_bytes(const void* p, int64_t bytes, bool write = false) {
 struct Cache {
   int32_t* tags;
   float* rows;
-  int64_t num_sets;
+  SetDivisor sets;  // sets.d sets (0: no cache)
   int64_t ways;
-  SetDivisor set_divisor;  // num_sets
 
-  int64_t set_of(int64_t row) const { return num_sets == 0 ? -1 : set_of_row(row, set_divisor); }
+  int64_t num_sets() const { return (int64_t)sets.d; }
+  int64_t set_of(int64_t row) const { return sets.d == 0 ? -1 : set_of_row(row, sets); }
 
   /// The slot of set `set` that holds `row`, or -1 (a row is in at most one slot). With
   /// SSE, all ways are compared, four at a time, and the hit taken from the mask: an early
@@ -109,7 +109,7 @@ struct Cache {
 };
 
 inline Cache table_cache(const TableSpec& spec, const TableState& s) {
-  return Cache{s.cache_tags, s.cache_rows, spec.num_sets, spec.ways, spec.set_divisor};
+  return Cache{s.cache_tags, s.cache_rows, spec.set_divisor, spec.ways};
 }
 
 /// The first i in [0, n) where bad(i), or n. Inputs are almost always good, so the first

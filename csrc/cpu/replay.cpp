@@ -40,7 +40,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
   int32_t* tags = cache_tags.data_ptr<int32_t>();
   int32_t* prio = cache_priority.data_ptr<int32_t>();
   int32_t* cnt = counts.data_ptr<int32_t>();
-  const Cache cache{tags, nullptr, num_sets, ways, t.set_divisor};
+  const Cache cache{tags, nullptr, t.set_divisor, ways};
   int64_t max_index = 0;
   for (int64_t l = 0; l < indices.numel(); ++l) max_index = std::max(max_index, idx[l]);
   const int index_bits = bits_for(max_index + 1);

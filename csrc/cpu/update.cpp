@@ -16,7 +16,7 @@ namespace {
 /// (hint[u]: the slots a forward found over the same cache state), else found in the sets.
 void find_slots(const RowUpdate& up, const int64_t* hint, int64_t* sl) {
   if (hint) {
-    const int64_t slots = up.cache.num_sets * up.cache.ways;
+    const int64_t slots = up.cache.num_sets() * up.cache.ways;
     const int64_t u =
         first_where(up.nu, [&](int64_t u) { return hint[u] < -1 || hint[u] >= slots; });
     TORCH_CHECK(u == up.nu, "embcache: slot_hint ", u < up.nu ? hint[u] : 0, " is not a slot");

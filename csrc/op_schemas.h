@@ -38,19 +38,25 @@ inline void define_cache_ops(torch::Library& m) {
   // Checks every table's update, then commits all of them only if every table can take its
   // update: returns per table the smallest row it cannot store or -1; if any table has such a
   // row, no state is changed. Table t's update is step counters[t][kSteps] + 1; a commit adds
-  // to its counters. With commit=false it only checks (a dry run: nothing is changed either
-  // way).
+  // its steps and unique rows to its counters, and its unique hits, insertions and evictions
+  // to commit_counts[t] (int64 [3] on the table's device), which fold_commit_counts moves
+  // into the counters (csrc/tables.h, classify_rows). With commit=false it only checks (a dry
+  // run: nothing is changed either way).
   m.def("multi_update(Tensor(a!)[] state, Tensor specs, Tensor unique_rows, Tensor grads, "
         "Tensor occurrences, Tensor slot_hints, int[] row_starts, float[] value_bounds, "
-        "Tensor(b!)[] counters, bool commit=True) -> int[]");
+        "Tensor(b!)[] counters, Tensor(c!)[] commit_counts, bool commit=True) -> int[]");
   // Writes every cached row back into its table (rounded with the stream of step
   // counters[t][kSteps]) and empties the caches; returns the rows written per table, which
   // it adds to their counters.
   m.def("cache_flush(Tensor(a!)[] state, Tensor specs, Tensor(b!)[] counters) -> int[]");
 }
 
-/// The ops of the CPU library only (no CUDA kernel yet; torch.ops.embcache).
+/// The ops of the CPU library only (torch.ops.embcache): no CUDA kernel, or (fold_commit_counts)
+/// one implementation for every device.
 inline void define_cpu_only_ops(torch::Library& m) {
+  // Moves each table's commit counts (multi_update) into its counters: reads them back from
+  // their device, adds them (csrc/tables.h, classify_rows) and zeroes them.
+  m.def("fold_commit_counts(Tensor(a!)[] counters, Tensor(b!)[] commit_counts) -> ()");
   // The hit-rate replay of bench/hit_rate.py: a stream of training steps of one table (its
   // spec, as quantize_rows takes it) through its cache alone, with the rule of the update's
   // commit and no row values. Step s looks up indices[step_offsets[s] .. step_offsets[s+1]);

@@ -133,12 +133,26 @@ inline Tables op_tables(at::TensorList state, const at::Tensor& specs, at::Tenso
   return t;
 }
 
-/// Counts one applied update of `unique_rows` rows, with its commit's counts of kUniqueHits to
-/// kBypasses, in order.
-inline void count_commit(int64_t* counter, int64_t unique_rows, const int64_t* commit_counts) {
+/// Counts one applied update of `unique_rows` rows (kSteps, kUniqueRows). Its commit's counts
+/// go to the table's commit_counts, on the table's device, and classify_rows adds them when
+/// the counters are read: on a GPU the update then reads nothing back after its commit.
+inline void count_update(int64_t* counter, int64_t unique_rows) {
   counter[kSteps] += 1;
   counter[kUniqueRows] += unique_rows;
-  for (int i = kUniqueHits; i <= kBypasses; ++i) counter[i] += commit_counts[i - kUniqueHits];
+}
+
+/// Adds commit counts (kNumCommitCounts, summed over any number of commits) to the counters:
+/// of the unique rows counted but not yet classified (kUniqueRows less kUniqueHits and
+/// kUniqueMisses), those are the hits, the others misses, and the misses not inserted were
+/// bypassed (kBypasses).
+inline void classify_rows(int64_t* counter, const int64_t* commit_counts) {
+  const int64_t unclassified = counter[kUniqueRows] - counter[kUniqueHits] - counter[kUniqueMisses];
+  const int64_t hits = commit_counts[kCommitHits], inserted = commit_counts[kCommitInsertions];
+  counter[kUniqueHits] += hits;
+  counter[kUniqueMisses] += unclassified - hits;
+  counter[kInsertions] += inserted;
+  counter[kEvictions] += commit_counts[kCommitEvictions];
+  counter[kBypasses] += unclassified - hits - inserted;
 }
 
 /// Adds the probes of the rows a commit or a flush wrote (counters kProbedRows ..
@@ -189,15 +203,39 @@ inline std::vector<int64_t> gradient_blocks(const at::Tensor& unique_rows, const
 struct UpdateArgs {
   Tables tables;
   std::vector<int64_t> block;
+  std::vector<int64_t*> commit_counts;  // table t's, on its device (tables_commit_counts)
 };
+
+/// Every table's commit counts: a contiguous int64 tensor of kNumCommitCounts on the device of
+/// its weights, which the op adds to.
+inline std::vector<int64_t*> tables_commit_counts(at::TensorList commit_counts,
+                                                  at::TensorList state, size_t tables,
+                                                  const DeviceKind& device) {
+  TORCH_CHECK(commit_counts.size() == tables, "embcache: commit_counts must be one tensor per table");
+  std::vector<int64_t*> out;
+  for (size_t t = 0; t < tables; ++t) {
+    const at::Tensor& c = commit_counts[t];
+    const at::Device where = state[t * kNumStateTensors + kWeights].device();
+    TORCH_CHECK(c.scalar_type() == at::kLong && c.is_contiguous() &&
+                    c.numel() == kNumCommitCounts && device.holds(c) && c.device() == where,
+                "embcache: table ", t, ": commit_counts must be a contiguous int64 ", device.name,
+                " tensor of ", kNumCommitCounts, " on the device of weights, got ",
+                c.scalar_type(), " ", c.sizes(), " on ", c.device());
+    out.push_back(c.data_ptr<int64_t>());
+  }
+  return out;
+}
 
 inline UpdateArgs update_args(at::TensorList state, const at::Tensor& specs,
                               const at::Tensor& unique_rows, const at::Tensor& grads,
                               const at::Tensor& occurrences, const at::Tensor& slot_hints,
                               at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
-                              at::TensorList counters, const DeviceKind& device) {
-  UpdateArgs a{op_tables(state, specs, counters, false, device), {}};
-  TORCH_CHECK(value_bounds.size() == a.tables.spec.size(), "embcache: one value bound per table");
+                              at::TensorList counters, at::TensorList commit_counts,
+                              const DeviceKind& device) {
+  UpdateArgs a{op_tables(state, specs, counters, false, device), {}, {}};
+  const size_t nt = a.tables.spec.size();
+  TORCH_CHECK(value_bounds.size() == nt, "embcache: one value bound per table");
+  a.commit_counts = tables_commit_counts(commit_counts, state, nt, device);
   a.block = gradient_blocks(unique_rows, grads, occurrences, slot_hints, row_starts,
                             a.tables.spec, device);
   return a;

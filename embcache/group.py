@@ -10,7 +10,8 @@ tables, which then holds their gradients. A table's own methods (``step``, ``zer
 of them run the same ops and the same code.
 
 The group reads its tables through their public door: ``spec`` (their packed configuration),
-``counters`` (their statistics, which the ops add to), ``state_tensors()`` and ``config``.
+``counters`` (their statistics, which the ops add to), ``commit_counts()``, ``state_tensors()``
+and ``config``.
 
 A table holds its group and the group refers to its tables weakly, so that no reference cycle
 keeps a dropped table's memory (gigabytes, for the tables this is for) until Python's cycle
@@ -118,6 +119,12 @@ class TableGroup:
         order the ops take them."""
         tables = self.tables if chosen is None else [self.tables[i] for i in chosen]
         return [x for t in tables for x in t.state_tensors()]
+
+    def commit_counts(self, chosen: list[int] | None = None) -> list[torch.Tensor]:
+        """The commit counts of the tables (all, or those at the positions ``chosen``), which
+        the update adds to."""
+        tables = self.tables if chosen is None else [self.tables[i] for i in chosen]
+        return [t.commit_counts() for t in tables]
 
     def position(self, table) -> int:
         """``table``'s position in the group (by identity: a group may be copied or pickled
@@ -257,6 +264,7 @@ class TableGroup:
                 b.row_starts,
                 b.bounds,
                 self._counters,
+                self.commit_counts(),
                 commit,
             )
             self._finish(self._every, bad, commit, b.rows, b.row_starts)
@@ -283,6 +291,7 @@ class TableGroup:
             row_starts,
             [-1.0] * len(chosen),
             self._counters if every else [self._counters[t] for t in chosen],
+            self.commit_counts(None if every else chosen),
             commit,
         )
         self._finish(chosen, bad, commit, rows, row_starts)

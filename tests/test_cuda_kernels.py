@@ -28,7 +28,7 @@ import torch
 
 import embcache  # noqa: F401  (registers torch.ops.embcache)
 from embcache import CachedLowPrecisionEmbedding
-from embcache.config import COUNTERS, SPEC_FIELDS, STATE_TENSORS, TableConfig
+from embcache.config import COMMIT_COUNTS, COUNTERS, SPEC_FIELDS, STATE_TENSORS, TableConfig
 from embcache.telemetry import PROBE_COUNTERS
 
 CPU = torch.ops.embcache
@@ -36,10 +36,12 @@ CPU = torch.ops.embcache
 # advice for host memory, the constants of the table spec and the trainer's gradient range
 # (torch's reductions serve other devices).
 NOT_ON_CUDA = {"cache_replay", "advise_huge_pages", "layout", "abs_range", "unscale_abs_range"}
+# one implementation for every device (the CPU library's)
+ANY_DEVICE = {"fold_commit_counts"}
 STATE = STATE_TENSORS
 # The set floors are lower bounds that only the CPU commit tightens (a speed hint): not compared.
 COMPARED = tuple(k for k in STATE if k != "cache_set_floor")
-COMMIT_COUNTS = slice(COUNTERS.index("unique_hits"), COUNTERS.index("bypasses") + 1)
+UNIQUE_ROW_COUNTERS = slice(COUNTERS.index("unique_hits"), COUNTERS.index("bypasses") + 1)
 # The precision telemetry's probes: measured by the CPU ops only (the kernels leave them 0).
 MEASURED = [i for i, name in enumerate(COUNTERS) if name not in PROBE_COUNTERS]
 
@@ -147,11 +149,20 @@ class Twin:
         # the statistics, which the ops add to; the update's step is counters[steps] + 1
         self.cpu_counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
         self.dev_counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
+        # the commits' counts, which the update adds to on the table's device
+        self.cpu_commit = torch.zeros(len(COMMIT_COUNTS), dtype=torch.int64)
+        self.dev_commit = backend.to(self.cpu_commit.clone())
+
+    def fold(self) -> None:
+        """Both sides' commit counts into their counters."""
+        CPU.fold_commit_counts([self.cpu_counters], [self.cpu_commit])
+        CPU.fold_commit_counts([self.dev_counters], [self.dev_commit])
 
     @property
     def totals(self) -> torch.Tensor:
         """unique hits, unique misses, insertions, evictions, bypasses so far"""
-        return self.cpu_counters[COMMIT_COUNTS]
+        self.fold()
+        return self.cpu_counters[UNIQUE_ROW_COUNTERS]
 
     @property
     def lookup_hits(self) -> int:
@@ -163,6 +174,7 @@ class Twin:
     def compare_state(self, when: str) -> None:
         for k in COMPARED:
             assert_same(self.dev[k], self.cpu[k], f"{when}: {k}")
+        self.fold()
         assert_same(self.dev_counters[MEASURED], self.cpu_counters[MEASURED], f"{when}: counters")
 
     def forward(self, indices, offsets, psw, when, training=False):
@@ -243,6 +255,7 @@ def group_train_step(twins, feature_table, indices, offsets, psw, grad_out, when
             row_starts,
             bounds.tolist(),
             [t.cpu_counters for t in twins],
+            [t.cpu_commit for t in twins],
             commit,
         )
         got = b.ops.multi_update(
@@ -255,6 +268,7 @@ def group_train_step(twins, feature_table, indices, offsets, psw, grad_out, when
             row_starts,
             [-1.0] * len(twins),
             [t.dev_counters for t in twins],
+            [t.dev_commit for t in twins],
             commit,
         )
         assert got == want, f"{when}: rows refused {got}, CPU {want}"
@@ -320,7 +334,7 @@ def run_training(
 def test_emulator_schemas_match_cpu_ops():
     """torch.ops.embcache_emu has the schemas of torch.ops.embcache (so the kernels stay in
     step with the CPU ops: the CUDA binding shares the emulator's glue), every op but
-    NOT_ON_CUDA."""
+    NOT_ON_CUDA and ANY_DEVICE."""
     if not _emulator_available():
         pytest.skip("embcache._cuda_emu was not built (EMBCACHE_NO_EMULATOR=1)")
     names = {
@@ -329,7 +343,7 @@ def test_emulator_schemas_match_cpu_ops():
         if n.startswith("embcache::")
     }
     assert "multi_update" in names
-    for name in sorted(names - NOT_ON_CUDA):
+    for name in sorted(names - NOT_ON_CUDA - ANY_DEVICE):
         assert hasattr(torch.ops.embcache_emu, name), f"{name} has no kernel implementation"
         cpu = str(getattr(torch.ops.embcache, name).default._schema)
         emu = str(getattr(torch.ops.embcache_emu, name).default._schema)
@@ -544,6 +558,7 @@ def test_refused_inputs_change_nothing(backend):
             [0, 3],
             [-1.0],
             [twin.cpu_counters],
+            [twin.cpu_commit],
             commit,
         )
         got = b.ops.multi_update(
@@ -556,12 +571,13 @@ def test_refused_inputs_change_nothing(backend):
             [0, 3],
             [-1.0],
             [twin.dev_counters],
+            [twin.dev_commit],
             commit,
         )
         assert want == got == [8]
-    for ops, state, to, counters in (
-        (CPU, twin.cpu, lambda t: t, twin.cpu_counters),
-        (b.ops, twin.dev, b.to, twin.dev_counters),
+    for ops, state, to, counters, commit_counts in (
+        (CPU, twin.cpu, lambda t: t, twin.cpu_counters, twin.cpu_commit),
+        (b.ops, twin.dev, b.to, twin.dev_counters, twin.dev_commit),
     ):
         with pytest.raises(RuntimeError, match="unique rows must be ascending"):
             ops.multi_update(
@@ -574,6 +590,7 @@ def test_refused_inputs_change_nothing(backend):
                 [0, 2],
                 [-1.0],
                 [counters],
+                [commit_counts],
             )
     twin.compare_state("after refused calls")
 

@@ -82,9 +82,9 @@ def test_the_cuda_kernels_read_and_update_the_same_rows(table):
         ids, offsets, None, grad, specs, [0], None
     )
     assert rows.tolist() == sorted(ids.tolist())
-    counters = torch.zeros_like(table.counters)
+    counters, commit_counts = torch.zeros_like(table.counters), torch.zeros(3, dtype=torch.int64)
     emu.multi_update(
-        state, specs, rows, grads, occ, hints, starts.tolist(), [-1.0], [counters], True
+        state, specs, rows, grads, occ, hints, starts.tolist(), [-1.0], [counters], [commit_counts]
     )
     order = ids.argsort()
     expected = torch.ops.embcache.quantize_rows((stored - LR * grad)[order], rows, table.spec, 1)

@@ -9,6 +9,7 @@ final flush. The cache invariants of docs/contract.md §4 are checked on the mod
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from embcache import CachedLowPrecisionEmbedding, EmbeddingUpdateError
 from embcache import reference as ref
+from embcache.config import COUNTERS
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
 ASSOCIATIVITIES = (1, 2, 4, 8, 16, 32)
@@ -567,3 +569,36 @@ def test_reference_can_fail(monkeypatch):
             associativity=4,
             lr=0.0123,
         )
+
+
+def test_commit_counts_wait_on_the_table_until_read():
+    """The update leaves its commits' hits, insertions and evictions in the table's commit
+    counts (on a GPU, so that nothing is read back after the commit); ``stats()`` and the
+    checkpoint fold them in. Folded once after many steps, the statistics are those of the
+    reference, folded after every step (the fold is a sum), and they survive a checkpoint."""
+    options = dict(precision="int8", cache_ratio=0.1, associativity=4, policy="lfu", seed=5)
+    options["min_rows_for_low_precision"] = 0
+    module = CachedLowPrecisionEmbedding(400, 4, **options)
+    table = ref.ReferenceTable(module.config, module.weights.clone())
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    for _ in range(8):
+        ids = (torch.rand(300, generator=gen) ** 3 * 400).long()
+        offsets = torch.arange(0, 300, 3)
+        grad = torch.randn(100, 4, generator=gen)
+        module(ids, offsets).backward(grad)
+        module.step()
+        table.forward(ids, offsets, None)
+        table.backward(grad)
+        table.step()
+    counters = dict(zip(COUNTERS, module.counters.tolist()))
+    assert counters["steps"] == 8 and counters["unique_rows"] > 0
+    assert counters["unique_hits"] == counters["unique_misses"] == counters["insertions"] == 0
+    assert module.commit_counts().tolist()[0] > 0  # unique hits, not yet folded
+    twin = copy.deepcopy(module)
+    saved = module.state_dict()  # folds
+    assert module.commit_counts().tolist() == [0, 0, 0]
+    want = table.stats()
+    for m in (twin, CachedLowPrecisionEmbedding.from_state(saved)):
+        got = m.stats()
+        assert {k: got[k] for k in want} == want
+        assert got["bypasses"] > 0 and got["evictions"] > 0

@@ -1,7 +1,7 @@
 // The torch.ops.embcache library of `embcache._C`: the table ops' schemas (csrc/op_schemas.h;
 // each csrc/cpu/*.cpp registers its CPU kernels, csrc/cuda/binding.cpp the CUDA ones), the
-// constants of the table spec for Python to compare with its own, and the huge-page advice
-// for host memory.
+// constants of the table spec for Python to compare with its own, the huge-page advice for
+// host memory, and the fold of the commit counts into the counters (for every device).
 #include <Python.h>
 
 #include <torch/library.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../op_schemas.h"
+#include "../tables.h"
 #include "embcache/table_spec.h"
 
 namespace embcache {
@@ -58,6 +59,20 @@ bool advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
+/// fold_commit_counts (csrc/op_schemas.h), for tensors on any device.
+void fold_commit_counts(at::TensorList counters, at::TensorList commit_counts) {
+  const std::vector<int64_t*> counter = tables_counters(counters, commit_counts.size(), false);
+  for (size_t t = 0; t < counter.size(); ++t) {
+    const at::Tensor& c = commit_counts[t];
+    TORCH_CHECK(c.scalar_type() == at::kLong && c.numel() == kNumCommitCounts, "embcache: table ",
+                t, ": commit_counts must be int64 of ", kNumCommitCounts, ", got ",
+                c.scalar_type(), " ", c.sizes());
+    const at::Tensor host = c.to(at::kCPU).contiguous();
+    classify_rows(counter[t], host.data_ptr<int64_t>());
+    c.zero_();
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(embcache, m) {
@@ -68,6 +83,10 @@ TORCH_LIBRARY(embcache, m) {
 }
 
 TORCH_LIBRARY_IMPL(embcache, CPU, m) { m.impl("advise_huge_pages", &advise_huge_pages); }
+
+TORCH_LIBRARY_IMPL(embcache, CompositeExplicitAutograd, m) {
+  m.impl("fold_commit_counts", &fold_commit_counts);
+}
 
 }  // namespace embcache
 

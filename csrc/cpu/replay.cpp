@@ -68,11 +68,9 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
       for (int64_t u = 0; u < nu; ++u)
         cnt[rows[u]] = (int32_t)std::min<int64_t>((int64_t)cnt[rows[u]] + occ[u],
                                                   std::numeric_limits<int32_t>::max());
-    int64_t hits = 0, unique_hits = 0, ins = 0, evict = 0, bypass = 0;
+    int64_t hits = 0, unique_hits = 0, ins = 0, evict = 0;
     set_keys.clear();  // (set, u) packed
-    if (num_sets == 0)
-      bypass = nu;  // no cache: every updated row goes to the table
-    else
+    if (num_sets > 0)  // (no cache: every updated row bypasses)
       for (int64_t u = 0; u < nu; ++u)
         set_keys.push_back(((uint64_t)set_of_row(rows[u], t.set_divisor) << 32) | (uint64_t)u);
     const std::vector<int64_t> starts = sort_into_runs(set_keys, bits_for(num_sets), tmp);
@@ -100,12 +98,13 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
             prio[base + way] = priority_of_row(rows[u]);
             ++ins;
           },
-          [&](int64_t) { ++bypass; });
+          [](int64_t) {});
     }
     counter[kLookups] += so[s + 1] - so[s];
     counter[kHits] += hits;
-    const int64_t commit_counts[] = {unique_hits, nu - unique_hits, ins, evict, bypass};
-    count_commit(counter, nu, commit_counts);
+    const int64_t commit_counts[kNumCommitCounts] = {unique_hits, ins, evict};
+    count_update(counter, nu);
+    classify_rows(counter, commit_counts);
   }
 }
 

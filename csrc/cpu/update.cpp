@@ -98,15 +98,17 @@ bool surely_storable(const TableSpec& t, const float* g, int64_t n, double value
 /// (tables in parallel, costliest first in both phases). The gradient is in
 /// multi_dedup_backward's layout (see gradient_blocks); slot_hints holds every row's slot as
 /// the forward found it, or is empty for none. Table t's update is step
-/// counters[t][kSteps] + 1; its commit adds to its counters. Returns per table the smallest
+/// counters[t][kSteps] + 1; its commit adds to its counters and its commit_counts (as
+/// op_schemas.h says). Returns per table the smallest
 /// row it cannot store, or -1. With commit false it stops after the check (a dry run).
 std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
                                   const at::Tensor& unique_rows, const at::Tensor& grads,
                                   const at::Tensor& occurrences, const at::Tensor& slot_hints,
                                   at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
-                                  at::TensorList counters, bool commit) {
+                                  at::TensorList counters, at::TensorList commit_counts,
+                                  bool commit) {
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
-                                   row_starts, value_bounds, counters, kCpu);
+                                   row_starts, value_bounds, counters, commit_counts, kCpu);
   const Tables& tables = a.tables;
   const std::vector<TableSpec>& spec = tables.spec;
   const std::vector<int64_t>& block = a.block;
@@ -140,7 +142,8 @@ std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
         commit_update(updates[t], spec[t], tables.state[t], slots[t].data(),
                       occurrences.data_ptr<int64_t>() + row_starts[t], counter[kSteps] + 1,
                       &probe);
-    count_commit(counter, updates[t].nu, c.data());
+    count_update(counter, updates[t].nu);
+    for (int i = 0; i < kNumCommitCounts; ++i) a.commit_counts[t][i] += c[i];
     count_probe(counter, probe);
   });
   return bad;

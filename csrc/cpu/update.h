@@ -82,9 +82,8 @@ inline RowUpdate make_row_update(const TableSpec& spec, const TableState& s, con
                    (float)spec.lr,   (float)spec.eps};
 }
 
-/// [unique hits, unique misses, insertions, evictions, bypasses] of one table's update (the
-/// order of its counters kUniqueHits to kBypasses).
-using CommitCounts = std::array<int64_t, kBypasses - kUniqueHits + 1>;
+/// One table's commit counts, in CommitCount order (csrc/tables.h).
+using CommitCounts = std::array<int64_t, kNumCommitCounts>;
 
 /// Writes one table's update `up` into its state `s`: each unique row's new value (computed
 /// where it is written) and optimizer state, its LFU count, and the cache's insertions,

@@ -7,7 +7,8 @@
 // The functions only enqueue work on the given stream: none waits for the device. What the
 // host must learn from the device (error bits, hit counts, the number of unique rows) the
 // kernels write into a device buffer the caller passes (`flags`), which the caller reads back
-// once per op, after every table's launches (docs/design.md, "One read-back per phase"). The
+// once per op, after every table's launches (docs/design.md, "One read-back per phase"); the
+// commit's counts stay on the device, in each table's commit_counts. The
 // exceptions: dedup_features reads back its errors and sizes itself (once, for every
 // feature: they size its outputs), and quantize_rows and flush_cache, off the training step,
 // read their own result.
@@ -121,6 +122,7 @@ struct UpdateTable {
   TableState state;
   int64_t row_start, row_end, value_start, state_start, step;
   int64_t set_start;  // the table's first set in the op's numbering of sets (commit_updates)
+  unsigned long long* commit_counts;  // its unique hits, insertions, evictions (CommitCount)
 };
 
 /// The most sets the cached tables of one commit may have together: the commit sorts
@@ -138,13 +140,12 @@ void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
 /// The update's second phase, for nt tables in a few launches: writes what compute_updates
 /// computed: optimizer state, LFU counts, then one warp per touched set decides the
 /// insert/evict/bypass rule (one sort orders every table's candidates) and one warp per
-/// unique row writes it into its slot or its table row. Table t's
-/// counts[3t..3t+2] += its unique hits, insertions and evictions (every other unique row
-/// bypassed the cache). Throws, before any write, if the cached tables have more than
-/// kMaxCommitSets sets together.
+/// unique row writes it into its slot or its table row. Table t's commit_counts (CommitCount
+/// order) += its unique hits, insertions and evictions, on the device. Throws, before any
+/// write, if the cached tables have more than kMaxCommitSets sets together.
 void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                     const float* fresh, const float* fresh_state, const int64_t* slots,
-                    const int64_t* occ, unsigned long long* counts, Stream stream);
+                    const int64_t* occ, Stream stream);
 
 }  // namespace EMBCACHE_GPU_NS
 }  // namespace embcache

@@ -187,10 +187,11 @@ inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor&
                                          const at::Tensor& slot_hints,
                                          at::IntArrayRef row_starts,
                                          at::ArrayRef<double> value_bounds,
-                                         at::TensorList counters, bool commit) {
+                                         at::TensorList counters,
+                                         at::TensorList commit_counts, bool commit) {
   EMBCACHE_DEVICE_GUARD(unique_rows);
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
-                                   row_starts, value_bounds, counters, kDevice);
+                                   row_starts, value_bounds, counters, commit_counts, kDevice);
   const Tables& tables = a.tables;
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nt = (int64_t)spec.size();
@@ -199,8 +200,11 @@ inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor&
   std::vector<UpdateTable> parts(nt);
   int64_t state_floats = 0;
   for (int64_t t = 0; t < nt; ++t) {
-    parts[t] = UpdateTable{spec[t], tables.state[t], row_starts[t], row_starts[t + 1],
-                           a.block[t], state_floats, tables.counters[t][kSteps] + 1, 0};
+    parts[t] = UpdateTable{spec[t],       tables.state[t],
+                           row_starts[t], row_starts[t + 1],
+                           a.block[t],    state_floats,
+                           tables.counters[t][kSteps] + 1, 0,
+                           (unsigned long long*)a.commit_counts[t]};
     state_floats += (row_starts[t + 1] - row_starts[t]) * spec[t].state_width();
   }
   const at::Tensor fresh = at::empty_like(grads);
@@ -222,19 +226,11 @@ inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor&
     any_bad = any_bad || bad[t] >= 0;
   }
   if (any_bad || !commit) return bad;
-  // counts: table t's unique hits, insertions, evictions at 3t.
-  const at::Tensor counts = flag_words(unique_rows, 3 * nt);
+  // The commit's counts stay on the device (commit_counts): nothing is read back.
   commit_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), fresh.data_ptr<float>(),
                  fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                 occurrences.data_ptr<int64_t>(), words(counts), current_stream());
-  const at::Tensor committed = counts.to(at::kCPU);
-  const int64_t* c = committed.data_ptr<int64_t>();
-  for (int64_t t = 0; t < nt; ++t) {
-    const int64_t n = row_starts[t + 1] - row_starts[t], hits = c[3 * t], inserted = c[3 * t + 1];
-    const int64_t stats[kBypasses - kUniqueHits + 1] = {hits, n - hits, inserted, c[3 * t + 2],
-                                                        n - hits - inserted};
-    count_commit(tables.counters[t], n, stats);
-  }
+                 occurrences.data_ptr<int64_t>(), current_stream());
+  for (int64_t t = 0; t < nt; ++t) count_update(tables.counters[t], row_starts[t + 1] - row_starts[t]);
   return bad;
 }
 

@@ -123,12 +123,12 @@ __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const 
 /// dest[u] (the cache slot its new value goes to; -1, as set before: the table) and, for an
 /// insertion, evicted[u] (the row whose cached value it writes back first; -1: none). An
 /// updated resident that an insertion evicts goes to the table straight from its new value.
-/// Table k's stats[3k..3k+2] += unique hits, insertions, evictions (the other candidates
-/// bypass). Keys of set no_set (tables without a cache) are left as they are: all bypass.
+/// Each table's commit_counts += its unique hits, insertions, evictions (the other
+/// candidates bypass). Keys of set no_set (tables without a cache) are left as they are: all bypass.
 __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                                    const int64_t* slot_of, const uint64_t* keys,
                                    const int64_t* vals, int64_t nu, uint64_t no_set,
-                                   int64_t* dest, int64_t* evicted, unsigned long long* stats) {
+                                   int64_t* dest, int64_t* evicted) {
   const unsigned lane = lane_id();
   const int64_t kEmpty = INT64_MIN;
   for (int64_t first = warp_global(); first < nu; first += warps_in_grid()) {
@@ -145,8 +145,7 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
         break;
       }
     }
-    const int64_t table = table_of_set(tables, nt, (int64_t)set);
-    const UpdateTable& T = tables[table];
+    const UpdateTable& T = tables[table_of_set(tables, nt, (int64_t)set)];
     const bool lfu = T.t.lfu;
     const int64_t ways = T.t.ways, step = T.step;
     int32_t* tags = T.state.cache_tags;
@@ -222,9 +221,10 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
       evict += __popc(__ballot_sync(kFullMask, old >= 0));
     }
     if (lane == 0) {  // the counts are the warp's (ballots)
-      if (hits) atomicAdd(&stats[3 * table], hits);
-      if (ins) atomicAdd(&stats[3 * table + 1], ins);
-      if (evict) atomicAdd(&stats[3 * table + 2], evict);
+      unsigned long long* counts = T.commit_counts;
+      if (hits) atomicAdd(&counts[kCommitHits], hits);
+      if (ins) atomicAdd(&counts[kCommitInsertions], ins);
+      if (evict) atomicAdd(&counts[kCommitEvictions], evict);
     }
   }
 }
@@ -279,7 +279,7 @@ void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
 
 void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                     const float* fresh, const float* fresh_state, const int64_t* slots,
-                    const int64_t* occ, unsigned long long* counts, Stream stream) {
+                    const int64_t* occ, Stream stream) {
   const int64_t nu = nt > 0 ? tables[nt - 1].row_end : 0;
   if (nu == 0) return;
   std::vector<UpdateTable> numbered(tables, tables + nt);
@@ -313,7 +313,7 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                        31 + bit_length(no_set), stream);
     EC_LAUNCH(decide_sets_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, slots,
               (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu,
-              no_set, dest, evicted, counts);
+              no_set, dest, evicted);
   }
   EC_LAUNCH(write_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu, fresh,
             (const int64_t*)dest, (const int64_t*)evicted);

@@ -65,6 +65,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     cfg.validate()
     ranks = distributed.Ranks.current()
     if ranks.world_size > 1:  # a rank of a launched run: the launcher holds out_dir
+        if cfg.memory_budget is not None:  # it would train unplanned tables
+            raise RunError(
+                "--memory-budget is planned by the process that starts the run: use "
+                "--nproc-per-node, not a launcher of your own"
+            )
         return _train_here(cfg, out_dir, resume, ranks)
     _refuse_early(cfg, out_dir, resume)
     try:

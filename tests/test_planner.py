@@ -277,6 +277,20 @@ def test_dlrm_train_with_a_budget_trains_the_plan_and_reports_it(tiny_data, tmp_
     assert json.loads((out / "report.json").read_text())["plan"] == p
 
 
+def test_a_budget_under_a_launcher_of_ones_own_is_refused(tiny_data, tmp_path, monkeypatch):
+    """A rank of a run that another launcher started (the process group already made) cannot
+    plan alone: a budget there is refused, naming the option, before anything is written."""
+    from dlrm import distributed
+    from dlrm.errors import RunError
+    from dlrm.train import train
+
+    monkeypatch.setattr(distributed.Ranks, "current", classmethod(lambda cls: cls(0, 2)))
+    cfg = RunConfig(data=str(tiny_data), memory_budget=2**20, nproc_per_node=2)
+    with pytest.raises(RunError, match="--memory-budget .* --nproc-per-node"):
+        train(cfg, tmp_path / "run")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_budget_per_process_plans_every_process_and_each_holds_at_most_its_own(
     tiny_data, tmp_path, capsys
 ):

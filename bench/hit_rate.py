@@ -58,7 +58,7 @@ from _common import (
     write_text,
 )
 
-from embcache.config import POLICIES
+from embcache.config import LFU_COUNT_BITS, POLICIES
 from embcache.planner import replay
 
 
@@ -97,10 +97,10 @@ def _init(path: str) -> None:
 
 def _job(job: tuple) -> tuple:
     global _current
-    row, num_rows, batch_size, ratio, policy, ways = job
+    row, num_rows, *config = job
     if _current is None or _current[0] != row:
         _current = (row, torch.from_numpy(_trace[row].astype(np.int64)))
-    return job, replay(_current[1], num_rows, batch_size, ratio, policy, ways)[0]
+    return job, replay(_current[1], num_rows, *config)[0]
 
 
 def run_grid(
@@ -111,11 +111,16 @@ def run_grid(
     policies: list[str],
     ways: list[int],
     jobs: int,
+    lfu_count_bits: int = 32,
 ) -> pd.DataFrame:
     """One record per (size, policy, ways, trace row); ``cards[i]`` is trace row i's table size."""
     global _trace, _current
     grid = [(s, p, w) for s in sizes for p in policies for w in ways]
-    work = [(i, cards[i], batch_size, s / 100, p, w) for i in range(len(trace)) for s, p, w in grid]
+    work = [
+        (i, cards[i], batch_size, s / 100, p, w, lfu_count_bits)
+        for i in range(len(trace))
+        for s, p, w in grid
+    ]
     if jobs == 1:
         _trace, _current = trace, None
         results = dict(progress(map(_job, work), total=len(work), desc="replay", unit="cfg"))
@@ -139,7 +144,7 @@ def run_grid(
                 "size": s,
                 "policy": p,
                 "ways": w,
-                **results[(i, cards[i], batch_size, s / 100, p, w)],
+                **results[(i, cards[i], batch_size, s / 100, p, w, lfu_count_bits)],
             }
             for s, p, w in grid
             for i in range(len(trace))
@@ -442,6 +447,13 @@ def main(argv=None) -> dict:
         help="associativities (default: %(default)s)",
     )
     p.add_argument(
+        "--lfu-count-bits",
+        type=int,
+        choices=LFU_COUNT_BITS,
+        default=32,
+        help="bits of the LFU counts, which saturate (default: %(default)s)",
+    )
+    p.add_argument(
         "--jobs", type=int, default=1, help="processes replaying (table, configuration) pairs"
     )
     p.add_argument(
@@ -472,6 +484,7 @@ def main(argv=None) -> dict:
         args.policies,
         args.ways,
         args.jobs,
+        args.lfu_count_bits,
     )
     wall = time.perf_counter() - start
     table = [big[i] for i in df.pop("row")]
@@ -500,6 +513,7 @@ def main(argv=None) -> dict:
         f"trace of {len(rows):,} rows ({len(rows) * len(big):,} lookups): {steps:,} steps of "
         f"{args.batch_size:,} lookups per table, "
         f"{'shuffled as dlrm train (seed ' + str(args.seed) + ')' if shuffle else 'in file order'}. "
+        f"LFU counts of {args.lfu_count_bits} bits, saturating. "
         f"A hit is a lookup whose row is cached before its step's update; cache size is % of each "
         f"table's rows; overall = hits / lookups over the {len(big)} tables with a cache in training "
         f"('no cache': capacity rounds to 0 slots, 0 hits)."

@@ -90,6 +90,7 @@ def check(state: dict, path: Path, cfg, data: dict | None) -> None:
     saved, mine = state["config"], cfg.identity()
     if data is None:  # the data's path is checked with their fingerprint, once they are read
         del mine["data"]
+    saved = {**cfg.ADDED_FIELDS, **saved}
     diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
     if diff:
         fields = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())

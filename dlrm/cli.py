@@ -30,8 +30,14 @@ from dlrm.config import EMBEDDINGS, RunConfig  # noqa: E402
 from dlrm.errors import RunError, Stopped  # noqa: E402
 from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS  # noqa: E402
 from dlrm.model import PRESETS, TABLE_NAMES  # noqa: E402
+from embcache.config import (  # noqa: E402
+    LFU_COUNT_BITS,
+    POLICIES,
+    PRECISION_BITS,
+    QPARAMS,
+    ROUNDINGS,
+)
 from embcache.config import OPTIMIZERS as TABLE_OPTIMIZERS  # noqa: E402
-from embcache.config import POLICIES, PRECISION_BITS, QPARAMS, ROUNDINGS  # noqa: E402
 
 _DEFAULTS = RunConfig()
 _DEFAULT_OUT = Path("runs/train")  # dlrm train's run directory; synthetic data go beside it
@@ -145,6 +151,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-ratio", type=float, default=d.cache_ratio)
     g.add_argument("--associativity", type=int, default=d.associativity)
     g.add_argument("--policy", choices=POLICIES, default=d.policy)
+    g.add_argument(
+        "--lfu-count-bits",
+        type=int,
+        choices=LFU_COUNT_BITS,
+        default=d.lfu_count_bits,
+        help="bits of an LFU table's per-row counts, which saturate (default: %(default)s)",
+    )
     g.add_argument("--emb-optimizer", choices=TABLE_OPTIMIZERS, default=d.emb_optimizer)
     g.add_argument("--emb-lr", type=float, default=d.emb_lr)
     g.add_argument("--qparams", choices=QPARAMS, default=d.qparams)

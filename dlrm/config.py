@@ -34,6 +34,7 @@ class RunConfig:
     cache_ratio: float = _TABLECONFIG_DEFAULTS["cache_ratio"]
     associativity: int = _TABLECONFIG_DEFAULTS["associativity"]
     policy: str = _TABLECONFIG_DEFAULTS["policy"]
+    lfu_count_bits: int = _TABLECONFIG_DEFAULTS["lfu_count_bits"]
     emb_optimizer: str = "rowwise_adagrad"
     emb_lr: float = 0.05
     qparams: str = _TABLECONFIG_DEFAULTS["qparams"]
@@ -85,6 +86,8 @@ class RunConfig:
         "tensorboard",
         "plan_rows",  # the plan it led to is in ``tables``
     )
+    # fields newer than some checkpoints, with the value those checkpoints' runs had
+    ADDED_FIELDS = {"lfu_count_bits": 32}
 
     def identity(self) -> dict:
         """The fields a resumed run must share with the checkpoint."""
@@ -212,6 +215,7 @@ _TABLE_OPTIONS = {
     "cache_ratio",
     "associativity",
     "policy",
+    "lfu_count_bits",
     "optimizer",
     "lr",
     "eps",
@@ -227,6 +231,7 @@ _TABLE_DEFAULT_OPTIONS = {
     "--cache-ratio": ("cache_ratio", "cache_ratio"),
     "--associativity": ("associativity", "associativity"),
     "--policy": ("policy", "policy"),
+    "--lfu-count-bits": ("lfu_count_bits", "lfu_count_bits"),
     "--emb-optimizer": ("optimizer", "emb_optimizer"),
     "--emb-lr": ("lr", "emb_lr"),
     "--qparams": ("qparams", "qparams"),

@@ -58,7 +58,7 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
         return distributed.launch(evaluate_checkpoint, cfg.nproc_per_node, cfg, out_dir, split)
     saved = checkpoint.open_checkpoint(path, ranks)
     try:
-        cfg = dataclasses.replace(cfg, **saved["config"])
+        cfg = dataclasses.replace(cfg, **{**cfg.ADDED_FIELDS, **saved["config"]})
         cfg.validate()
     except (TypeError, RunError) as e:
         raise RunError(f"{path}: the configuration it holds is not valid ({e})") from None

@@ -25,6 +25,9 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 MAX_ASSOCIATIVITY = 32
 ROUNDINGS = ("nearest", "stochastic")
 POLICIES = ("lru", "lfu")
+LFU_COUNT_BITS = (32, 16)
+# TableConfig fields newer than some checkpoints, with the value those checkpoints' tables had
+ADDED_FIELDS = {"lfu_count_bits": 32}
 QPARAMS = ("fp32", "fp16")
 MODES = ("sum", "mean")
 
@@ -87,7 +90,9 @@ class TableConfig:
     ``associativity``), ``policy`` LRU or LFU, trained by ``optimizer`` with ``lr``.
 
     ``seed`` keys the stochastic rounding stream together with ``table_id``; tables with
-    fewer than ``min_rows_for_low_precision`` rows are stored FP32 without cache.
+    fewer than ``min_rows_for_low_precision`` rows are stored FP32 without cache. An LFU
+    table counts each row's occurrences in ``lfu_count_bits`` (32 or 16) bits, saturating at
+    the largest count they hold.
     """
 
     num_embeddings: int
@@ -97,6 +102,7 @@ class TableConfig:
     cache_ratio: float = 0.05
     associativity: int = 32
     policy: str = "lfu"
+    lfu_count_bits: int = 32
     optimizer: str = "sgd"
     lr: float = 0.01
     eps: float = 1e-8
@@ -132,6 +138,7 @@ class TableConfig:
             ("optimizer", OPTIMIZERS),
             ("qparams", QPARAMS),
             ("mode", MODES),
+            ("lfu_count_bits", LFU_COUNT_BITS),
         ):
             if getattr(self, field) not in choices:
                 raise bad(field, f"is not one of {', '.join(choices)}")
@@ -174,6 +181,11 @@ class TableConfig:
     def keeps_counts(self) -> bool:
         """Whether the table keeps an LFU count per row: an LFU policy and a cache."""
         return self.policy == "lfu" and self.num_slots > 0
+
+    @property
+    def counts_dtype(self) -> torch.dtype:
+        """The dtype of the LFU counts: signed, so a count saturates at 2^31 - 1 or 2^15 - 1."""
+        return torch.int16 if self.lfu_count_bits == 16 else torch.int32
 
     @property
     def num_slots(self) -> int:
@@ -224,7 +236,7 @@ class TableConfig:
             "optimizer": OPTIMIZERS.index(self.optimizer),
             "lr": _float64_bits(self.lr),
             "eps": _float64_bits(self.eps),
-            "lfu": int(self.keeps_counts),
+            "lfu": self.lfu_count_bits if self.keeps_counts else 0,
             "num_sets": self.num_sets,
             "ways": self.ways,
             "seed": self.seed,

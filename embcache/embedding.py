@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
-from embcache.config import COMMIT_COUNTS, COUNTERS, STATE_TENSORS, TableConfig
+from embcache.config import ADDED_FIELDS, COMMIT_COUNTS, COUNTERS, STATE_TENSORS, TableConfig
 from embcache.group import TableGroup
 from embcache.memory import compression_factor, memory_breakdown
 from embcache.telemetry import PROBE_COUNTERS, TouchedSample, rounding_figures
@@ -155,7 +155,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             "cache_set_floor", state((cfg.num_sets,), torch.int32), persistent=False
         )
         counts_rows = cfg.num_embeddings if cfg.keeps_counts else 0
-        self.register_buffer("counts", state((counts_rows,), torch.int32))
+        self.register_buffer("counts", state((counts_rows,), cfg.counts_dtype))
         width = cfg.optimizer_state_width
         self.register_buffer("optimizer_state", state((cfg.num_embeddings * width,), torch.float32))
 
@@ -410,8 +410,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 state.zero_()
             else:
                 state.copy_(source.optimizer_state[start * width : stop * width])
-            if counts is not None and theirs.keeps_counts and not initial:
-                counts.copy_(source.counts[start:stop])
+            if counts is not None and theirs.keeps_counts and not initial:  # saturating
+                counts.copy_(source.counts[start:stop].clamp(max=torch.iinfo(counts.dtype).max))
             elif counts is not None:
                 counts.zero_()
         self.counters[_STEPS] = source.step_count
@@ -425,7 +425,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         extra = state.get(_EXTRA_STATE)
         if not isinstance(extra, dict) or not isinstance(extra.get("config"), dict):
             raise ValueError("the saved state is not a table's (it has no configuration)")
-        options = dict(extra["config"])
+        options = {**ADDED_FIELDS, **extra["config"]}
         rows, dim = options.pop("num_embeddings"), options.pop("embedding_dim")
         table = cls(rows, dim, device="meta", **options)
         table.load_state_dict(state)
@@ -507,7 +507,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         name = self.config.name
         if not isinstance(state, dict) or not {"config", "step_count", "stats"} <= set(state):
             raise ValueError(f"table '{name}': the saved extra state is not a table's")
-        saved, mine = state["config"], self.config.to_dict()
+        saved, mine = {**ADDED_FIELDS, **state["config"]}, self.config.to_dict()
         if saved != mine:
             diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
             raise ValueError(

@@ -33,10 +33,16 @@ _GRID_STEPS = 1 << 16
 
 
 def replay(
-    ids: torch.Tensor, num_rows: int, batch_size: int, cache_ratio: float, policy: str, ways: int
+    ids: torch.Tensor,
+    num_rows: int,
+    batch_size: int,
+    cache_ratio: float,
+    policy: str,
+    ways: int,
+    lfu_count_bits: int = 32,
 ) -> tuple[dict, torch.Tensor]:
     """Replays ``ids`` (int64, steps of ``batch_size`` lookups) through a fresh cache of one
-    table; returns the counters (``embcache.config.COUNTERS``, as the table's ``stats()``
+    table (LFU counts of ``lfu_count_bits``); returns the counters (``embcache.config.COUNTERS``, as the table's ``stats()``
     would count them in training; ``flushed`` is 0), slots, sets and seconds, and the final
     cache tags."""
     if len(ids) % batch_size:
@@ -47,11 +53,12 @@ def replay(
         cache_ratio=cache_ratio,
         associativity=ways,
         policy=policy,
+        lfu_count_bits=lfu_count_bits,
         min_rows_for_low_precision=0,
     )
     tags = torch.full((cfg.num_slots,), -1, dtype=torch.int32)
     priority = torch.zeros(cfg.num_slots, dtype=torch.int32)
-    counts = torch.zeros(num_rows if cfg.keeps_counts else 0, dtype=torch.int32)
+    counts = torch.zeros(num_rows if cfg.keeps_counts else 0, dtype=cfg.counts_dtype)
     offsets = torch.arange(0, len(ids) + 1, batch_size)
     counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
     start = time.perf_counter()
@@ -223,7 +230,15 @@ def _options(table: TableConfig, ids: torch.Tensor, batch_size: int, grid: dict)
         if key not in hits:
             hits[key] = 0
             if c.num_slots and len(ids):
-                r = replay(ids, table.num_embeddings, batch_size, c.cache_ratio, c.policy, c.ways)
+                r = replay(
+                    ids,
+                    table.num_embeddings,
+                    batch_size,
+                    c.cache_ratio,
+                    c.policy,
+                    c.ways,
+                    c.lfu_count_bits,
+                )
                 hits[key] = r[0]["hits"]
         misses = len(ids) - hits[key]
         error = misses * c.embedding_dim * rounding_noise(c.stored_precision)

@@ -50,7 +50,6 @@ import torch
 
 F32 = torch.float32
 MASK32 = 0xFFFFFFFF
-INT32_MAX = 2**31 - 1
 PRECISION_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "int2": 2}
 FP16_MAX = 65504.0
 
@@ -471,7 +470,7 @@ class ReferenceTable:
         self.cache_rows = torch.zeros(self.num_slots, self.dim, dtype=F32)
         self.cache_priority = torch.zeros(self.num_slots, dtype=torch.int32)
         has_counts = self.lfu and self.num_slots > 0
-        self.counts = torch.zeros(self.num_rows if has_counts else 0, dtype=torch.int32)
+        self.counts = torch.zeros(self.num_rows if has_counts else 0, dtype=cfg.counts_dtype)
         self.optimizer_state = torch.zeros(self.num_rows * width, dtype=F32)
         self.step_count = 0
         self._stats = dict.fromkeys(
@@ -670,7 +669,7 @@ class ReferenceTable:
             self.optimizer_state.view(-1, w)[rows_t] = new_state
         if self.lfu and self.num_slots > 0:
             for r, o in zip(rows, occ):
-                self.counts[r] = min(int(self.counts[r]) + o, INT32_MAX)
+                self.counts[r] = min(int(self.counts[r]) + o, torch.iinfo(self.counts.dtype).max)
 
         to_store_rows, to_store_values = [], []  # each row is written at most once per step
 

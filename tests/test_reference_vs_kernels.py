@@ -602,3 +602,37 @@ def test_commit_counts_wait_on_the_table_until_read():
         got = m.stats()
         assert {k: got[k] for k in want} == want
         assert got["bypasses"] > 0 and got["evictions"] > 0
+
+
+def test_16_bit_lfu_counts_saturate_as_the_reference():
+    """16-bit LFU counts saturate at 2^15 - 1 and then tie (a tie keeps the resident): started
+    near the top, the module follows the reference bit for bit as rows saturate."""
+    rows, dim = 300, 4
+    module = CachedLowPrecisionEmbedding(
+        rows,
+        dim,
+        precision="int8",
+        cache_ratio=0.1,
+        associativity=4,
+        lfu_count_bits=16,
+        min_rows_for_low_precision=0,
+        seed=3,
+    )
+    table = ref.ReferenceTable(module.config, module.weights.clone())
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    start = torch.randint(32_700, 32_768, (rows,), generator=gen).to(torch.int16)
+    module.counts.copy_(start)
+    table.counts.copy_(start)
+    for step in range(5):
+        ids = (torch.rand(240, generator=gen) ** 2 * rows).long()
+        offsets = torch.arange(0, 240, 4)
+        grad = torch.randn(60, dim, generator=gen)
+        module(ids, offsets).backward(grad)
+        module.step()
+        table.forward(ids, offsets, None)
+        table.backward(grad)
+        table.step()
+        assert_same_state(module, table, f"step {step + 1}")
+    assert module.counts.dtype == torch.int16 and int((module.counts == 2**15 - 1).sum()) > 10
+    s = module.stats()
+    assert s["unique_hits"] > 0 and s["insertions"] > 0

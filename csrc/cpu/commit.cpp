@@ -78,7 +78,7 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   uint8_t* w = s.weights;
   int32_t* prio = s.cache_priority;
   int32_t* floor = s.cache_set_floor;
-  int32_t* cnt = s.counts;
+  const LfuCounts cnt = s.counts;
   const bool lfu = spec.lfu, stochastic = spec.stochastic;
   // Row u's new value into out (a scratch row, or its cache slot; scratch holds dim floats)
   // and its new optimizer state in place: read, then written, so once per row.
@@ -109,13 +109,10 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   for (int64_t u = 0; u < nu; ++u) {
     if (u + kPrefetch < nu) {
       const int64_t ahead = u + kPrefetch;
-      if (lfu) __builtin_prefetch(cnt + rows[ahead], 1);
+      if (lfu) __builtin_prefetch(cnt.address(rows[ahead]), 1);
       if (slot_of[ahead] >= 0) __builtin_prefetch(prio + slot_of[ahead], 1);
     }
-    if (lfu) {
-      const int64_t c = (int64_t)cnt[rows[u]] + occ[u];
-      cnt[rows[u]] = (int32_t)std::min<int64_t>(c, std::numeric_limits<int32_t>::max());
-    }
+    if (lfu) cnt.add(rows[u], occ[u]);
     row_prio[u] = RowPriority{lfu, cnt, step}(rows[u]);
     if (slot_of[u] >= 0) {
       dest[u] = slot_of[u];

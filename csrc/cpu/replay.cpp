@@ -18,14 +18,15 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
   const TableSpec t = decode_table_spec(spec);
   const int64_t num_sets = t.num_sets, ways = t.ways;
   const bool lfu = t.lfu;
-  auto check = [&](const at::Tensor& x, int64_t numel, const char* what) {
-    kCpu.check(x, at::kInt, what);
+  auto check = [&](const at::Tensor& x, int64_t numel, const char* what,
+                   at::ScalarType dtype = at::kInt) {
+    kCpu.check(x, dtype, what);
     TORCH_CHECK(x.numel() == numel, "embcache: ", what, " must hold ", numel, " values, got ",
                 x.numel());
   };
   check(cache_tags, t.slots(), "cache_tags");
   check(cache_priority, t.slots(), "cache_priority");
-  check(counts, lfu ? t.rows : 0, "counts");
+  check(counts, lfu ? t.rows : 0, "counts", t.narrow_counts ? at::kShort : at::kInt);
   kCpu.check(indices, at::kLong, "indices");
   kCpu.check(step_offsets, at::kLong, "step_offsets");
   int64_t* counter = tables_counters(counters, 1, false)[0];
@@ -39,7 +40,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
                 " out of range [0, ", t.rows, ")");
   int32_t* tags = cache_tags.data_ptr<int32_t>();
   int32_t* prio = cache_priority.data_ptr<int32_t>();
-  int32_t* cnt = counts.data_ptr<int32_t>();
+  const LfuCounts cnt{counts.data_ptr(), t.narrow_counts};
   const Cache cache{tags, nullptr, t.set_divisor, ways};
   int64_t max_index = 0;
   for (int64_t l = 0; l < indices.numel(); ++l) max_index = std::max(max_index, idx[l]);
@@ -65,9 +66,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
     }
     const int64_t nu = (int64_t)rows.size();
     if (lfu)
-      for (int64_t u = 0; u < nu; ++u)
-        cnt[rows[u]] = (int32_t)std::min<int64_t>((int64_t)cnt[rows[u]] + occ[u],
-                                                  std::numeric_limits<int32_t>::max());
+      for (int64_t u = 0; u < nu; ++u) cnt.add(rows[u], occ[u]);
     int64_t hits = 0, unique_hits = 0, ins = 0, evict = 0;
     set_keys.clear();  // (set, u) packed
     if (num_sets > 0)  // (no cache: every updated row bypasses)

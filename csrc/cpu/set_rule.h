@@ -11,6 +11,8 @@
 #include <limits>
 #include <vector>
 
+#include "embcache/table_spec.h"
+
 namespace embcache {
 namespace cpu {
 
@@ -33,7 +35,7 @@ constexpr int32_t kEmpty = std::numeric_limits<int32_t>::min();
 /// step (LRU). cache_priority keeps this value for every resident (0 for an empty slot).
 struct RowPriority {
   bool lfu;
-  const int32_t* counts;
+  LfuCounts counts;
   int64_t step;
   int32_t operator()(int64_t row) const { return lfu ? counts[row] : (int32_t)step; }
 };

@@ -98,12 +98,7 @@ __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const 
     const float* fs = fresh_state + T.state_start + i * sw;
     for (int64_t j = lane; j < sw; j += 32) state[row * sw + j] = fs[j];
     if (lane != 0) continue;
-    int32_t count = 0;
-    if (T.t.lfu) {
-      const int64_t c = (int64_t)T.state.counts[row] + occ[u];
-      count = (int32_t)(c < 0x7fffffff ? c : 0x7fffffff);
-      T.state.counts[row] = count;
-    }
+    const int32_t count = T.t.lfu ? T.state.counts.add(row, occ[u]) : 0;
     if (!keys) continue;
     const uint64_t set = T.t.num_sets == 0
                              ? no_set
@@ -150,7 +145,7 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
     const int64_t ways = T.t.ways, step = T.step;
     int32_t* tags = T.state.cache_tags;
     int32_t* priority = T.state.cache_priority;
-    const int32_t* counts = T.state.counts;
+    const LfuCounts counts = T.state.counts;
     const int64_t base = ((int64_t)set - T.set_start) * ways;
     unsigned long long hits = 0, ins = 0, evict = 0;
     // 1. Updated residents stay, with their new value and priority (LRU: the step; LFU:

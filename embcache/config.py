@@ -184,8 +184,9 @@ class TableConfig:
 
     @property
     def counts_dtype(self) -> torch.dtype:
-        """The dtype of the LFU counts: signed, so a count saturates at 2^31 - 1 or 2^15 - 1."""
-        return torch.int16 if self.lfu_count_bits == 16 else torch.int32
+        """The dtype of the LFU counts (signed: a count saturates at 2^31 - 1 or 2^15 - 1);
+        int32 for the empty counts of a table that keeps none, as its spec says."""
+        return torch.int16 if self.keeps_counts and self.lfu_count_bits == 16 else torch.int32
 
     @property
     def num_slots(self) -> int:

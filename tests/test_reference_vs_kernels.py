@@ -604,6 +604,24 @@ def test_commit_counts_wait_on_the_table_until_read():
         assert got["bypasses"] > 0 and got["evictions"] > 0
 
 
+@pytest.mark.parametrize("rows,cache_ratio", [(300, 0.0), (20, 0.5)])
+def test_16_bit_lfu_counts_on_a_table_without_counts(rows, cache_ratio):
+    """A table that keeps no counts (no cache, or too small for low precision) with
+    lfu_count_bits=16 trains as the reference: the option only narrows counts there are."""
+    module = CachedLowPrecisionEmbedding(
+        rows, 4, precision="int8", cache_ratio=cache_ratio, lfu_count_bits=16, associativity=2
+    )
+    assert not module.config.keeps_counts and module.counts.numel() == 0
+    table = ref.ReferenceTable(module.config, module.weights.clone())
+    ids, offsets, grad = torch.tensor([1, 5, 5, 9]), torch.tensor([0, 2]), torch.randn(2, 4)
+    module(ids, offsets).backward(grad)
+    module.step()
+    table.forward(ids, offsets, None)
+    table.backward(grad)
+    table.step()
+    assert_same_state(module, table, "one step")
+
+
 def test_16_bit_lfu_counts_saturate_as_the_reference():
     """16-bit LFU counts saturate at 2^15 - 1 and then tie (a tie keeps the resident): started
     near the top, the module follows the reference bit for bit as rows saturate."""

@@ -58,7 +58,7 @@ from _common import (
     write_text,
 )
 
-from embcache.config import LFU_COUNT_BITS, POLICIES
+from embcache.config import LFU_COUNT_BITS, POLICIES, TableConfig
 from embcache.planner import replay
 
 
@@ -111,7 +111,7 @@ def run_grid(
     policies: list[str],
     ways: list[int],
     jobs: int,
-    lfu_count_bits: int = 32,
+    lfu_count_bits: int,
 ) -> pd.DataFrame:
     """One record per (size, policy, ways, trace row); ``cards[i]`` is trace row i's table size."""
     global _trace, _current
@@ -450,7 +450,7 @@ def main(argv=None) -> dict:
         "--lfu-count-bits",
         type=int,
         choices=LFU_COUNT_BITS,
-        default=32,
+        default=TableConfig.lfu_count_bits,
         help="bits of the LFU counts, which saturate (default: %(default)s)",
     )
     p.add_argument(

@@ -88,6 +88,9 @@ NEUTRAL = 0.02  # % relative accuracy drop
 MARKERS = {(False, "fp32"): "s", (True, "fp32"): "o", (False, "fp16"): "v", (True, "fp16"): "^"}
 PAPER_TABLE = {("lfu", 32): 3, ("lru", 1): 4, ("lfu", 1): 5}
 CONFIG = ["precision", "rounding", "cache", "policy", "ways", "qparams", "budget"]
+# the paper's int32 LFU counts in every run (they trained bit for bit as 16-bit ones do:
+# bench/results/lfu_count_bits/), so that the sweep's results stay one set
+SWEEP_LFU_COUNT_BITS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,7 @@ def run_config(
         policy=run.policy or "lfu",
         associativity=run.ways or 1,
         qparams=run.qparams,
+        lfu_count_bits=SWEEP_LFU_COUNT_BITS,
         seed=run.seed,
         eval_every=0,
         progress=False,
@@ -332,6 +336,7 @@ def formula_factor(precision: str, cache: float, policy, ways, qparams: str) -> 
             associativity=int(ways) if cache else 1,
             optimizer="sgd",
             qparams=qparams,
+            lfu_count_bits=SWEEP_LFU_COUNT_BITS,
         )
     )
 

@@ -25,7 +25,7 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 MAX_ASSOCIATIVITY = 32
 ROUNDINGS = ("nearest", "stochastic")
 POLICIES = ("lru", "lfu")
-LFU_COUNT_BITS = (32, 16)
+LFU_COUNT_BITS = (16, 32)
 # TableConfig fields newer than some checkpoints, with the value those checkpoints' tables had
 ADDED_FIELDS = {"lfu_count_bits": 32}
 QPARAMS = ("fp32", "fp16")
@@ -102,7 +102,7 @@ class TableConfig:
     cache_ratio: float = 0.05
     associativity: int = 32
     policy: str = "lfu"
-    lfu_count_bits: int = 32
+    lfu_count_bits: int = 16
     optimizer: str = "sgd"
     lr: float = 0.01
     eps: float = 1e-8

@@ -39,7 +39,7 @@ def replay(
     cache_ratio: float,
     policy: str,
     ways: int,
-    lfu_count_bits: int = 32,
+    lfu_count_bits: int = TableConfig.lfu_count_bits,
 ) -> tuple[dict, torch.Tensor]:
     """Replays ``ids`` (int64, steps of ``batch_size`` lookups) through a fresh cache of one
     table (LFU counts of ``lfu_count_bits``); returns the counters (``embcache.config.COUNTERS``, as the table's ``stats()``

@@ -529,7 +529,9 @@ def test_no_cache_and_saturated_counts(backend):
     gen = torch.Generator().manual_seed(11)
     indices, offsets, _ = make_batch(gen, 100, torch.arange(100), 10, 5, False)
     twin.train_step(indices, offsets, None, torch.randn(10, 4, generator=gen), "no cache")
-    twin = Twin(backend, 200, 4, 12, cache_ratio=0.05, associativity=2, policy="lfu")
+    twin = Twin(
+        backend, 200, 4, 12, cache_ratio=0.05, associativity=2, policy="lfu", lfu_count_bits=32
+    )
     for state in (twin.cpu, twin.dev):
         state["counts"].fill_(2**31 - 3)
     indices, offsets, _ = make_batch(gen, 200, torch.arange(200), 20, 6, False)

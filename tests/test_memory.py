@@ -38,9 +38,11 @@ def test_memory_bytes_are_the_tensors_bytes_and_the_formula(precision, policy, o
         (dict(precision="fp16", cache_ratio=0), 0.5),
         (dict(precision="int8", cache_ratio=0), 0.2578125),  # (128 + 4) / 512: FP16 qparams
         (dict(precision="int8", cache_ratio=0, qparams="fp32"), 0.265625),  # the paper's layout
-        # paper ≈ 0.374; ours keeps a 4-byte priority per slot too (0.0008 more at 10%)
-        (dict(precision="int8", cache_ratio=0.1, policy="lfu", qparams="fp32"), 0.375),
-        (dict(precision="int8", cache_ratio=0.1, policy="lfu"), 0.3672),
+        # paper ≈ 0.374 (its layout: FP32 qparams, int32 counts); ours keeps a 4-byte
+        # priority per slot too (0.0008 more at 10%)
+        (dict(precision="int8", cache_ratio=0.1, qparams="fp32", lfu_count_bits=32), 0.375),
+        (dict(precision="int8", cache_ratio=0.1, lfu_count_bits=32), 0.3672),
+        (dict(precision="int8", cache_ratio=0.1, policy="lfu"), 0.3633),  # 16-bit counts
     ],
 )
 def test_paper_reference_points_dim_128(kwargs, expected):
@@ -84,7 +86,7 @@ print(json.dumps({"before": before, "peak": peak, "memory_bytes": total}))
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
 def test_building_kaggle_size_tables_makes_no_fp32_copy():
-    """INT8 tables of Kaggle's 33.8M rows (dim 16: ~1.1 GB with cache, LFU counts and row-wise
+    """INT8 tables of Kaggle's 33.8M rows (dim 16: ~1.0 GB with cache, LFU counts and row-wise
     AdaGrad state) are built 2^16 rows at a time: the process's peak grows by at most 1.3x
     the tables' bytes (an FP32 copy of the largest table alone would add 648 MB)."""
     env = {**os.environ, "EMBCACHE_HUGE_PAGES": "0", "OMP_NUM_THREADS": "1"}
@@ -92,5 +94,5 @@ def test_building_kaggle_size_tables_makes_no_fp32_copy():
         [sys.executable, "-c", _BUILD_KAGGLE], capture_output=True, text=True, env=env, check=True
     )
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    assert m["memory_bytes"] > 1e9
+    assert m["memory_bytes"] > 9e8
     assert m["peak"] - m["before"] <= 1.3 * m["memory_bytes"], m

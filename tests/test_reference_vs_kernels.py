@@ -440,6 +440,7 @@ def test_lfu_counts_saturate():
         cache_ratio=0.5,
         associativity=4,
         policy="lfu",
+        lfu_count_bits=32,
         min_rows_for_low_precision=0,
     )
     table = ref.ReferenceTable(module.config, module.weights.clone())

@@ -55,12 +55,18 @@ inline TableSpec decode_table_spec(const at::Tensor& spec) {
   return s[0];
 }
 
+/// The dtype of a table's LFU counts (LfuCounts): int8, int16 or int32; int32 for the empty
+/// counts of a table that keeps none.
+inline at::ScalarType counts_dtype(const TableSpec& spec) {
+  return spec.count_bits == 8 ? at::kChar : spec.count_bits == 16 ? at::kShort : at::kInt;
+}
+
 /// The state of every table with `specs`, checked: `state` holds kNumStateTensors tensors per
 /// table, table t's tensor i at state[t * kNumStateTensors + i] in EMBCACHE_STATE_TENSORS
 /// order. Each must be contiguous, on the `device` of its table's weights, of its dtype and
 /// shape: weights uint8 [rows, row bytes]; cache_tags and cache_priority int32 [slots];
-/// cache_rows float32 [slots, dim]; cache_set_floor int32 [num_sets]; counts int32 (int16 for
-/// 16-bit counts) [rows] if the table keeps LFU counts, else [0]; optimizer_state float32
+/// cache_rows float32 [slots, dim]; cache_set_floor int32 [num_sets]; counts of counts_dtype
+/// [rows] if the table keeps LFU counts, else int32 [0]; optimizer_state float32
 /// [rows * state width]. The
 /// weights start at a 16-byte boundary (every allocation does), so that the rows of an fp32 or
 /// fp16 table are aligned to their values (the CUDA kernels read them as words).
@@ -92,12 +98,12 @@ inline std::vector<TableState> table_states(at::TensorList state,
     check(kCacheRows, at::kFloat, {slots, spec.f.dim});
     check(kCachePriority, at::kInt, {slots});
     check(kCacheSetFloor, at::kInt, {spec.num_sets});
-    check(kCounts, spec.narrow_counts ? at::kShort : at::kInt, {spec.lfu ? spec.rows : 0});
+    check(kCounts, counts_dtype(spec), {spec.lfu ? spec.rows : 0});
     check(kOptimizerState, at::kFloat, {spec.rows * spec.state_width()});
     out.push_back(TableState{x[kWeights].data_ptr<uint8_t>(), x[kCacheTags].data_ptr<int32_t>(),
                              x[kCacheRows].data_ptr<float>(), x[kCachePriority].data_ptr<int32_t>(),
                              x[kCacheSetFloor].data_ptr<int32_t>(),
-                             LfuCounts{x[kCounts].data_ptr(), spec.narrow_counts},
+                             LfuCounts{x[kCounts].data_ptr(), spec.count_bits},
                              x[kOptimizerState].data_ptr<float>()});
   }
   return out;

@@ -25,7 +25,7 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 MAX_ASSOCIATIVITY = 32
 ROUNDINGS = ("nearest", "stochastic")
 POLICIES = ("lru", "lfu")
-LFU_COUNT_BITS = (16, 32)
+LFU_COUNT_BITS = (16, 32, 8)
 # TableConfig fields newer than some checkpoints, with the value those checkpoints' tables had
 ADDED_FIELDS = {"lfu_count_bits": 32}
 QPARAMS = ("fp32", "fp16")
@@ -91,8 +91,8 @@ class TableConfig:
 
     ``seed`` keys the stochastic rounding stream together with ``table_id``; tables with
     fewer than ``min_rows_for_low_precision`` rows are stored FP32 without cache. An LFU
-    table counts each row's occurrences in ``lfu_count_bits`` (32 or 16) bits, saturating at
-    the largest count they hold.
+    table counts each row's occurrences in ``lfu_count_bits`` (16, 32 or 8) bits, saturating
+    at the largest count they hold.
     """
 
     num_embeddings: int
@@ -184,9 +184,11 @@ class TableConfig:
 
     @property
     def counts_dtype(self) -> torch.dtype:
-        """The dtype of the LFU counts (signed: a count saturates at 2^31 - 1 or 2^15 - 1);
-        int32 for the empty counts of a table that keeps none, as its spec says."""
-        return torch.int16 if self.keeps_counts and self.lfu_count_bits == 16 else torch.int32
+        """The dtype of the LFU counts (signed: a count saturates at 2^(bits - 1) - 1); int32
+        for the empty counts of a table that keeps none, as its spec says."""
+        if not self.keeps_counts:
+            return torch.int32
+        return {8: torch.int8, 16: torch.int16, 32: torch.int32}[self.lfu_count_bits]
 
     @property
     def num_slots(self) -> int:

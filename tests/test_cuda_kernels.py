@@ -386,23 +386,32 @@ def test_training_matches_cpu(backend, precision, rounding, policy, ways):
     assert hits > 0 and ins > 0 and evict + bypass > 0, twin.totals  # every path taken
 
 
-def test_16_bit_lfu_counts_saturate_alike(backend):
-    """16-bit LFU counts (int16, saturating at 2^15 - 1), started near the top so that rows
-    saturate and then tie with the residents: the kernels agree with the CPU bit for bit."""
-    rows, dim = 200, 4
+@pytest.mark.parametrize("bits", [16, 8])
+def test_narrow_lfu_counts_saturate_alike(backend, bits):
+    """16-bit and 8-bit LFU counts (saturating at 2^(bits - 1) - 1), started near the top so
+    that rows saturate and then tie with the residents: the kernels agree with the CPU bit
+    for bit."""
+    rows, dim, top = 200, 4, 2 ** (bits - 1) - 1
     twin = Twin(
-        backend, rows, dim, 23, associativity=4, cache_ratio=(8 * 4 + 0.5) / rows, lfu_count_bits=16
+        backend,
+        rows,
+        dim,
+        23,
+        associativity=4,
+        cache_ratio=(8 * 4 + 0.5) / rows,
+        lfu_count_bits=bits,
     )
-    assert twin.cpu["counts"].dtype == torch.int16 and twin.cpu["counts"].numel() == rows
+    counts = twin.cpu["counts"]
+    assert counts.element_size() * 8 == bits and counts.numel() == rows
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    start = torch.randint(32_760, 32_768, (rows,), generator=gen).to(torch.int16)
+    start = torch.randint(top - 7, top + 1, (rows,), generator=gen).to(counts.dtype)
     for state in (twin.cpu, twin.dev):
         state["counts"].copy_(start)
     perm = torch.randperm(rows, generator=gen)
     for s in range(4):
         indices, offsets, w = make_batch(gen, rows, perm, 24, 6, False)
         twin.train_step(indices, offsets, w, torch.randn(24, dim, generator=gen), f"step {s + 1}")
-    assert int((twin.cpu["counts"] == 2**15 - 1).sum()) > 10
+    assert int((twin.cpu["counts"] == top).sum()) > 10
     hits, misses, ins, evict, bypass = twin.totals.tolist()
     assert hits > 0 and ins > 0 and bypass > 0
 

@@ -11,7 +11,7 @@ from embcache import CachedLowPrecisionEmbedding, TableConfig, compression_facto
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4", "int2"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu16"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu32", "lfu8"])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
 def test_memory_bytes_are_the_tensors_bytes_and_the_formula(precision, policy, optimizer):
     m = CachedLowPrecisionEmbedding(
@@ -19,7 +19,7 @@ def test_memory_bytes_are_the_tensors_bytes_and_the_formula(precision, policy, o
         12,
         precision=precision,
         policy=policy[:3],
-        lfu_count_bits=16 if policy == "lfu16" else 32,
+        lfu_count_bits=int(policy[3:] or 16),
         optimizer=optimizer,
         cache_ratio=0.1,
         associativity=8,

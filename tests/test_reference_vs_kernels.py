@@ -605,12 +605,13 @@ def test_commit_counts_wait_on_the_table_until_read():
         assert got["bypasses"] > 0 and got["evictions"] > 0
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("rows,cache_ratio", [(300, 0.0), (20, 0.5)])
-def test_16_bit_lfu_counts_on_a_table_without_counts(rows, cache_ratio):
-    """A table that keeps no counts (no cache, or too small for low precision) with
-    lfu_count_bits=16 trains as the reference: the option only narrows counts there are."""
+def test_narrow_lfu_counts_on_a_table_without_counts(rows, cache_ratio, bits):
+    """A table that keeps no counts (no cache, or too small for low precision) with narrow
+    LFU counts trains as the reference: the option only narrows counts there are."""
     module = CachedLowPrecisionEmbedding(
-        rows, 4, precision="int8", cache_ratio=cache_ratio, lfu_count_bits=16, associativity=2
+        rows, 4, precision="int8", cache_ratio=cache_ratio, lfu_count_bits=bits, associativity=2
     )
     assert not module.config.keeps_counts and module.counts.numel() == 0
     table = ref.ReferenceTable(module.config, module.weights.clone())
@@ -623,23 +624,25 @@ def test_16_bit_lfu_counts_on_a_table_without_counts(rows, cache_ratio):
     assert_same_state(module, table, "one step")
 
 
-def test_16_bit_lfu_counts_saturate_as_the_reference():
-    """16-bit LFU counts saturate at 2^15 - 1 and then tie (a tie keeps the resident): started
-    near the top, the module follows the reference bit for bit as rows saturate."""
-    rows, dim = 300, 4
+@pytest.mark.parametrize("bits", [16, 8])
+def test_narrow_lfu_counts_saturate_as_the_reference(bits):
+    """16-bit (8-bit) LFU counts saturate at 2^15 - 1 (2^7 - 1) and then tie (a tie keeps the
+    resident): started near the top, the module follows the reference bit for bit as rows
+    saturate."""
+    rows, dim, top = 300, 4, 2 ** (bits - 1) - 1
     module = CachedLowPrecisionEmbedding(
         rows,
         dim,
         precision="int8",
         cache_ratio=0.1,
         associativity=4,
-        lfu_count_bits=16,
+        lfu_count_bits=bits,
         min_rows_for_low_precision=0,
         seed=3,
     )
     table = ref.ReferenceTable(module.config, module.weights.clone())
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    start = torch.randint(32_700, 32_768, (rows,), generator=gen).to(torch.int16)
+    start = torch.randint(top - 67, top + 1, (rows,), generator=gen).to(module.counts.dtype)
     module.counts.copy_(start)
     table.counts.copy_(start)
     for step in range(5):
@@ -652,6 +655,6 @@ def test_16_bit_lfu_counts_saturate_as_the_reference():
         table.backward(grad)
         table.step()
         assert_same_state(module, table, f"step {step + 1}")
-    assert module.counts.dtype == torch.int16 and int((module.counts == 2**15 - 1).sum()) > 10
+    assert module.counts.element_size() * 8 == bits and int((module.counts == top).sum()) > 10
     s = module.stats()
     assert s["unique_hits"] > 0 and s["insertions"] > 0

@@ -26,7 +26,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
   };
   check(cache_tags, t.slots(), "cache_tags");
   check(cache_priority, t.slots(), "cache_priority");
-  check(counts, lfu ? t.rows : 0, "counts", t.narrow_counts ? at::kShort : at::kInt);
+  check(counts, lfu ? t.rows : 0, "counts", counts_dtype(t));
   kCpu.check(indices, at::kLong, "indices");
   kCpu.check(step_offsets, at::kLong, "step_offsets");
   int64_t* counter = tables_counters(counters, 1, false)[0];
@@ -40,7 +40,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
                 " out of range [0, ", t.rows, ")");
   int32_t* tags = cache_tags.data_ptr<int32_t>();
   int32_t* prio = cache_priority.data_ptr<int32_t>();
-  const LfuCounts cnt{counts.data_ptr(), t.narrow_counts};
+  const LfuCounts cnt{counts.data_ptr(), t.count_bits};
   const Cache cache{tags, nullptr, t.set_divisor, ways};
   int64_t max_index = 0;
   for (int64_t l = 0; l < indices.numel(); ++l) max_index = std::max(max_index, idx[l]);

@@ -51,7 +51,7 @@ enum CommitCount { kCommitHits, kCommitInsertions, kCommitEvictions, kNumCommitC
 ///   rows: the table's rows; dim: values per row; bits and qparams_fp16: the row format;
 ///   stochastic: 1 for stochastic rounding, 0 for nearest; optimizer: an Optimizer;
 ///   lr, eps: the optimizer's float64 values, as their bits; lfu: the bits of the table's LFU
-///   counts (32 or 16) if it keeps them (an LFU policy and a cache), so that its priorities
+///   counts (32, 16 or 8) if it keeps them (an LFU policy and a cache), so that its priorities
 ///   are counts, else 0 (its priorities are update steps);
 ///   num_sets, ways: the cache's geometry (num_sets * ways slots; 0 sets: no cache);
 ///   seed, table: the key and table number of the rounding stream; mean: 1 to pool bags
@@ -111,7 +111,7 @@ struct TableSpec {
   int optimizer;
   double lr, eps;
   bool lfu;
-  bool narrow_counts;  // 16-bit LFU counts (LfuCounts)
+  int count_bits;  // of its LFU counts: 32, 16 or 8 (LfuCounts); 0 without
   int64_t num_sets, ways;
   uint64_t seed;
   uint32_t table;
@@ -126,21 +126,25 @@ struct TableSpec {
   }
 };
 
-/// A table's LFU counts (docs/contract.md §4): int32, or int16 for a table whose spec says
-/// 16 bits. A count saturates at its type's largest value (2^31 - 1 or 2^15 - 1): rows counted
-/// past it tie, and a tie keeps the resident.
+/// A table's LFU counts (docs/contract.md §4): int32, int16 or int8 (`bits` 32, 16 or 8, as
+/// the table's spec says). A count saturates at its type's largest value (2^(bits - 1) - 1):
+/// rows counted past it tie, and a tie keeps the resident.
 struct LfuCounts {
   void* p;
-  bool narrow;  // int16
+  int bits;
 
   EMBCACHE_HD int32_t operator[](int64_t row) const {
-    return narrow ? (int32_t) static_cast<const int16_t*>(p)[row] : static_cast<const int32_t*>(p)[row];
+    return bits == 8    ? (int32_t) static_cast<const int8_t*>(p)[row]
+           : bits == 16 ? (int32_t) static_cast<const int16_t*>(p)[row]
+                        : static_cast<const int32_t*>(p)[row];
   }
   /// Adds `occurrences` (>= 0) to the row's count, saturating; returns the new count.
   EMBCACHE_HD int32_t add(int64_t row, int64_t occurrences) const {
-    const int64_t most = narrow ? 0x7fff : 0x7fffffff, c = (*this)[row] + occurrences;
+    const int64_t most = (int64_t(1) << (bits - 1)) - 1, c = (*this)[row] + occurrences;
     const int32_t count = (int32_t)(c < most ? c : most);
-    if (narrow)
+    if (bits == 8)
+      static_cast<int8_t*>(p)[row] = (int8_t)count;
+    else if (bits == 16)
       static_cast<int16_t*>(p)[row] = (int16_t)count;
     else
       static_cast<int32_t*>(p)[row] = count;
@@ -148,7 +152,7 @@ struct LfuCounts {
   }
   /// The row's count's address (to prefetch).
   EMBCACHE_HD const void* address(int64_t row) const {
-    return static_cast<const char*>(p) + row * (narrow ? 2 : 4);
+    return static_cast<const char*>(p) + row * (bits / 8);
   }
 };
 
@@ -182,7 +186,7 @@ inline int decode_spec(const int64_t* s, TableSpec* out) {
   const double lr = real(s[kLr]), eps = real(s[kEps]);
   if (!(lr - lr == 0.0)) return kLr;  // finite
   if (!(eps - eps == 0.0 && eps > 0.0)) return kEps;
-  if (!(s[kLfu] == 0 || s[kLfu] == 16 || s[kLfu] == 32)) return kLfu;
+  if (!(s[kLfu] == 0 || s[kLfu] == 8 || s[kLfu] == 16 || s[kLfu] == 32)) return kLfu;
   if (!is_valid_ways(ways)) return kWays;
   if (!(sets >= 0 && sets <= rows && sets * ways <= rows)) return kNumSets;
   if (!(s[kSeed] >= 0)) return kSeed;
@@ -195,7 +199,7 @@ inline int decode_spec(const int64_t* s, TableSpec* out) {
                    lr,
                    eps,
                    s[kLfu] != 0,
-                   s[kLfu] == 16,
+                   (int)s[kLfu],
                    sets,
                    ways,
                    (uint64_t)s[kSeed],

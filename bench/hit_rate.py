@@ -58,7 +58,7 @@ from _common import (
     write_text,
 )
 
-from embcache.config import LFU_COUNT_BITS, POLICIES, TableConfig
+from embcache.config import POLICIES
 from embcache.planner import replay
 
 
@@ -446,13 +446,9 @@ def main(argv=None) -> dict:
         default=[1, 2, 4, 8, 16, 32],
         help="associativities (default: %(default)s)",
     )
-    p.add_argument(
-        "--lfu-count-bits",
-        type=int,
-        choices=LFU_COUNT_BITS,
-        default=TableConfig.lfu_count_bits,
-        help="bits of the LFU counts, which saturate (default: %(default)s)",
-    )
+    from dlrm.cli import add_lfu_count_bits_option  # here: the replay workers need no dlrm
+
+    add_lfu_count_bits_option(p)
     p.add_argument(
         "--jobs", type=int, default=1, help="processes replaying (table, configuration) pairs"
     )

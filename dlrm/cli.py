@@ -101,6 +101,18 @@ def _table_override(text: str) -> tuple[str, dict]:
         ) from None
 
 
+def add_lfu_count_bits_option(g) -> None:
+    """``--lfu-count-bits`` (TableConfig.lfu_count_bits, RunConfig's field of that name), for
+    ``g`` a parser or an argument group: the command line and bench/hit_rate.py share it."""
+    g.add_argument(
+        "--lfu-count-bits",
+        type=int,
+        choices=LFU_COUNT_BITS,
+        default=_DEFAULTS.lfu_count_bits,
+        help="bits of an LFU table's per-row counts, which saturate (default: %(default)s)",
+    )
+
+
 def add_data_options(g, *, old_names: bool = False) -> None:
     """The options that choose a run's data (``--data``, ``--synthetic-rows``,
     ``--synthetic-scale``, RunConfig's fields of those names), for ``g`` a parser or an
@@ -151,13 +163,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-ratio", type=float, default=d.cache_ratio)
     g.add_argument("--associativity", type=int, default=d.associativity)
     g.add_argument("--policy", choices=POLICIES, default=d.policy)
-    g.add_argument(
-        "--lfu-count-bits",
-        type=int,
-        choices=LFU_COUNT_BITS,
-        default=d.lfu_count_bits,
-        help="bits of an LFU table's per-row counts, which saturate (default: %(default)s)",
-    )
+    add_lfu_count_bits_option(g)
     g.add_argument("--emb-optimizer", choices=TABLE_OPTIMIZERS, default=d.emb_optimizer)
     g.add_argument("--emb-lr", type=float, default=d.emb_lr)
     g.add_argument("--qparams", choices=QPARAMS, default=d.qparams)

@@ -10,6 +10,7 @@ from dlrm.data.synthetic import scaled_cardinalities
 from dlrm.errors import RunError
 from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS
 from dlrm.model import PRESETS, TABLE_NAMES
+from embcache.config import ADDED_FIELDS as _TABLE_ADDED_FIELDS
 from embcache.config import TableConfig
 
 EMBEDDINGS = ("embcache", "torchrec")  # ours, or TorchRec's FP32 collection (the baseline)
@@ -86,8 +87,9 @@ class RunConfig:
         "tensorboard",
         "plan_rows",  # the plan it led to is in ``tables``
     )
-    # fields newer than some checkpoints, with the value those checkpoints' runs had
-    ADDED_FIELDS = {"lfu_count_bits": 32}
+    # fields newer than some checkpoints, with the value those checkpoints' runs had: the
+    # table options among them (RunConfig names them as TableConfig does)
+    ADDED_FIELDS = dict(_TABLE_ADDED_FIELDS)
 
     def identity(self) -> dict:
         """The fields a resumed run must share with the checkpoint."""

@@ -20,7 +20,7 @@ def memory_breakdown(config: TableConfig) -> dict:
         "cache_tags": slots * 4,
         "cache_priority": slots * 4,
         "cache_set_floor": config.num_sets * 4,
-        "lfu_counts": rows * config.lfu_count_bits // 8 if config.keeps_counts else 0,
+        "lfu_counts": rows * config.counts_dtype.itemsize if config.keeps_counts else 0,
         "optimizer_state": rows * config.optimizer_state_width * 4,
     }
     parts["total"] = sum(parts.values())

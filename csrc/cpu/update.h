@@ -82,7 +82,7 @@ inline RowUpdate make_row_update(const TableSpec& spec, const TableState& s, con
                    (float)spec.lr,   (float)spec.eps};
 }
 
-/// One table's commit counts, in CommitCount order (csrc/tables.h).
+/// One table's commit counts, in CommitCount order (embcache/table_spec.h).
 using CommitCounts = std::array<int64_t, kNumCommitCounts>;
 
 /// Writes one table's update `up` into its state `s`: each unique row's new value (computed

@@ -216,10 +216,10 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
       evict += __popc(__ballot_sync(kFullMask, old >= 0));
     }
     if (lane == 0) {  // the counts are the warp's (ballots)
-      unsigned long long* counts = T.commit_counts;
-      if (hits) atomicAdd(&counts[kCommitHits], hits);
-      if (ins) atomicAdd(&counts[kCommitInsertions], ins);
-      if (evict) atomicAdd(&counts[kCommitEvictions], evict);
+      unsigned long long* commit = T.commit_counts;
+      if (hits) atomicAdd(&commit[kCommitHits], hits);
+      if (ins) atomicAdd(&commit[kCommitInsertions], ins);
+      if (evict) atomicAdd(&commit[kCommitEvictions], evict);
     }
   }
 }

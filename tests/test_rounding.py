@@ -380,6 +380,25 @@ def test_int_qparams_formulas():
             assert torch.equal(dequantize(got, prec, 7, qp), c)
 
 
+def test_every_half_decodes_exactly():
+    """All 65,536 binary16 patterns, read four at a time (dim 16), four at a time and one at a
+    time (dim 6), and one at a time (dim 2): finite values and infinities as torch converts
+    them; NaNs keep their sign and payload (man << 13 under an all-ones exponent)."""
+    h = torch.arange(65536, dtype=torch.int64)
+    nan = ((h >> 10) & 31 == 31) & (h & 0x3FF != 0)
+    want = torch.where(nan, h & 0x8000, h).sub(65536 * (h >= 32768)).to(torch.int16)
+    want = want.view(torch.float16).float().view(torch.int32)  # no NaN: torch is the oracle
+    nan_bits = ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13)
+    want = torch.where(nan, nan_bits.sub(2**32 * (nan_bits >= 2**31)).to(torch.int32), want)
+    for dim in (16, 6, 2):
+        rows = -(-65536 // dim)
+        padded = torch.cat([h, h[: rows * dim - 65536]])
+        stored = padded.sub(65536 * (padded >= 32768)).to(torch.int16).view(torch.uint8)
+        got = dequantize(stored.reshape(rows, 2 * dim), "fp16", dim).reshape(-1)[:65536]
+        bad = torch.nonzero(got.view(torch.int32) != want)
+        assert bad.numel() == 0, f"dim {dim}: half {hex(int(bad[0]))} decodes wrong"
+
+
 def test_dequantize_is_multiply_then_add():
     """code * scale + bias as two rounded float32 operations, not a fused multiply-add:
     on random codes and qparams the op equals the reference, and differs from an FMA."""

@@ -45,30 +45,6 @@ class MaxAbs {
 #endif
 };
 
-/// The values of a float32 row (a cache row, or a row of an fp32 table).
-struct F32Values {
-  const uint8_t* p;
-  float at(int j) const { return load_f32(p + 4 * j); }
-#if defined(EMBCACHE_SSE)
-  __m128 at4(int j) const { return _mm_loadu_ps((const float*)(p + 4 * j)); }
-#endif
-};
-
-/// The values of an int8 row, code * scale + bias: a multiply and an add, as dequantize_row.
-struct Int8Values {
-  const uint8_t* p;
-  float scale, bias;
-  float at(int j) const { return (float)p[j] * scale + bias; }
-#if defined(EMBCACHE_SSE)
-  __m128 at4(int j) const {
-    int32_t codes;
-    memcpy(&codes, p + j, 4);
-    const __m128 x = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(codes)));
-    return _mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(scale)), _mm_set1_ps(bias));
-  }
-#endif
-};
-
 /// add_values with `first` known at compile time.
 template <bool kFirst, typename Values>
 EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* acc,
@@ -108,27 +84,6 @@ EMBCACHE_ALWAYS_INLINE void add_values(int dim, const Values& v, const float* w,
     add_term<false>(dim, v, s, acc, max_abs);
 }
 
-/// Calls fn(values_of) once, with values_of(row) the Values of a stored row computed as
-/// dequantize_row computes them: fp32 and int8 rows straight from the table, other formats
-/// through `buf` (dim floats). The format's branch is taken here, outside fn's loops.
-template <typename Fn>
-inline void with_stored_values(const RowFormat& f, float* buf, const Fn& fn) {
-  if (f.bits == 32) {
-    fn([](const uint8_t* row) { return F32Values{row}; });
-  } else if (f.bits == 8) {
-    fn([f](const uint8_t* row) {
-      Int8Values v{row, 0.f, 0.f};
-      load_qparams(f, row, &v.scale, &v.bias);
-      return v;
-    });
-  } else {
-    fn([f, buf](const uint8_t* row) {
-      dequantize_row(f, row, buf);
-      return F32Values{(const uint8_t*)buf};
-    });
-  }
-}
-
 /// lookup_core's pooling pass over bags [b0, b1); returns the number of cached lookups.
 /// Instantiated for rows of kDim floats (0: `dim`, known at run time only; 16 is DLRM's
 /// Criteo dim) and for chunks whose every bag has one lookup (Criteo's features), so that the
@@ -154,7 +109,7 @@ int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const C
     const float* weight = psw ? psw + l : nullptr;
     if (slot[l] >= 0) {
       const uint8_t* v = (const uint8_t*)(cache_rows + slot[l] * dim);
-      add_values(dim, F32Values{v}, weight, first, acc, max_abs);
+      add_values(dim, RowValues<32>{v}, weight, first, acc, max_abs);
       ++hits;
     } else {
       add_values(dim, stored_values(w + idx[l] * row_bytes), weight, first, acc, max_abs);
@@ -204,11 +159,10 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
       if (l + kPrefetch < off[b1]) cache.prefetch_set(slot[l + kPrefetch]);
       slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);
     }
-    std::vector<float> buf(dim);
     MaxAbs chunk_max;
     int64_t local_hits = 0;
     const bool one_lookup_per_bag = off[b1] - off[b0] == b1 - b0;
-    with_stored_values(f, buf.data(), [&](const auto& stored_values) {
+    with_row_values(f, [&](const auto& stored_values) {
       auto pool = [&](auto k_dim, auto k_one) {
         local_hits = pool_bags<decltype(k_dim)::value, decltype(k_one)::value>(
             bags, b0, b1, dim, cache, w, f.row_bytes(), slot, mean, out, out_stride,

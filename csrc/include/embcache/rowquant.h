@@ -230,23 +230,104 @@ EMBCACHE_HD float dequantize_element(const RowFormat& f, const uint8_t* row, int
   return (float)load_code(f, row, j) * scale + bias;
 }
 
-/// out[0..dim) = the stored row as float32 (the format's branch taken once per row).
+#if defined(EMBCACHE_SSE)
+/// half_to_float of the four binary16 values at p, lane by lane: the same bits for every
+/// input, NaN payloads included.
+inline __m128 half4_to_float(const uint8_t* p) {
+  int64_t packed;
+  memcpy(&packed, p, 8);
+  const __m128i h = _mm_cvtepu16_epi32(_mm_cvtsi64_si128(packed));
+  const __m128i exp_man = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
+  const __m128i exp = _mm_and_si128(h, _mm_set1_epi32(0x7c00));
+  const __m128i rebias = _mm_set1_epi32(112 << 23);
+  // normal: the exponent rebiased by 112; infinity and NaN: by 112 twice, to 255
+  __m128i mag = _mm_add_epi32(_mm_slli_epi32(exp_man, 13), rebias);
+  mag = _mm_add_epi32(mag, _mm_and_si128(_mm_cmpeq_epi32(exp, _mm_set1_epi32(0x7c00)), rebias));
+  // zero and subnormal: man * 2^-24, exact in float
+  const __m128 tiny = _mm_mul_ps(_mm_cvtepi32_ps(exp_man), _mm_set1_ps(5.9604644775390625e-8f));
+  const __m128 is_tiny = _mm_castsi128_ps(_mm_cmpeq_epi32(exp, _mm_setzero_si128()));
+  const __m128 m = _mm_blendv_ps(_mm_castsi128_ps(mag), tiny, is_tiny);
+  const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
+  return _mm_or_ps(m, _mm_castsi128_ps(sign));
+}
+
+/// The codes of elements j .. j + 3 of an integer row of `bits` bits (j a multiple of 4), as
+/// load_code reads them.
+inline __m128i load_codes4(int bits, const uint8_t* row, int j) {
+  if (bits == 8) {
+    int32_t codes;
+    memcpy(&codes, row + j, 4);
+    return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(codes));
+  }
+  // lane k holds packed >> (k * bits), computed as packed * 2^((3 - k) * bits) >> (3 * bits):
+  // packed < 2^(4 * bits), so no product overflows
+  const uint32_t packed = bits == 4 ? load_u16(row + (j >> 1)) : row[j >> 2];
+  const __m128i spread =
+      bits == 4 ? _mm_setr_epi32(1 << 12, 1 << 8, 1 << 4, 1) : _mm_setr_epi32(1 << 6, 1 << 4, 1 << 2, 1);
+  const __m128i lanes = _mm_mullo_epi32(_mm_set1_epi32((int32_t)packed), spread);
+  return _mm_and_si128(_mm_srl_epi32(lanes, _mm_cvtsi32_si128(3 * bits)),
+                       _mm_set1_epi32((1 << bits) - 1));
+}
+#endif
+
+/// The values of a stored row of kBits bits (32, 16, or an integer format whose scale and
+/// bias the caller loads), as dequantize_element computes them: at(j) one at a time and, where
+/// SSE is there, at4(j) elements j .. j + 3 (j a multiple of 4), with the same roundings.
+template <int kBits>
+struct RowValues {
+  const uint8_t* p;
+  float scale = 1.f, bias = 0.f;
+
+  EMBCACHE_HD float at(int j) const {
+    if (kBits == 32) return load_f32(p + 4 * j);
+    if (kBits == 16) return half_to_float(load_u16(p + 2 * j));
+    return (float)load_code(RowFormat{kBits, 0, false}, p, j) * scale + bias;
+  }
+#if defined(EMBCACHE_SSE)
+  __m128 at4(int j) const {
+    if (kBits == 32) return _mm_loadu_ps((const float*)(p + 4 * j));
+    if (kBits == 16) return half4_to_float(p + 2 * j);
+    const __m128 x = _mm_cvtepi32_ps(load_codes4(kBits, p, j));
+    return _mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(scale)), _mm_set1_ps(bias));
+  }
+#endif
+};
+
+/// RowValues of `row`, a stored row of format f (f.bits == kBits), its qparams loaded.
+template <int kBits>
+EMBCACHE_HD RowValues<kBits> row_values(const RowFormat& f, const uint8_t* row) {
+  RowValues<kBits> v{row};
+  if (kBits <= 8) load_qparams(f, row, &v.scale, &v.bias);
+  return v;
+}
+
+/// Calls fn(values_of) once, with values_of(row) the RowValues of a stored row of format f:
+/// the format's branch taken here, outside fn's loops.
+template <typename Fn>
+EMBCACHE_HD void with_row_values(const RowFormat& f, const Fn& fn) {
+  switch (f.bits) {
+    case 32: return fn([f](const uint8_t* row) { return row_values<32>(f, row); });
+    case 16: return fn([f](const uint8_t* row) { return row_values<16>(f, row); });
+    case 8: return fn([f](const uint8_t* row) { return row_values<8>(f, row); });
+    case 4: return fn([f](const uint8_t* row) { return row_values<4>(f, row); });
+    default: return fn([f](const uint8_t* row) { return row_values<2>(f, row); });
+  }
+}
+
+/// out[0..dim) = the stored row as float32.
 EMBCACHE_HD void dequantize_row(const RowFormat& f, const uint8_t* row, float* out) {
   if (f.bits == 32) {
     memcpy(out, row, 4 * (size_t)f.dim);
     return;
   }
-  if (f.bits == 16) {
-    for (int j = 0; j < f.dim; ++j) out[j] = half_to_float(load_u16(row + 2 * j));
-    return;
-  }
-  float scale, bias;
-  load_qparams(f, row, &scale, &bias);
-  if (f.bits == 8) {
-    for (int j = 0; j < f.dim; ++j) out[j] = (float)row[j] * scale + bias;
-    return;
-  }
-  for (int j = 0; j < f.dim; ++j) out[j] = (float)load_code(f, row, j) * scale + bias;
+  with_row_values(f, [&](const auto& values_of) {
+    const auto v = values_of(row);
+    int j = 0;
+#if defined(EMBCACHE_SSE)
+    for (; j + 4 <= f.dim; j += 4) _mm_storeu_ps(out + j, v.at4(j));
+#endif
+    for (; j < f.dim; ++j) out[j] = v.at(j);
+  });
 }
 
 /// Whether a float32 row can be stored in format f: every value finite and, for fp16,

@@ -506,6 +506,22 @@ def test_stochastic_fp16_neighbours_and_unbiased():
     assert bool((stored[:, mixed].std(0) > 0).all())
 
 
+def test_stochastic_fp16_edges_equal_reference():
+    """Stochastic binary16 rounding of every finite half, of the points halfway between
+    neighbours and one float either side, and of values below 2^-24 and near 65504: the
+    op's bytes (rows of 64, four lanes at a time) are the reference's."""
+    h = all_finite_halves()
+    mids = ((h[:-1].double() + h[1:].double()) / 2).float()
+    beside = [torch.nextafter(mids, torch.tensor(v)) for v in (math.inf, 0.0)]
+    tiny = torch.tensor([2.0**-25, 2.0**-26, 3 * 2.0**-26, 1e-30, 1.4e-45, 2.0**-24 * 0.999])
+    x = torch.cat([h, mids, *beside, tiny, torch.tensor([65504.0, 65503.99, 65488.0])])
+    rows = as_rows(torch.cat([x, -x]))
+    ids = torch.arange(rows.shape[0], dtype=torch.int64)
+    got = quantize(rows, "fp16", rounding="stochastic", seed=3, step=7, row_ids=ids)
+    want = ref.quantize_rows(rows, ids, "fp16", "fp32", "stochastic", 3, 7, 0)
+    assert_bytes_equal(got, want, "fp16 stochastic")
+
+
 @pytest.mark.parametrize("precision", ("fp16",) + INT_PRECISIONS)
 def test_stochastic_deterministic_and_keyed(precision):
     gen = torch.Generator().manual_seed(2)

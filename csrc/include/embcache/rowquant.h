@@ -233,10 +233,10 @@ EMBCACHE_HD float dequantize_element(const RowFormat& f, const uint8_t* row, int
 #if defined(EMBCACHE_SSE)
 /// half_to_float of the four binary16 values at p, lane by lane: the same bits for every
 /// input, NaN payloads included.
-inline __m128 half4_to_float(const uint8_t* p) {
-  int64_t packed;
-  memcpy(&packed, p, 8);
-  const __m128i h = _mm_cvtepu16_epi32(_mm_cvtsi64_si128(packed));
+inline __m128 half4_to_float(const uint8_t* p);
+
+/// half_to_float of four binary16 values, one per 32-bit lane.
+inline __m128 halves_to_float(__m128i h) {
   const __m128i exp_man = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
   const __m128i exp = _mm_and_si128(h, _mm_set1_epi32(0x7c00));
   const __m128i rebias = _mm_set1_epi32(112 << 23);
@@ -249,6 +249,52 @@ inline __m128 half4_to_float(const uint8_t* p) {
   const __m128 m = _mm_blendv_ps(_mm_castsi128_ps(mag), tiny, is_tiny);
   const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
   return _mm_or_ps(m, _mm_castsi128_ps(sign));
+}
+
+inline __m128 half4_to_float(const uint8_t* p) {
+  int64_t packed;
+  memcpy(&packed, p, 8);
+  return halves_to_float(_mm_cvtepu16_epi32(_mm_cvtsi64_si128(packed)));
+}
+
+/// float_to_half_rn on four lanes (one binary16 value per 32-bit lane): the same bits for
+/// every input. Rounding is explicit (_mm_round_ps), so the MXCSR mode does not matter.
+inline __m128i float4_to_half_rn(__m128 x) {
+  const __m128i b = _mm_castps_si128(x);
+  const __m128i sign = _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(0x8000));
+  const __m128i a = _mm_and_si128(b, _mm_set1_epi32(0x7fffffff));
+  // normal: nearest-even at bit 13 as an add (a carry moves into the exponent), rebiased
+  const __m128i lsb = _mm_and_si128(_mm_srli_epi32(a, 13), _mm_set1_epi32(1));
+  const __m128i rounded = _mm_add_epi32(_mm_add_epi32(a, _mm_set1_epi32(0xfff)), lsb);
+  __m128i h = _mm_sub_epi32(_mm_srli_epi32(rounded, 13), _mm_set1_epi32(112 << 10));
+  // below 2^-14 (zero and subnormal results): rint(|x| * 2^24), exact scaling
+  const __m128 scaled = _mm_mul_ps(_mm_castsi128_ps(a), _mm_set1_ps(16777216.f));
+  const __m128i tiny = _mm_cvttps_epi32(
+      _mm_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  h = _mm_blendv_epi8(h, tiny, _mm_cmplt_epi32(a, _mm_set1_epi32(0x38800000)));
+  h = _mm_blendv_epi8(h, _mm_set1_epi32(0x7c00), _mm_cmpgt_epi32(a, _mm_set1_epi32(0x477fefff)));
+  h = _mm_blendv_epi8(h, _mm_set1_epi32(0x7e00), _mm_cmpgt_epi32(a, _mm_set1_epi32(0x7f800000)));
+  return _mm_or_si128(h, sign);
+}
+
+/// sign | half_stochastic_magnitude(|x|, u) on four lanes (|x| <= 65504 and finite, u in
+/// [0, 1)): the same bits. The magnitude truncated toward zero is lo; x == lo exactly gives
+/// p == 0, which no u is below, so that case needs no branch.
+inline __m128i half4_stochastic(__m128 x, __m128 u) {
+  const __m128i b = _mm_castps_si128(x);
+  const __m128i sign = _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(0x8000));
+  const __m128i a = _mm_and_si128(b, _mm_set1_epi32(0x7fffffff));
+  const __m128 ax = _mm_castsi128_ps(a);
+  __m128i lo = _mm_sub_epi32(_mm_srli_epi32(a, 13), _mm_set1_epi32(112 << 10));
+  const __m128i tiny = _mm_cvttps_epi32(_mm_mul_ps(ax, _mm_set1_ps(16777216.f)));  // floor
+  lo = _mm_blendv_epi8(lo, tiny, _mm_cmplt_epi32(a, _mm_set1_epi32(0x38800000)));
+  const __m128 lo_f = halves_to_float(lo);
+  const __m128i next = _mm_add_epi32(lo, _mm_set1_epi32(1));
+  const __m128 hi_f = _mm_blendv_ps(halves_to_float(next), _mm_set1_ps(65536.f),
+                                    _mm_castsi128_ps(_mm_cmpeq_epi32(lo, _mm_set1_epi32(0x7bff))));
+  const __m128 p = _mm_div_ps(_mm_sub_ps(ax, lo_f), _mm_sub_ps(hi_f, lo_f));
+  const __m128i up = _mm_castps_si128(_mm_cmplt_ps(u, p));  // all ones: round up
+  return _mm_or_si128(_mm_sub_epi32(lo, up), sign);
 }
 
 /// The codes of elements j .. j + 3 of an integer row of `bits` bits (j a multiple of 4), as
@@ -479,7 +525,17 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
   if (drawn) uniforms.set_first_chunk(drawn);
   const float* u = nullptr;  // with stochastic rounding, the uniforms of elements j0 .. j0 + 15
   if (f.bits == 16) {
-    for (int j = 0; j < f.dim; ++j) {
+    int j = 0;
+#if defined(EMBCACHE_SSE)
+    for (; j + 4 <= f.dim; j += 4) {
+      if (stochastic && (j & 15) == 0) u = uniforms.chunk(j >> 4);
+      const __m128 v = _mm_loadu_ps(x + j);
+      const __m128i h =
+          stochastic ? half4_stochastic(v, _mm_loadu_ps(u + (j & 15))) : float4_to_half_rn(v);
+      _mm_storel_epi64((__m128i*)(row + 2 * j), _mm_packus_epi32(h, h));
+    }
+#endif
+    for (; j < f.dim; ++j) {
       uint16_t h;
       if (stochastic) {
         if ((j & 15) == 0) u = uniforms.chunk(j >> 4);
@@ -508,7 +564,7 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
     const int m = f.dim - j0 < 16 ? f.dim - j0 : 16;
     if (stochastic) u = uniforms.chunk(j0 >> 4);
 #if defined(EMBCACHE_SSE)
-    if (m == 16 && lg == 0) {  // round_code on four lanes, then 16 codes packed into bytes
+    if (m == 16) {  // round_code on four lanes, then 16 codes packed into bytes
       const __m128 vbias = _mm_set1_ps(bias), vinv = _mm_set1_ps(inv), one = _mm_set1_ps(1.f);
       __m128i c[4];
       for (int k = 0; k < 4; ++k) {
@@ -521,9 +577,26 @@ EMBCACHE_HD void quantize_row(const RowFormat& f, const float* x, bool stochasti
         r = _mm_min_ps(_mm_max_ps(r, _mm_setzero_ps()), _mm_set1_ps((float)q_max));
         c[k] = _mm_cvttps_epi32(r);
       }
-      const __m128i bytes =
+      __m128i bytes =
           _mm_packus_epi16(_mm_packs_epi32(c[0], c[1]), _mm_packs_epi32(c[2], c[3]));
-      _mm_storeu_si128((__m128i*)(row + j0), bytes);
+      if (lg == 0) {
+        _mm_storeu_si128((__m128i*)(row + j0), bytes);
+        continue;
+      }
+      // byte pairs (even code, odd code) -> even | odd << bits, as 16-bit lanes, packed back
+      // into bytes: once for int4, twice for int2 (2-bit codes to nibbles, then to bytes)
+      if (lg == 2) {
+        bytes = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x0401));
+        bytes = _mm_packus_epi16(bytes, bytes);
+      }
+      bytes = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));
+      bytes = _mm_packus_epi16(bytes, bytes);
+      if (lg == 1) {
+        _mm_storel_epi64((__m128i*)(row + (j0 >> 1)), bytes);
+      } else {
+        const int32_t packed = _mm_cvtsi128_si32(bytes);
+        memcpy(row + (j0 >> 2), &packed, 4);
+      }
       continue;
     }
 #endif

@@ -313,28 +313,35 @@ def settle(engine, trace: Trace, target: float, steps: int, rounds: int, clock: 
     return p, point
 
 
+def rate(work, nbytes: int, clock: Clock) -> float:
+    """GB/s of ``work(k)``, which moves ``nbytes``: the median of 10 calls (k = 0 .. 9), after
+    one untimed call."""
+    work(0)
+    times = []
+    for k in range(10):
+        t0 = clock()
+        work(k)
+        times.append(clock() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def gather_gbs(table: torch.Tensor, lookups: int, clock: Clock) -> float:
+    """GB/s of a random gather of ``lookups`` rows of ``table`` (bytes read): the physical
+    limit of a lookup of rows of that size, from memory of that size."""
+    ids = torch.randint(0, table.shape[0], (10, lookups), device=table.device)
+    row_bytes = table[0].numel() * table.element_size()
+    return rate(lambda k: table.index_select(0, ids[k]), lookups * row_bytes, clock)
+
+
 def ceilings(table: torch.Tensor, lookups: int, clock: Clock) -> dict:
     """GB/s of a sequential copy (read plus written) and of a random gather of ``lookups``
-    rows of the FP32 ``table`` (read): medians of 10. The table is nn.EmbeddingBag's, so that
-    no second FP32 table is made (at dim 128 on the CPU one is 12 GB)."""
-    rows, device = table.shape[0], table.device
-    n = (1 << 28) if device.type == "cuda" else (1 << 26)  # 1 GiB / 256 MiB of floats
-    src = torch.rand(n, device=device)
+    rows of the FP32 ``table``. The table is nn.EmbeddingBag's, so that no second FP32 table
+    is made (at dim 128 on the CPU one is 12 GB)."""
+    n = (1 << 28) if table.device.type == "cuda" else (1 << 26)  # 1 GiB / 256 MiB of floats
+    src = torch.rand(n, device=table.device)
     dst = torch.empty_like(src)
-    ids = torch.randint(0, rows, (10, lookups), device=device)
-
-    def rate(work, nbytes) -> float:
-        work(0)
-        times = []
-        for k in range(10):
-            t0 = clock()
-            work(k)
-            times.append(clock() - t0)
-        return nbytes / statistics.median(times) / 1e9
-
-    copy = rate(lambda k: dst.copy_(src), 2 * src.nbytes)
-    gather = rate(lambda k: table.index_select(0, ids[k]), lookups * table.shape[1] * 4)
-    return {"copy_gbs": copy, "gather_gbs": gather}
+    copy = rate(lambda k: dst.copy_(src), 2 * src.nbytes, clock)
+    return {"copy_gbs": copy, "gather_gbs": gather_gbs(table, lookups, clock)}
 
 
 PRECISION_COLORS = {"fp32": "C4", "fp16": "C0", "int8": "C1", "int4": "C2", "int2": "C3"}
@@ -389,6 +396,33 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def ceiling_shares(r: dict) -> list[str]:
+    """Markdown lines: each of our tables' forward as a share of the random gather of rows of
+    the size it reads, at the lowest and highest hit rate measured: its stored rows (gathered
+    from its own table, in the same run) where it misses, FP32 rows where it hits."""
+    stored = r.get("stored_gather_gbs", {})
+    if not stored:
+        return []
+    fp32 = r["ceilings"]["gather_gbs"]
+    first, last = (next(iter(r["engines"].values()))[i]["target"] for i in (0, -1))
+    lines = [
+        "",
+        f"The forward against the random gather of rows of the size it reads: at {100 * first:g}% "
+        f"the table's stored rows (gathered from its own table), at {100 * last:g}% hits "
+        f"FP32 rows ({fp32:.2f} GB/s); uncached tables read stored rows at every point.",
+        "",
+        f"| engine | stored-row gather GB/s | forward at {100 * first:g}% | "
+        f"forward at {100 * last:g}% |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, gbs in stored.items():
+        points = r["engines"][name]
+        cached = "no cache" not in name
+        end = points[-1]["forward_gbs"] / (fp32 if cached else gbs)
+        lines.append(f"| {name} | {gbs:.2f} | {points[0]['forward_gbs'] / gbs:.0%} | {end:.0%} |")
+    return lines
+
+
 def markdown(results: dict, env: dict) -> str:
     lines = [
         f"# Effective bandwidth against hit rate ({results['where']})",
@@ -418,6 +452,7 @@ def markdown(results: dict, env: dict) -> str:
                 hr = "" if pt["hit_rate"] is None else f" ({100 * pt['hit_rate']:.1f}%)"
                 cells.append(f"{pt['forward_gbs']:.3g} / {pt['update_gbs']:.3g}{hr}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ceiling_shares(r)
         shares = {k: v for k, v in r.get("huge_pages", {}).items() if v is not None}
         if shares:
             lines += [
@@ -527,6 +562,10 @@ def main() -> None:
                 points.append({"target": target, "p_hot": p_hot, **point})
             r["engines"][name] = points
             r.setdefault("huge_pages", {})[name] = huge_page_share(engine.rows())
+            if kind in ("cached", "ours"):  # the limit of its misses: its stored rows
+                r.setdefault("stored_gather_gbs", {})[name] = gather_gbs(
+                    engine.rows(), trace.lookups, clock
+                )
             del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -93,6 +93,39 @@ def test_per_sample_weight_gradient_matches_embedding_bag():
     torch.testing.assert_close(psw_b.grad, psw_a.grad)
 
 
+def test_one_table_trains_the_same_on_one_thread_and_on_two():
+    """A table alone runs its kernels' loops across the threads (chunks of bags, of unique
+    rows and of cache sets): its outputs and every byte of its state are those of one thread."""
+    threads = torch.get_num_threads()
+
+    def train(n):
+        torch.set_num_threads(n)
+        gen = torch.Generator().manual_seed(0)
+        table = CachedLowPrecisionEmbedding(
+            200_000, 16, precision="int8", rounding="stochastic", cache_ratio=0.05,
+            associativity=8, policy="lfu", lr=0.5, seed=7, min_rows_for_low_precision=0,
+        )  # fmt: skip
+        outs = []
+        for _ in range(3):  # ~15k unique rows and ~1,250 sets with contenders a step
+            out = table(
+                torch.randint(0, 200_000, (16384,), generator=gen), torch.arange(0, 16384, 4)
+            )
+            out.backward(torch.randn(out.shape, generator=gen))
+            table.step()
+            outs.append(out.detach())
+        return outs, table.state_dict()
+
+    try:
+        (one_outs, one_state), (two_outs, two_state) = train(1), train(2)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one_outs, two_outs))
+    assert one_state.keys() == two_state.keys()
+    for key, value in one_state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, two_state[key]), key
+
+
 def test_fp32_rowwise_adagrad_equals_fbgemm_tbe():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import (

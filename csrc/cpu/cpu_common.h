@@ -28,7 +28,7 @@ namespace cpu {
 
 // Work per parallel chunk: small batches run on one thread, since an OpenMP fork costs
 // more than a few thousand row operations (and much more on an oversubscribed machine).
-constexpr int64_t kGrainBags = 4096;
+constexpr int64_t kGrainBags = 256;
 constexpr int64_t kGrainRows = 2048;
 constexpr int64_t kGrainSets = 1024;
 // The row loops: inlined into their callers' loops, so that their state stays in registers.
@@ -178,10 +178,13 @@ inline int64_t row_work(int64_t n, int64_t rows) { return n * (1 + bits_for(rows
 /// Runs fn(i) for every i in [0, cost.size()) on the intra-op threads: the costliest first,
 /// each thread taking the next item when it is done. (Criteo tables differ in size 10^6-fold,
 /// so at::parallel_for's static split into equal index ranges leaves threads idle.) The
-/// per-table kernels inside run single-threaded.
+/// per-table kernels inside then run single-threaded; a single item runs outside any
+/// parallel region instead, so that its kernel's own loops use the threads (one table
+/// alone, as a drop-in nn.EmbeddingBag is).
 template <typename Fn>
 void for_each_by_cost(const std::vector<int64_t>& cost, const Fn& fn) {
   const int64_t n = (int64_t)cost.size();
+  if (n == 1) return fn(0);
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),

@@ -149,12 +149,12 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
   // pool (prefetching ahead the cache row or the table row, whichever holds the value).
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
-  for (int64_t l = bags.first(); l < bags.end(); ++l) slot[l] = (int32_t)cache.set_of(idx[l]);
   std::atomic<int64_t> hits{0};
   std::mutex max_abs_mutex;
   *max_abs = 0.f;
   at::parallel_for(0, bags.count, kGrainBags, [&](int64_t b0, int64_t b1) {
     // slot[l] holds the set of lookup l until its slot is found
+    for (int64_t l = off[b0]; l < off[b1]; ++l) slot[l] = (int32_t)cache.set_of(idx[l]);
     for (int64_t l = off[b0]; l < off[b1]; ++l) {
       if (l + kPrefetch < off[b1]) cache.prefetch_set(slot[l + kPrefetch]);
       slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);

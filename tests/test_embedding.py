@@ -73,6 +73,24 @@ def test_fp32_sgd_equals_embedding_bag(mode, weighted):
         torch.testing.assert_close(ours.current_weight(), ref.weight.detach(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dim", [16, 5])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_as_many_lookups_as_bags_is_not_one_per_bag(dim, mode):
+    """Empty bags and bags of two, as many lookups as bags in all: pooled as nn.EmbeddingBag
+    pools them (a shortcut for one lookup per bag must not take them)."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(50, dim, generator=gen)
+    ours = CachedLowPrecisionEmbedding(
+        50, dim, precision="fp32", cache_ratio=0, mode=mode, weight=weight.clone(),
+        min_rows_for_low_precision=0,
+    )  # fmt: skip
+    lengths = torch.tensor([0, 2] * 300)  # any even run of bags: as many lookups as bags
+    offsets = torch.cumsum(lengths, 0) - lengths
+    indices = torch.randint(0, 50, (600,), generator=gen)
+    want = nn.EmbeddingBag(50, dim, mode=mode, _weight=weight)(indices, offsets)
+    torch.testing.assert_close(ours(indices, offsets), want, rtol=1e-6, atol=1e-6)
+
+
 def test_per_sample_weight_gradient_matches_embedding_bag():
     gen = torch.Generator().manual_seed(2)
     ref = nn.EmbeddingBag(100, 4, mode="sum")

@@ -35,6 +35,8 @@ constexpr int64_t kGrainSets = 1024;
 #define EMBCACHE_ALWAYS_INLINE inline __attribute__((always_inline))
 // How many random rows ahead to prefetch.
 constexpr int64_t kPrefetch = 16;
+// Bytes of prefetched rows one pass over lookups may leave waiting in cache (a part of L2).
+constexpr int64_t kPassBytes = 256 << 10;
 
 inline bool on_cpu(const at::Tensor& t) { return t.device().is_cpu(); }
 

@@ -144,36 +144,53 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
       first_where(n, [&](int64_t l) { return (uint64_t)first_idx[l] >= (uint64_t)num_rows; });
   TORCH_CHECK(bad == n, "embcache: index ", bad < n ? first_idx[bad] : 0, " out of range [0, ",
               num_rows, ")");
-  // Random rows are memory-latency bound, so a chunk of bags goes in two passes that keep
-  // kPrefetch misses in flight: find every lookup's slot (prefetching the tags ahead), then
-  // pool (prefetching ahead the cache row or the table row, whichever holds the value).
+  // Random rows are memory-latency bound. A chunk of bags goes in runs of at most
+  // pass_lookups lookups, each in two loops: find every lookup's slot (the tag sets
+  // prefetched kPrefetch lookups ahead), prefetching the value's row (cache or table) as soon
+  // as its slot is known, so that a miss's two dependent reads overlap with the other
+  // lookups'; then pool, the run's values waiting in cache (kPassBytes of them at most).
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
+  const int64_t row_bytes = f.row_bytes();
+  const int64_t pass_lookups =
+      std::max<int64_t>(kPrefetch, kPassBytes / std::max<int64_t>(row_bytes, 4 * dim));
   std::atomic<int64_t> hits{0};
   std::mutex max_abs_mutex;
   *max_abs = 0.f;
-  at::parallel_for(0, bags.count, kGrainBags, [&](int64_t b0, int64_t b1) {
-    // slot[l] holds the set of lookup l until its slot is found
-    for (int64_t l = off[b0]; l < off[b1]; ++l) slot[l] = (int32_t)cache.set_of(idx[l]);
-    for (int64_t l = off[b0]; l < off[b1]; ++l) {
-      if (l + kPrefetch < off[b1]) cache.prefetch_set(slot[l + kPrefetch]);
-      slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);
-    }
+  at::parallel_for(0, bags.count, kGrainBags, [&](int64_t c0, int64_t c1) {
     MaxAbs chunk_max;
     int64_t local_hits = 0;
-    const bool one_lookup_per_bag = off[b1] - off[b0] == b1 - b0;
-    with_row_values(f, [&](const auto& stored_values) {
-      auto pool = [&](auto k_dim, auto k_one) {
-        local_hits = pool_bags<decltype(k_dim)::value, decltype(k_one)::value>(
-            bags, b0, b1, dim, cache, w, f.row_bytes(), slot, mean, out, out_stride,
-            stored_values, chunk_max);
-      };
-      auto pool_dim = [&](auto k_dim) {
-        one_lookup_per_bag ? pool(k_dim, std::true_type()) : pool(k_dim, std::false_type());
-      };
-      dim == 16 ? pool_dim(std::integral_constant<int64_t, 16>())
-                : pool_dim(std::integral_constant<int64_t, 0>());
-    });
+    for (int64_t b0 = c0, b1 = c0; b0 < c1; b0 = b1) {
+      // the longest run of bags from b0 within pass_lookups lookups, at least one bag
+      const int64_t* past = std::upper_bound(off + b0 + 1, off + c1 + 1, off[b0] + pass_lookups);
+      b1 = std::max(b0 + 1, (int64_t)(past - off) - 1);
+      const int64_t l0 = off[b0], l1 = off[b1];
+      // slot[l] holds the set of lookup l until its slot is found
+      for (int64_t l = l0; l < l1; ++l) slot[l] = (int32_t)cache.set_of(idx[l]);
+      for (int64_t l = l0; l < l1; ++l) {
+        if (l + kPrefetch < l1) cache.prefetch_set(slot[l + kPrefetch]);
+        slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);
+        cache.prefetch_value(slot[l], dim, w + idx[l] * row_bytes, row_bytes);
+      }
+      // every bag one lookup: as many lookups as bags is not enough (an empty bag and a bag
+      // of two are as many)
+      const int64_t nb = b1 - b0;
+      const bool one_lookup_per_bag =
+          l1 - l0 == nb &&
+          first_where(nb, [&](int64_t i) { return off[b0 + i + 1] - off[b0 + i] != 1; }) == nb;
+      with_row_values(f, [&](const auto& stored_values) {
+        auto pool = [&](auto k_dim, auto k_one) {
+          local_hits += pool_bags<decltype(k_dim)::value, decltype(k_one)::value>(
+              bags, b0, b1, dim, cache, w, row_bytes, slot, mean, out, out_stride, stored_values,
+              chunk_max);
+        };
+        auto pool_dim = [&](auto k_dim) {
+          one_lookup_per_bag ? pool(k_dim, std::true_type()) : pool(k_dim, std::false_type());
+        };
+        dim == 16 ? pool_dim(std::integral_constant<int64_t, 16>())
+                  : pool_dim(std::integral_constant<int64_t, 0>());
+      });
+    }
     hits += local_hits;
     const float m = chunk_max.value();
     std::lock_guard<std::mutex> lock(max_abs_mutex);

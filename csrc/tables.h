@@ -67,9 +67,9 @@ inline at::ScalarType counts_dtype(const TableSpec& spec) {
 /// shape: weights uint8 [rows, row bytes]; cache_tags and cache_priority int32 [slots];
 /// cache_rows float32 [slots, dim]; cache_set_floor int32 [num_sets]; counts of counts_dtype
 /// [rows] if the table keeps LFU counts, else int32 [0]; optimizer_state float32
-/// [rows * state width]. The
-/// weights start at a 16-byte boundary (every allocation does), so that the rows of an fp32 or
-/// fp16 table are aligned to their values (the CUDA kernels read them as words).
+/// [rows * state width]. The weights start at a 16-byte boundary (every allocation does), so
+/// that the rows of an fp32 or fp16 table are aligned to their values (the CUDA kernels read
+/// them as words).
 inline std::vector<TableState> table_states(at::TensorList state,
                                             const std::vector<TableSpec>& specs,
                                             const DeviceKind& device) {
@@ -98,7 +98,7 @@ inline std::vector<TableState> table_states(at::TensorList state,
     check(kCacheRows, at::kFloat, {slots, spec.f.dim});
     check(kCachePriority, at::kInt, {slots});
     check(kCacheSetFloor, at::kInt, {spec.num_sets});
-    check(kCounts, counts_dtype(spec), {spec.lfu ? spec.rows : 0});
+    check(kCounts, counts_dtype(spec), {spec.lfu() ? spec.rows : 0});
     check(kOptimizerState, at::kFloat, {spec.rows * spec.state_width()});
     out.push_back(TableState{x[kWeights].data_ptr<uint8_t>(), x[kCacheTags].data_ptr<int32_t>(),
                              x[kCacheRows].data_ptr<float>(), x[kCachePriority].data_ptr<int32_t>(),

@@ -79,7 +79,7 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   int32_t* prio = s.cache_priority;
   int32_t* floor = s.cache_set_floor;
   const LfuCounts cnt = s.counts;
-  const bool lfu = spec.lfu, stochastic = spec.stochastic;
+  const bool lfu = spec.lfu(), stochastic = spec.stochastic;
   // Row u's new value into out (a scratch row, or its cache slot; scratch holds dim floats)
   // and its new optimizer state in place: read, then written, so once per row.
   auto value_of = [&](int64_t u, float* out, float* scratch) {

@@ -172,11 +172,10 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
         slot[l] = (int32_t)cache.find_in_set(slot[l], idx[l]);
         cache.prefetch_value(slot[l], dim, w + idx[l] * row_bytes, row_bytes);
       }
-      // every bag one lookup: as many lookups as bags is not enough (an empty bag and a bag
+      // every bag one lookup (as many lookups as bags is not enough: an empty bag and a bag
       // of two are as many)
       const int64_t nb = b1 - b0;
       const bool one_lookup_per_bag =
-          l1 - l0 == nb &&
           first_where(nb, [&](int64_t i) { return off[b0 + i + 1] - off[b0 + i] != 1; }) == nb;
       with_row_values(f, [&](const auto& stored_values) {
         auto pool = [&](auto k_dim, auto k_one) {

@@ -17,7 +17,7 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
                   const at::Tensor& step_offsets, at::Tensor& counters) {
   const TableSpec t = decode_table_spec(spec);
   const int64_t num_sets = t.num_sets, ways = t.ways;
-  const bool lfu = t.lfu;
+  const bool lfu = t.lfu();
   auto check = [&](const at::Tensor& x, int64_t numel, const char* what,
                    at::ScalarType dtype = at::kInt) {
     kCpu.check(x, dtype, what);

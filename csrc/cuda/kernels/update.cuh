@@ -98,12 +98,12 @@ __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const 
     const float* fs = fresh_state + T.state_start + i * sw;
     for (int64_t j = lane; j < sw; j += 32) state[row * sw + j] = fs[j];
     if (lane != 0) continue;
-    const int32_t count = T.t.lfu ? T.state.counts.add(row, occ[u]) : 0;
+    const int32_t count = T.t.lfu() ? T.state.counts.add(row, occ[u]) : 0;
     if (!keys) continue;
     const uint64_t set = T.t.num_sets == 0
                              ? no_set
                              : (uint64_t)(T.set_start + set_of_row(row, T.t.set_divisor));
-    const uint64_t inv = T.t.lfu ? (uint64_t)(0x7fffffff - count) : 0;
+    const uint64_t inv = T.t.lfu() ? (uint64_t)(0x7fffffff - count) : 0;
     keys[u] = (set << 31) | inv;
     vals[u] = u;
   }
@@ -141,7 +141,7 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
       }
     }
     const UpdateTable& T = tables[table_of_set(tables, nt, (int64_t)set)];
-    const bool lfu = T.t.lfu;
+    const bool lfu = T.t.lfu();
     const int64_t ways = T.t.ways, step = T.step;
     int32_t* tags = T.state.cache_tags;
     int32_t* priority = T.state.cache_priority;
@@ -283,7 +283,7 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
   for (UpdateTable& t : numbered) {
     t.set_start = sets;
     sets += t.t.num_sets;
-    any_lfu = any_lfu || t.t.lfu;
+    any_lfu = any_lfu || t.t.lfu();
   }
   if (sets > kMaxCommitSets)
     throw std::runtime_error("embcache (cuda): the cached tables of one update have " +

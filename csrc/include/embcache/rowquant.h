@@ -231,11 +231,8 @@ EMBCACHE_HD float dequantize_element(const RowFormat& f, const uint8_t* row, int
 }
 
 #if defined(EMBCACHE_SSE)
-/// half_to_float of the four binary16 values at p, lane by lane: the same bits for every
+/// half_to_float of four binary16 values, one per 32-bit lane: the same bits for every
 /// input, NaN payloads included.
-inline __m128 half4_to_float(const uint8_t* p);
-
-/// half_to_float of four binary16 values, one per 32-bit lane.
 inline __m128 halves_to_float(__m128i h) {
   const __m128i exp_man = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
   const __m128i exp = _mm_and_si128(h, _mm_set1_epi32(0x7c00));
@@ -251,6 +248,7 @@ inline __m128 halves_to_float(__m128i h) {
   return _mm_or_ps(m, _mm_castsi128_ps(sign));
 }
 
+/// halves_to_float of the four binary16 values at p.
 inline __m128 half4_to_float(const uint8_t* p) {
   int64_t packed;
   memcpy(&packed, p, 8);

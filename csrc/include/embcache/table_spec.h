@@ -110,7 +110,6 @@ struct TableSpec {
   bool stochastic;
   int optimizer;
   double lr, eps;
-  bool lfu;
   int count_bits;  // of its LFU counts: 32, 16 or 8 (LfuCounts); 0 without
   int64_t num_sets, ways;
   uint64_t seed;
@@ -118,6 +117,9 @@ struct TableSpec {
   bool mean;
   SetDivisor set_divisor;  // num_sets as a divisor (set_of_row)
 
+  /// Whether it keeps LFU counts (an LFU policy and a cache): its priorities are counts,
+  /// else update steps.
+  EMBCACHE_HD bool lfu() const { return count_bits != 0; }
   EMBCACHE_HD int64_t slots() const { return num_sets * ways; }
   EMBCACHE_HD int64_t state_width() const { return optimizer_state_width(optimizer, f.dim); }
   /// The rounding stream of update `step` (docs/design.md, "Random stream").
@@ -198,7 +200,6 @@ inline int decode_spec(const int64_t* s, TableSpec* out) {
                    (int)s[kOptimizer],
                    lr,
                    eps,
-                   s[kLfu] != 0,
                    (int)s[kLfu],
                    sets,
                    ways,

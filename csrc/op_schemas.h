@@ -66,6 +66,13 @@ inline void define_cpu_only_ops(torch::Library& m) {
   // does, and adds to `counters` what training would: every counter but kFlushed.
   m.def("cache_replay(Tensor(a!) cache_tags, Tensor(b!) cache_priority, Tensor(c!) counts, "
         "Tensor spec, Tensor indices, Tensor step_offsets, Tensor(d!) counters) -> ()");
+  // The touched-row telemetry (embcache/telemetry.py): touched[k] |= whether sample key
+  // k = (table << 32 | row), keys ascending, is among the unique rows (each table's
+  // ascending) that an update of tables[i] committed, rows
+  // unique_rows[row_starts[i] .. row_starts[i + 1]). On other devices the group does it
+  // with tensor ops.
+  m.def("mark_sampled_rows(Tensor unique_rows, int[] row_starts, int[] tables, "
+        "Tensor sample_keys, Tensor(a!) touched) -> ()");
   // The overflow check's gradient range (dlrm's trainer): (max |g|, min non-zero |g|) over
   // contiguous float32 tensors, in one pass on all threads; NaN in any makes both NaN, and
   // with no non-zero element the min is inf (0 and inf with no element at all).

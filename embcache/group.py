@@ -326,22 +326,15 @@ class TableGroup:
 
     def _mark_touched(self, chosen: list[int], rows: torch.Tensor, row_starts) -> None:
         """Marks the sampled rows (each table's :class:`~embcache.telemetry.TouchedSample`)
-        among the committed unique rows, for every table in one search: keys
-        ``position << 32 | row`` ascending on both sides. On a GPU: one small copy to the
-        device and no wait for it (the output's size is known)."""
+        among the committed unique rows, for every table at once: on the CPU in one C++ pass
+        (mark_sampled_rows), elsewhere with :func:`mark_with_tensor_ops`."""
         if rows.numel() == 0:
             return
         keys, touched = self._touch_index(rows.device)
-        n = len(chosen)
-        host = torch.cat([torch.tensor(chosen), torch.tensor(row_starts).diff()])
-        # From pageable memory the copy is staged before it returns: nothing to wait for.
-        tables_and_counts = host.to(rows.device, non_blocking=True)
-        position = torch.repeat_interleave(
-            tables_and_counts[:n], tables_and_counts[n:], output_size=rows.numel()
-        )
-        updated = (position << 32) | rows
-        at = torch.searchsorted(updated, keys).clamp_(max=updated.numel() - 1)
-        touched |= updated[at] == keys
+        if rows.device.type == "cpu":
+            _ops.mark_sampled_rows(rows, row_starts, chosen, keys, touched)
+        else:
+            mark_with_tensor_ops(rows, row_starts, chosen, keys, touched)
 
     def _touch_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Every table's sampled rows as keys ``position << 32 | row``, and one flag tensor of
@@ -413,6 +406,26 @@ class _Lookup(torch.autograd.Function):
             grad_psw = _psw_grad(group, feature_tables, indices, ctx.offsets, grad)
             grad_psw = grad_psw.to(ctx.psw_dtype)
         return None, grad_psw, None
+
+
+def mark_with_tensor_ops(
+    rows: torch.Tensor, row_starts: list[int], chosen: list[int], keys, touched
+) -> None:
+    """What mark_sampled_rows does, with tensor ops on ``rows``' device: ``touched[k] |=``
+    whether key k (``position << 32 | row``, keys ascending) is among the unique rows of table
+    ``chosen[i]``, ``rows[row_starts[i]:row_starts[i + 1]]`` (ascending), found by one search
+    of the keys in the rows made keys of the same form. On a GPU: one small copy to the
+    device and no wait for it (the output's size is known)."""
+    n = len(chosen)
+    host = torch.cat([torch.tensor(chosen), torch.tensor(row_starts).diff()])
+    # From pageable memory the copy is staged before it returns: nothing to wait for.
+    tables_and_counts = host.to(rows.device, non_blocking=True)
+    position = torch.repeat_interleave(
+        tables_and_counts[:n], tables_and_counts[n:], output_size=rows.numel()
+    )
+    updated = (position << 32) | rows
+    at = torch.searchsorted(updated, keys).clamp_(max=updated.numel() - 1)
+    touched |= updated[at] == keys
 
 
 def _psw_grad(group: TableGroup, feature_tables, indices, offsets, grad) -> torch.Tensor:

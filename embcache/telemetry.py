@@ -18,7 +18,7 @@ from embcache.config import COUNTERS
 
 PROBE_COUNTERS = tuple(name for name in COUNTERS if name.startswith("probed_"))
 # rows followed by a TouchedSample: the share it estimates is within about 3 points (one
-# standard error at a share of one half); marking 26 tables' samples costs about 0.1 ms a step
+# standard error at a share of one half)
 TOUCHED_SAMPLE_ROWS = 256
 
 
@@ -46,9 +46,9 @@ def rounding_figures(counts: dict) -> dict:
 class TouchedSample:
     """Which rows of a table of ``num_rows`` rows were ever updated, followed on a fixed
     sample of them (every row when there are at most ``TOUCHED_SAMPLE_ROWS``; else that many
-    drawn with ``seed``), marked by the table's group after each committed update (one
-    ``searchsorted`` of every table's sample into the update's rows: a few small tensor ops
-    per step); :meth:`untouched_share` is the estimate of the share never updated."""
+    drawn with ``seed``), marked by the table's group after each committed update (every
+    table's sample searched for in the update's rows at once: embcache.group's
+    ``_mark_touched``); :meth:`untouched_share` is the estimate of the share never updated."""
 
     def __init__(self, num_rows: int, seed: int, device: torch.device | str = "cpu"):
         if num_rows <= TOUCHED_SAMPLE_ROWS:

@@ -33,9 +33,16 @@ from embcache.telemetry import PROBE_COUNTERS
 
 CPU = torch.ops.embcache
 # CPU-only ops: the hit-rate replay of bench/hit_rate.py (no CUDA kernel yet), the huge-page
-# advice for host memory, the constants of the table spec and the trainer's gradient range
-# (torch's reductions serve other devices).
-NOT_ON_CUDA = {"cache_replay", "advise_huge_pages", "layout", "abs_range", "unscale_abs_range"}
+# advice for host memory, the constants of the table spec, the trainer's gradient range
+# (torch's reductions serve other devices) and the touched-row marking (tensor ops there).
+NOT_ON_CUDA = {
+    "cache_replay",
+    "advise_huge_pages",
+    "layout",
+    "abs_range",
+    "unscale_abs_range",
+    "mark_sampled_rows",
+}
 # one implementation for every device (the CPU library's)
 ANY_DEVICE = {"fold_commit_counts"}
 STATE = STATE_TENSORS

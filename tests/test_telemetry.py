@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from embcache import CachedLowPrecisionEmbedding
+from embcache.group import mark_with_tensor_ops
 from embcache.telemetry import PROBE_COUNTERS, TOUCHED_SAMPLE_ROWS
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -73,6 +74,34 @@ def test_untouched_share_counts_the_rows_never_updated():
     updated = _train(large, 6, gen, ids_per_step=20_000, bag=8)
     share = 1 - updated.numel() / 200_000
     assert abs(large.stats()["untouched_share"] - share) < 5 * (0.25 / TOUCHED_SAMPLE_ROWS) ** 0.5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_marking_on_the_cpu_equals_the_tensor_ops(seed):
+    """mark_sampled_rows (the CPU's C++ pass) against mark_with_tensor_ops (every other
+    device's), on random samples and updates of some of the tables, with rows that the
+    samples share, miss, and hold first and last."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = 7
+    sizes = torch.randint(1, 3000, (tables,), generator=gen).tolist()
+    samples = [torch.randperm(n, generator=gen)[: min(n, 40)].sort().values for n in sizes]
+    keys = torch.cat([(t << 32) | s for t, s in enumerate(samples)])
+    before = torch.rand(keys.numel(), generator=gen) < 0.2
+    chosen = sorted(torch.randperm(tables, generator=gen)[:5].tolist())
+    parts = []
+    for t in chosen:
+        take = torch.rand(sizes[t], generator=gen) < torch.rand(1, generator=gen)
+        take[samples[t][:2]] = True  # a sampled row, surely; the first one updated
+        parts.append(torch.nonzero(take).flatten())
+    if seed == 0:
+        parts[1] = parts[1][:0]  # a table with no rows in this update
+    rows = torch.cat(parts)
+    row_starts = [0] + torch.tensor([p.numel() for p in parts]).cumsum(0).tolist()
+    ours, theirs = before.clone(), before.clone()
+    torch.ops.embcache.mark_sampled_rows(rows, row_starts, chosen, keys, ours)
+    mark_with_tensor_ops(rows, row_starts, chosen, keys, theirs)
+    assert torch.equal(ours, theirs)
+    assert ours.sum() > before.sum()
 
 
 def test_checkpoints_carry_the_telemetry_and_older_ones_load():

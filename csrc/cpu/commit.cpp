@@ -1,5 +1,6 @@
 // The commit of one table's update (docs/contract.md §4.3 step 3), run by multi_update
 // (csrc/cpu/update.cpp) once every table's update is known to be storable.
+#include <map>
 #include <memory>
 #include <mutex>
 
@@ -104,24 +105,41 @@ CommitCounts commit_update(const RowUpdate& up, const TableSpec& spec, const Tab
   };
   std::vector<int32_t> row_prio(nu);
   std::vector<int64_t> dest(nu, kToTable);
-  std::vector<uint64_t> contenders;  // (set, u) packed, u ascending
-  int64_t hits = 0;
-  for (int64_t u = 0; u < nu; ++u) {
-    if (u + kPrefetch < nu) {
-      const int64_t ahead = u + kPrefetch;
-      if (lfu) __builtin_prefetch(cnt.address(rows[ahead]), 1);
-      if (slot_of[ahead] >= 0) __builtin_prefetch(prio + slot_of[ahead], 1);
+  // Rows are distinct, so chunks of them touch distinct counts and slots: a table alone
+  // (not inside a collection's parallel loop over tables) spreads this pass over the threads.
+  // Each chunk's contenders, (set, u) packed, u ascending, by the chunk's first row; then
+  // all of them in chunk order.
+  std::map<int64_t, std::vector<uint64_t>> chunk_contenders;
+  std::mutex chunk_mutex;
+  std::atomic<int64_t> n_hits{0};
+  at::parallel_for(0, nu, kGrainRows, [&](int64_t u0, int64_t u1) {
+    std::vector<uint64_t> mine;
+    int64_t chunk_hits = 0;
+    for (int64_t u = u0; u < u1; ++u) {
+      if (u + kPrefetch < u1) {
+        const int64_t ahead = u + kPrefetch;
+        if (lfu) __builtin_prefetch(cnt.address(rows[ahead]), 1);
+        if (slot_of[ahead] >= 0) __builtin_prefetch(prio + slot_of[ahead], 1);
+      }
+      if (lfu) cnt.add(rows[u], occ[u]);
+      row_prio[u] = RowPriority{lfu, cnt, step}(rows[u]);
+      if (slot_of[u] >= 0) {
+        dest[u] = slot_of[u];
+        prio[slot_of[u]] = row_prio[u];
+        ++chunk_hits;
+      } else if (const int64_t set = cache.set_of(rows[u]);
+                 set >= 0 && row_prio[u] > floor[set]) {
+        mine.push_back(((uint64_t)set << 32) | (uint64_t)u);
+      }  // else it bypasses (counted as a miss not inserted)
     }
-    if (lfu) cnt.add(rows[u], occ[u]);
-    row_prio[u] = RowPriority{lfu, cnt, step}(rows[u]);
-    if (slot_of[u] >= 0) {
-      dest[u] = slot_of[u];
-      prio[slot_of[u]] = row_prio[u];
-      ++hits;
-    } else if (const int64_t set = cache.set_of(rows[u]); set >= 0 && row_prio[u] > floor[set]) {
-      contenders.push_back(((uint64_t)set << 32) | (uint64_t)u);
-    }  // else it bypasses (counted as a miss not inserted)
-  }
+    n_hits += chunk_hits;
+    const std::lock_guard<std::mutex> lock(chunk_mutex);
+    chunk_contenders[u0] = std::move(mine);
+  });
+  std::vector<uint64_t> contenders;
+  for (const auto& [u0, c] : chunk_contenders)
+    contenders.insert(contenders.end(), c.begin(), c.end());
+  const int64_t hits = n_hits.load();
 
   // Pass 2, by set: the set rule for the contenders, each set's floor made exact.
   std::vector<uint64_t> tmp;

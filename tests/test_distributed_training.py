@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 from torchrec.distributed.sharding_plan import (
     row_wise,
@@ -67,19 +68,23 @@ def _model() -> DLRM:
     return DLRM(ebc, bottom_mlp=(3, 16, DIM), top_mlp=(16, 1), num_sparse_features=len(ROWS))
 
 
-def _trainer(model) -> MixedPrecisionTrainer:
+def _trainer(model, dense_precision: str = "fp16") -> MixedPrecisionTrainer:
     return MixedPrecisionTrainer(
-        model, dense_precision="fp16", optimizer="sgd", lr=0.1, scaler=BackoffScaler(2.0**12)
+        model,
+        dense_precision=dense_precision,
+        optimizer="sgd",
+        lr=0.1,
+        scaler=BackoffScaler(2.0**12),
     )
 
 
 def _sharded_trainer(
-    world_size: int,
+    world_size: int, dense_precision: str = "fp16"
 ) -> tuple[MixedPrecisionTrainer, ShardedCachedEmbeddingBagCollection]:
     dmp, sharded = shard_placed(
         _model(), "embedding_collection", PLACEMENT, world_size, init_data_parallel=False
     )
-    trainer = _trainer(dmp)
+    trainer = _trainer(dmp, dense_precision)
     return trainer, sharded
 
 
@@ -126,8 +131,11 @@ def _train_like_one_process(rank: int, world_size: int) -> None:
     assert exact >= 0.98 * total, (exact, total)
 
 
-def _one_rank_overflows_then_refuses(rank: int, world_size: int) -> None:
-    trainer, sharded = _sharded_trainer(world_size)
+def _one_rank_overflows_then_refuses(rank: int, world_size: int, dense_precision: str) -> None:
+    """Rank 0 makes its dense step while the decision is on its way (its gradients are
+    finite), so each skip or refusal undoes it from the backup: FP16 dense weights have FP32
+    masters; FP32 ones are parameters that require grad."""
+    trainer, sharded = _sharded_trainer(world_size, dense_precision)
     first, last = rank * BATCH, (rank + 1) * BATCH
     blow_up = {"factor": None}
 
@@ -203,5 +211,6 @@ def test_sharded_mixed_precision_training_follows_one_process():
     run_ranks(_train_like_one_process, 2)
 
 
-def test_overflow_or_refusal_on_one_rank_stops_the_step_on_all():
-    run_ranks(_one_rank_overflows_then_refuses, 2)
+@pytest.mark.parametrize("dense_precision", ["fp16", "fp32"])
+def test_overflow_or_refusal_on_one_rank_stops_the_step_on_all(dense_precision):
+    run_ranks(_one_rank_overflows_then_refuses, 2, dense_precision)

@@ -105,8 +105,9 @@ class _Backup:
         self._state: dict[int, dict] = {}  # target index -> its optimizer state as saved
 
     def save(self) -> None:
-        if self.targets:
-            torch._foreach_copy_(self._copies, self.targets)
+        """Copies the targets and their optimizer state into the buffers, every tensor in one
+        foreach copy."""
+        copies, sources = list(self._copies), list(self.targets)
         saved = {}
         for i, t in enumerate(self.targets):
             if t not in self.optimizer.state:
@@ -122,15 +123,21 @@ class _Backup:
                         and buf.dtype == value.dtype
                     ):
                         buf = torch.empty_like(value)
-                    entry[key] = buf.copy_(value)
+                    copies.append(buf)
+                    sources.append(value)
+                    entry[key] = buf
                 else:
                     entry[key] = value
             saved[i] = entry
+        if sources:
+            with torch.no_grad():  # targets may be parameters (FP32 dense): no graph
+                torch._foreach_copy_(copies, sources)
         self._state = saved
 
     def restore(self) -> None:
         if self.targets:
-            torch._foreach_copy_(self.targets, self._copies)
+            with torch.no_grad():  # in place on parameters that may require grad
+                torch._foreach_copy_(self.targets, self._copies)
         state = self.optimizer.state
         for i, t in enumerate(self.targets):
             if i not in self._state:

@@ -409,7 +409,11 @@ class _Lookup(torch.autograd.Function):
 
 
 def mark_with_tensor_ops(
-    rows: torch.Tensor, row_starts: list[int], chosen: list[int], keys, touched
+    rows: torch.Tensor,
+    row_starts: list[int],
+    chosen: list[int],
+    keys: torch.Tensor,
+    touched: torch.Tensor,
 ) -> None:
     """What mark_sampled_rows does, with tensor ops on ``rows``' device: ``touched[k] |=``
     whether key k (``position << 32 | row``, keys ascending) is among the unique rows of table

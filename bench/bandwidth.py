@@ -65,6 +65,9 @@ from embcache.config import PRECISION_BITS
 HIT_RATES = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 CACHE_RATIO, WAYS = 0.05, 32
 WARMUP_STEPS, CALIBRATION_ROUNDS, CALIBRATION_STEPS, TOLERANCE = 8, 6, 4, 0.01
+# The cached table that also steps beside our uncached FP32 table (measure's rival): issue
+# 34's "at 90% hits and above, as fast as our FP32 table" is said of INT8 + LFU.
+RIVALED = ("int8", "lfu")
 
 
 def last_level_cache_bytes() -> int:
@@ -268,25 +271,38 @@ def calibrate(engine, trace: Trace, target: float) -> float:
 
 
 def measure(
-    engine, trace: Trace, p: float, steps: int, rounds: int, clock: Clock, paired: bool = False
+    engine,
+    trace: Trace,
+    p: float,
+    steps: int,
+    rounds: int,
+    clock: Clock,
+    paired: bool = False,
+    rival=None,
 ) -> dict:
     """Median over ``rounds`` of the forward's and the backward + update's GB/s over ``steps``
-    fresh steps each, and the hit rate the table counted over all of them. ``paired``: each
-    step also times a gather (``index_select``) of the stored rows of another batch of the
-    same trace, before the step on even steps and after it on odd ones (never the step's own
-    ids, which the first of the two would bring into cache for the second); a round's
-    ``gather_share`` is that gather's seconds over the forward's, for as many lookups: the
-    forward's speed as a share of the bare read of its rows, measured in the same moments."""
+    fresh steps each, and the hit rate the table counted over all of them.
+
+    Beside each step, before it on even steps and after it on odd ones, each on another batch
+    of the same trace (never the step's own ids, which the first would bring into cache for
+    the second): with ``paired``, a gather (``index_select``) of stored rows, whose seconds
+    over the forward's are a round's ``gather_share`` (the forward's speed as a share of the
+    bare read of its rows); with a ``rival`` engine, its own step, whose seconds over this
+    engine's are a round's ``rival_forward_ratio`` and ``rival_step_ratio`` (above 1: this
+    engine is faster). Both meet the machine's drift in the same moments as the step."""
     grad = torch.randn(trace.offsets.numel() - 1, engine.fp32_row // 4, device=trace.device)
     first = engine.counts()
-    fwd, upd, shares = [], [], []
+    fwd, upd, shares, rival_fwd, rival_step = [], [], [], [], []
     for _ in range(rounds):
         batches = [trace.batch(p) for _ in range(steps)]
-        others = [trace.batch(p) for _ in range(steps)] if paired else []
-        seconds, moved, gathered = [0.0, 0.0], [0, 0], 0.0
+        for_gather = [trace.batch(p) for _ in range(steps)] if paired else []
+        for_rival = [trace.batch(p) for _ in range(steps)] if rival is not None else []
+        seconds, moved, beside = [0.0, 0.0], [0, 0], [0.0, 0.0, 0.0]
         for k, ids in enumerate(batches):
-            if paired and k % 2 == 0:
-                gathered += gather_seconds(engine.rows(), others[k], clock)
+            if k % 2 == 0:
+                beside = _beside(
+                    beside, engine, rival, for_gather, for_rival, k, trace, grad, clock
+                )
             before = engine.counts()
             t0 = clock()
             out = engine.forward(ids, trace.offsets)
@@ -299,12 +315,15 @@ def measure(
             seconds[1] += t2 - t1
             moved[0] += engine.forward_bytes(before, middle, ids)
             moved[1] += engine.update_bytes(middle, after, ids)
-            if paired and k % 2 == 1:
-                gathered += gather_seconds(engine.rows(), others[k], clock)
+            if k % 2 == 1:
+                beside = _beside(
+                    beside, engine, rival, for_gather, for_rival, k, trace, grad, clock
+                )
         fwd.append(moved[0] / seconds[0] / 1e9)
         upd.append(moved[1] / seconds[1] / 1e9)
-        if paired:
-            shares.append(gathered / seconds[0])
+        shares.append(beside[0] / seconds[0])
+        rival_fwd.append(beside[1] / seconds[0])
+        rival_step.append(beside[2] / (seconds[0] + seconds[1]))
     last = engine.counts()
     lookups = last["lookups"] - first["lookups"] if last else 0
     point = {
@@ -314,19 +333,38 @@ def measure(
         "update_gbs_rounds": upd,
         "hit_rate": (last["hits"] - first["hits"]) / lookups if lookups else None,
     }
-    if paired:
-        point["gather_share"] = statistics.median(shares)
-        point["gather_share_rounds"] = shares
+    beside_rounds = {"gather_share": shares} if paired else {}
+    if rival is not None:
+        beside_rounds |= {"rival_forward_ratio": rival_fwd, "rival_step_ratio": rival_step}
+    for key, values in beside_rounds.items():
+        point[key] = statistics.median(values)
+        point[f"{key}_rounds"] = values
     return point
 
 
-def settle(engine, trace: Trace, target: float, steps: int, rounds: int, clock: Clock):
-    """(p, measure's result) at the calibrated p; measured again, p corrected, up to twice
-    more while the timed steps' hit rate is off the target by more than TOLERANCE (the cache
-    can drift on from where calibration left it)."""
+def _beside(total, engine, rival, for_gather, for_rival, k, trace, grad, clock) -> list[float]:
+    """``total`` plus the seconds of what measure times beside step k: the gather of
+    for_gather[k] from the engine's stored rows, and the rival's forward and whole step on
+    for_rival[k] (0 for what is not asked for)."""
+    gather = gather_seconds(engine.rows(), for_gather[k], clock) if for_gather else 0.0
+    forward = step = 0.0
+    if rival is not None:
+        t0 = clock()
+        out = rival.forward(for_rival[k], trace.offsets)
+        t1 = clock()
+        rival.update(out, grad)
+        forward, step = t1 - t0, clock() - t0
+    return [a + b for a, b in zip(total, (gather, forward, step))]
+
+
+def settle(engine, trace: Trace, target: float, steps: int, rounds: int, clock: Clock, rival=None):
+    """(p, measure's result, paired with a gather and with ``rival`` if given) at the
+    calibrated p; measured again, p corrected, up to twice more while the timed steps' hit
+    rate is off the target by more than TOLERANCE (the cache can drift on from where
+    calibration left it)."""
     p = calibrate(engine, trace, target)
     for _ in range(3):
-        point = measure(engine, trace, p, steps, rounds, clock, paired=True)
+        point = measure(engine, trace, p, steps, rounds, clock, paired=True, rival=rival)
         if abs(point["hit_rate"] - target) <= TOLERANCE:
             break
         p = min(1.0, max(0.0, p + (target - point["hit_rate"])))
@@ -457,6 +495,33 @@ def ceiling_shares(r: dict) -> list[str]:
     return lines
 
 
+def rival_ratios(r: dict) -> list[str]:
+    """Markdown lines: the cached table that stepped beside our uncached FP32 table (RIVALED),
+    as FP32's seconds over its own at each hit rate: median and range over rounds."""
+    rivaled = {k: v for k, v in r["engines"].items() if "rival_step_ratio" in v[0]}
+    lines = []
+    for name, points in rivaled.items():
+
+        def cell(pt: dict, key: str) -> str:
+            rounds = pt[f"{key}_rounds"]
+            return f"{pt[key]:.2f}x ({min(rounds):.2f}-{max(rounds):.2f})"
+
+        lines += [
+            "",
+            f"{name} against our uncached FP32 table, stepped beside it on the same trace "
+            "(another batch each step): FP32's seconds over its own (above 1x: the cached "
+            "table is faster), median and range over rounds, at each measured hit rate:",
+            "",
+            "| phase | " + " | ".join(f"{100 * pt['hit_rate']:.1f}%" for pt in points) + " |",
+            "|---|" + "---:|" * len(points),
+            "| forward | " + " | ".join(cell(pt, "rival_forward_ratio") for pt in points) + " |",
+            "| forward, backward and update | "
+            + " | ".join(cell(pt, "rival_step_ratio") for pt in points)
+            + " |",
+        ]
+    return lines
+
+
 def markdown(results: dict, env: dict) -> str:
     lines = [
         f"# Effective bandwidth against hit rate ({results['where']})",
@@ -487,6 +552,7 @@ def markdown(results: dict, env: dict) -> str:
                 cells.append(f"{pt['forward_gbs']:.3g} / {pt['update_gbs']:.3g}{hr}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += ceiling_shares(r)
+        lines += rival_ratios(r)
         shares = {k: v for k, v in r.get("huge_pages", {}).items() if v is not None}
         if shares:
             lines += [
@@ -579,8 +645,11 @@ def main() -> None:
         )
         r = results["dims"][str(dim)] = {"rows": rows, "hot_rows": trace.hot, "engines": {}}
         for name, kind, options in progress(engines, desc=f"dim {dim}", unit="engine"):
+            rival = None
             if kind in ("cached", "ours"):
                 engine = Ours(rows, dim, device, **options)
+                if kind == "cached" and (options["precision"], options["policy"]) == RIVALED:
+                    rival = Ours(rows, dim, device, precision="fp32", cache_ratio=0.0)
             elif kind == "bag":
                 engine = EmbeddingBagSGD(rows, dim, device)
                 r["ceilings"] = ceilings(engine.bag.weight.detach(), trace.lookups, clock)
@@ -590,14 +659,16 @@ def main() -> None:
             for target in targets:
                 paired = kind in ("cached", "ours")
                 if kind == "cached":
-                    p_hot, point = settle(engine, trace, target, args.steps, args.rounds, clock)
+                    p_hot, point = settle(
+                        engine, trace, target, args.steps, args.rounds, clock, rival
+                    )
                 else:
                     p_hot = target
                     point = measure(engine, trace, p_hot, args.steps, args.rounds, clock, paired)
                 points.append({"target": target, "p_hot": p_hot, **point})
             r["engines"][name] = points
             r.setdefault("huge_pages", {})[name] = huge_page_share(engine.rows())
-            del engine
+            del engine, rival
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if args.out:  # after each dim, so that a run cut short keeps what it measured

@@ -102,12 +102,16 @@ def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_pat
     shares = result["dims"]["8"]["huge_pages"]  # each table's rows on huge pages (Linux)
     assert shares.keys() == engines.keys()
     assert all(0.0 <= s <= 1.0 for s in shares.values()), shares
-    for name, points in engines.items():  # our tables' forwards against a paired gather
-        paired = [p.get("gather_share_rounds") for p in points]
-        if name.startswith("ours"):
-            assert all(len(r) == 1 and r[0] > 0 for r in paired), (name, paired)
-        else:
-            assert paired == [None] * len(points), name
+    for name, points in engines.items():  # paired with a gather; INT8 + LFU with FP32 too
+        for key, which in [
+            ("gather_share", "ours"),
+            ("rival_step_ratio", "ours int8 + 5% 32-way LFU"),
+        ]:
+            paired = [p.get(f"{key}_rounds") for p in points]
+            if name.startswith(which):
+                assert all(len(r) == 1 and r[0] > 0 for r in paired), (name, key, paired)
+            else:
+                assert paired == [None] * len(points), (name, key)
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
     md = (tmp_path / "bandwidth.md").read_text().splitlines()
     assert md[2] == f"Command: `python bench/bandwidth.py {' '.join(argv)}`  "
@@ -116,6 +120,8 @@ def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_pat
         "| forward at 90% / FP32 gather ceiling |"
     )
     assert md[shares_table + 2].startswith("| ours int8 + 5% 32-way LFU cache | ")
+    rival_rows = [line for line in md if line.startswith("| forward, backward and update | ")]
+    assert len(rival_rows) == 1  # INT8 + LFU against our FP32 table
 
 
 def test_progress_bars_are_quiet_off_a_terminal(capsys):

@@ -71,7 +71,13 @@ def keep_freed_memory() -> bool:
 KEEP_FREED_MEMORY = os.environ.get("EMBCACHE_KEEP_FREED_MEMORY", "1") != "0" and keep_freed_memory()
 
 import torch  # noqa: E402
-from _common import environment, environment_markdown, progress, write_text  # noqa: E402
+from _common import (  # noqa: E402
+    environment,
+    environment_markdown,
+    huge_page_share,
+    progress,
+    write_text,
+)
 from torch import nn  # noqa: E402
 
 import embcache  # noqa: E402
@@ -137,6 +143,9 @@ class Ours:
     def memory(self):
         return sum(m["total"] for m in self.ebc.memory_bytes().values())
 
+    def weights(self):
+        return [t.weights for t in self.ebc.embedding_bags.values()]
+
     def lookups_and_hits(self):
         """Lookups and hits of the tables that have a cache (tables under
         min_rows_for_low_precision rows stay FP32 without one), as `dlrm train` reports them."""
@@ -161,6 +170,9 @@ class EmbeddingBagSGD:
 
     def memory(self):
         return sum(t.weight.nbytes for t in self.tables)
+
+    def weights(self):
+        return [t.weight for t in self.tables]
 
 
 class FbgemmTBE:
@@ -191,6 +203,19 @@ class FbgemmTBE:
 
     def memory(self):
         return sum(w.nbytes for w in self.tbe.split_embedding_weights())
+
+    def weights(self):
+        return [self.tbe.weights_host]
+
+
+def rows_on_huge_pages(weights) -> float | None:
+    """The share of the tables' row bytes on transparent huge pages (None where it cannot be
+    read): with huge pages asked for every engine, what each got, since a random row costs
+    several times more on small pages."""
+    shares = [(huge_page_share(w), w.nbytes) for w in weights]
+    if not shares or any(share is None for share, _ in shares):
+        return None
+    return sum(share * n for share, n in shares) / sum(n for _, n in shares)
 
 
 def run_steps(engine, batches, grad):
@@ -268,6 +293,7 @@ def main():
             "memory_bytes": engine.memory(),
             "hit_rate": hit_rate,
             "page_faults_per_step": statistics.mean(faults[name]),
+            "huge_pages": rows_on_huge_pages(engine.weights()),
         }
     ref = rows["FBGEMM TBE fp32 EXACT_SGD"]
     lines = [
@@ -287,8 +313,9 @@ def main():
         f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine.",
         "",
         "| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | speed vs FBGEMM, "
-        "per-round median | memory vs FBGEMM | hit rate (cached tables) | page faults/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "per-round median | memory vs FBGEMM | hit rate (cached tables) | page faults/step "
+        "| rows on huge pages |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
         r["speed_vs_fbgemm"] = ref["ms_per_step"] / r["ms_per_step"]
@@ -298,11 +325,12 @@ def main():
         r["speed_vs_fbgemm_round_median"] = statistics.median(r["speed_vs_fbgemm_rounds"])
         r["memory_vs_fbgemm"] = r["memory_bytes"] / ref["memory_bytes"]
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        huge = "" if r["huge_pages"] is None else f"{r['huge_pages']:.0%}"
         lines.append(
             f"| {name} | {r['ms_per_step']:.1f} | {r['lookups_per_s'] / 1e6:.2f} | "
             f"{r['memory_bytes'] / 2**20:.0f} | {r['speed_vs_fbgemm']:.2f}x | "
             f"{r['speed_vs_fbgemm_round_median']:.2f}x | "
-            f"{r['memory_vs_fbgemm']:.3f}x | {hr} | {r['page_faults_per_step']:.0f} |"
+            f"{r['memory_vs_fbgemm']:.3f}x | {hr} | {r['page_faults_per_step']:.0f} | {huge} |"
         )
     ebag = rows["nn.EmbeddingBag + SGD"]["ms_per_step"]
     fp32_vs_ebag = ebag / rows["ours fp32, no cache"]["ms_per_step"]

@@ -27,8 +27,9 @@ precision; ``nn.EmbeddingBag(mode="sum", sparse=True)`` FP32 with ``torch.optim.
 TBE FP32 (``EXACT_SGD``) where fbgemm_gpu is installed; and the machine's ceilings, a sequential
 copy (bytes read plus written) and a random-row gather of FP32 rows of the same dim (bytes
 read), which is the physical limit of a lookup. Each of our tables' forward is also set
-against a gather of its own stored rows timed beside every step (``measure``'s ``paired``):
-the two meet the machine's drift together, which ceilings measured minutes apart do not.
+against a gather of its own stored rows timed beside every step (``measure``'s ``paired``),
+and INT8 + LFU steps beside our uncached FP32 table (``rival``): each pair meets the
+machine's drift together, which figures measured minutes apart do not.
 
 ``--device cuda`` runs the same on a GPU (tables in device memory; the ceiling is a
 device-to-device copy). Results: ``OUT/bandwidth.json``, ``bandwidth.md`` and ``bandwidth.png``

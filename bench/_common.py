@@ -15,6 +15,7 @@ cardinality (for a trace: the largest id + 1).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import importlib.metadata
 import logging
@@ -41,6 +42,46 @@ PACKAGES = {
     "fbgemm_gpu": ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu"),
     "torchrec": ("torchrec", "torchrec-nightly"),
 }
+
+
+def same_memory_footing() -> dict:
+    """Puts every engine a benchmark times on the same memory footing, and says which
+    (``huge_pages``, ``keep_freed_memory``). Call it before torch is imported (torch reads
+    THP_MEM_ALLOC_ENABLE when it first allocates), and in each process (mallopt is per
+    process; the environment variable is inherited).
+
+    * Huge pages: our tables madvise theirs (embcache.embedding._state_tensor), which halves
+      the cost of a random row on these machines; torch's own huge-page allocation
+      (THP_MEM_ALLOC_ENABLE=1) gives the peers' tables the same. EMBCACHE_HUGE_PAGES=0 turns
+      huge pages off for all.
+    * Freed memory: glibc gives freed memory back to the OS once the top of its heap passes a
+      threshold that adapts to the process's history, so whether a step's multi-MB buffers
+      are page-faulted in (and zeroed) again every step depends on what ran before. Here glibc
+      keeps it (mallopt: no trimming; blocks under 32 MiB from the heap, not mmap).
+      EMBCACHE_KEEP_FREED_MEMORY=0 leaves glibc's defaults; False where it is not glibc."""
+    huge_pages = os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0"
+    if huge_pages:
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    keep = os.environ.get("EMBCACHE_KEEP_FREED_MEMORY", "1") != "0"
+    if keep:
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+        except AttributeError:
+            keep = False
+        else:
+            keep = bool(mallopt(m_trim_threshold, 1 << 30)) and bool(
+                mallopt(m_mmap_threshold, 32 << 20)
+            )
+    return {"huge_pages": huge_pages, "keep_freed_memory": keep}
+
+
+def memory_footing_words(footing: dict) -> str:
+    """``same_memory_footing``'s result in words, for a results page."""
+    return (
+        f"huge pages {'on' if footing['huge_pages'] else 'off'} and freed memory "
+        f"{'kept' if footing['keep_freed_memory'] else 'as glibc decides'} for every engine"
+    )
 
 
 def progress(iterable=None, **kwargs) -> tqdm:

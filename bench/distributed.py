@@ -23,7 +23,9 @@ functions, so TorchRec's and ours alike) plus DDP's all-reduce of the dense grad
 (computed: its bytes are the dense gradients'). Embedding memory per rank: ours measured
 (``memory_bytes`` of the rank's shards); TorchRec's from its shard sizes (FP32 rows plus one
 FP32 AdaGrad accumulator per row). On a 2-core machine two processes share the cores, so
-the 2-process figure measures the overheads of sharding, not a speed-up.
+the 2-process figure measures the overheads of sharding, not a speed-up. Every process of
+either engine is on the same memory footing as in bench/embedding_step.py (huge pages, freed
+memory kept: bench/_common.same_memory_footing).
 
     python bench/distributed.py --out bench/results/distributed
 """
@@ -39,10 +41,20 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import environment, environment_markdown, parser, write_text
+from _common import (
+    environment,
+    environment_markdown,
+    memory_footing_words,
+    parser,
+    same_memory_footing,
+    write_text,
+)
+
+FOOTING = same_memory_footing()  # before torch is imported; again in each worker
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 ENGINES = ("ours", "torchrec")
 
@@ -67,6 +79,7 @@ def _count_collectives(counter: dict) -> None:
 
 
 def _worker(rank: int, world: int, port: int, engine: str, args: dict, data: str, queue) -> None:
+    same_memory_footing()  # glibc's settings are the process's own
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -259,6 +272,7 @@ def main() -> None:
         payload = {
             "environment": env,
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            **FOOTING,
             "results": results,
         }
         write_text(args.out / "distributed.json", json.dumps(payload, indent=2))
@@ -280,7 +294,7 @@ def _markdown(env: dict, args, data: Path, results: dict) -> str:
         f"{what} ({sum(meta['cardinalities']):,} rows in 26 "
         f"tables, dim 16), global batch {args.batch_size}, {args.warmup} warm-up and "
         f"{args.steps} timed steps, {args.threads} threads shared by the processes; "
-        f"{args.repeats} runs of each, interleaved.",
+        f"{args.repeats} runs of each, interleaved; {memory_footing_words(FOOTING)}.",
         "",
         "| engine, processes | samples/s, median (range) | ours / TorchRec, median (range) | "
         "sent per rank per step (MiB) | embeddings per rank (MiB) |",

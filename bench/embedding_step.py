@@ -22,17 +22,11 @@ FBGEMM is given both as the ratio of those medians and as the median of the per-
 (FBGEMM's round time over the engine's, the two timed within seconds of each other): when a
 busy spell hits some rounds the two differ, and the per-round one is the fairer comparison.
 
-Our tables sit on transparent huge pages (see embcache.embedding._state_tensor), which halves
-the cost of a random row on this kind of machine. So that the peers are timed on the same
-footing, this script turns on torch's own huge-page allocation (THP_MEM_ALLOC_ENABLE=1) for
-every engine; EMBCACHE_HUGE_PAGES=0 turns huge pages off for all of them.
-
-glibc gives freed memory back to the OS once the top of its heap passes a threshold that it
-adapts to the process's history, so whether a step's multi-MB buffers are page-faulted in
-(and zeroed by the kernel) again every step depends on what ran before: at --max-rows 20000,
-~1600 faults per step cost ours ~1 ms and FBGEMM ~800 faults. So that no engine pays this by
-chance, the script has glibc keep freed memory (mallopt) for every engine, and prints each
-engine's page faults per timed step; EMBCACHE_KEEP_FREED_MEMORY=0 leaves glibc's defaults.
+Every engine is put on the same memory footing (bench/_common.same_memory_footing): huge
+pages for all (EMBCACHE_HUGE_PAGES=0: for none), and glibc keeping freed memory
+(EMBCACHE_KEEP_FREED_MEMORY=0: glibc's defaults; at --max-rows 20000 its adaptive trimming
+once cost ours ~1600 page faults, ~1 ms, a step, and FBGEMM ~800). The script prints each
+engine's page faults per timed step and the share of its rows on huge pages.
 Example:
 
     python bench/embedding_step.py                      # dim 16, full Kaggle cardinalities
@@ -43,41 +37,25 @@ Example:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import resource
 import statistics
 import time
 from pathlib import Path
 
-# Before torch is imported: torch reads this when it first allocates.
-HUGE_PAGES = os.environ.get("EMBCACHE_HUGE_PAGES", "1") != "0"
-if HUGE_PAGES:
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc keep freed memory in the heap (no trimming; blocks below 32 MiB from the
-    heap, not mmap) instead of thresholds it adapts as it goes. False where that is not glibc."""
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:
-        return False
-    return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
-
-
-KEEP_FREED_MEMORY = os.environ.get("EMBCACHE_KEEP_FREED_MEMORY", "1") != "0" and keep_freed_memory()
-
-import torch  # noqa: E402
-from _common import (  # noqa: E402
+from _common import (
     environment,
     environment_markdown,
     huge_page_share,
+    memory_footing_words,
     progress,
+    same_memory_footing,
     write_text,
 )
+
+FOOTING = same_memory_footing()  # before torch is imported
+
+import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import embcache  # noqa: E402
@@ -309,8 +287,7 @@ def main():
         )
         + f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, "
         f"median of {args.rounds} rounds of {args.steps} steps, "
-        f"huge pages {'on' if HUGE_PAGES else 'off'} and freed memory "
-        f"{'kept' if KEEP_FREED_MEMORY else 'as glibc decides'} for every engine.",
+        f"{memory_footing_words(FOOTING)}.",
         "",
         "| engine | ms/step | Mlookups/s | memory MB | speed vs FBGEMM | speed vs FBGEMM, "
         "per-round median | memory vs FBGEMM | hit rate (cached tables) | page faults/step "
@@ -340,8 +317,7 @@ def main():
     result = {
         "environment": env,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "huge_pages": HUGE_PAGES,
-        "keep_freed_memory": KEEP_FREED_MEMORY,
+        **FOOTING,
         "ours_fp32_vs_embedding_bag": fp32_vs_ebag,
         "results": rows,
     }

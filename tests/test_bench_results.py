@@ -3,6 +3,8 @@ the command line, the commit, the CPU, the library versions and the date, in its
 top of its Markdown."""
 
 import json
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +124,31 @@ def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_pat
     assert md[shares_table + 2].startswith("| ours int8 + 5% 32-way LFU cache | ")
     rival_rows = [line for line in md if line.startswith("| forward, backward and update | ")]
     assert len(rival_rows) == 1  # INT8 + LFU against our FP32 table
+
+
+def test_every_engine_gets_the_same_memory_footing():
+    """same_memory_footing asks for huge pages through torch's allocator and has glibc keep
+    freed memory, each unless its variable says 0; run in a child, whose malloc it changes."""
+    code = (
+        "import json, os, sys; sys.path.insert(0, 'bench'); import _common; "
+        "f = _common.same_memory_footing(); "
+        "print(json.dumps([f, os.environ.get('THP_MEM_ALLOC_ENABLE')]))"
+    )
+
+    def footing(**env):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return json.loads(out)
+
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert footing() == [{"huge_pages": True, "keep_freed_memory": glibc}, "1"]
+    off = {"EMBCACHE_HUGE_PAGES": "0", "EMBCACHE_KEEP_FREED_MEMORY": "0"}
+    assert footing(**off) == [{"huge_pages": False, "keep_freed_memory": False}, None]
 
 
 def test_progress_bars_are_quiet_off_a_terminal(capsys):

@@ -29,11 +29,19 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
+from _common import (
+    environment,
+    environment_markdown,
+    memory_footing_words,
+    same_memory_footing,
+    write_text,
+)
+
+FOOTING = same_memory_footing()  # before torch is imported
+
+import torch  # noqa: E402
 
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-
-from _common import environment, environment_markdown, write_text  # noqa: E402
 
 from dlrm.build import build_model, build_trainer  # noqa: E402
 from dlrm.config import RunConfig  # noqa: E402
@@ -108,7 +116,8 @@ def main():
             f"Synthetic data, scale {args.scale}: {sum(gen.cardinalities):,} rows; batch "
             f"{args.batch_size}, preset {args.preset}, dense {args.dense_precision}, "
             f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps, median of "
-            f"{args.rounds} rounds of {args.steps} steps (engines in turn).",
+            f"{args.rounds} rounds of {args.steps} steps (engines in turn); "
+            f"{memory_footing_words(FOOTING)}.",
             "",
             "| engine | samples/s |",
             "|---|---:|",
@@ -123,6 +132,7 @@ def main():
         "environment": env,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": sum(gen.cardinalities),
+        **FOOTING,
         "samples_per_second": results,
         "samples_per_second_rounds": per_round,
         "ratio": ratio,

@@ -90,30 +90,39 @@ def progress(iterable=None, **kwargs) -> tqdm:
     return tqdm(iterable, disable=None, **kwargs)
 
 
-def huge_page_share(t) -> float | None:
-    """The share of CPU tensor ``t``'s bytes in mappings backed by transparent huge pages:
-    each mapping ``t`` overlaps counts its ``AnonHugePages`` share (``/proc/self/smaps``) for
-    the bytes it holds of ``t``. None off Linux and for a GPU tensor. A random-row benchmark
-    over a table 100x the cache moves several times with this (docs/design.md)."""
-    if t.device.type != "cpu" or not os.path.exists("/proc/self/smaps"):
-        return None
-    first = t.data_ptr()
-    last = first + t.numel() * t.element_size()
-    if last == first:
+def huge_page_share(tensors) -> float | None:
+    """The share of the bytes of CPU tensor ``tensors`` (or of a list of them, weighted by
+    their bytes) in mappings backed by transparent huge pages: each mapping a tensor overlaps
+    counts its ``AnonHugePages`` share (``/proc/self/smaps``, read once) for the bytes it
+    holds of that tensor. None off Linux, for a GPU tensor, and with no bytes. A random-row
+    benchmark over a table 100x the cache moves several times with this (docs/design.md)."""
+    tensors = [tensors] if hasattr(tensors, "data_ptr") else list(tensors)  # no torch import
+    spans = [
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors
+        if t.numel() > 0
+    ]
+    if (
+        not spans
+        or any(t.device.type != "cpu" for t in tensors)
+        or not os.path.exists("/proc/self/smaps")
+    ):
         return None
     covered = 0.0
-    span = None
+    mapping = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split(None, 1)[0]
             if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                span = (lo, hi) if lo < last and hi > first else None
-            elif span and head == "AnonHugePages:":
-                lo, hi = span
-                overlap = min(hi, last) - max(lo, first)
-                covered += overlap * min(1.0, int(line.split()[1]) * 1024 / (hi - lo))
-    return covered / (last - first)
+                mapping = tuple(int(x, 16) for x in head.split("-"))
+            elif mapping and head == "AnonHugePages:":
+                lo, hi = mapping
+                huge = min(1.0, int(line.split()[1]) * 1024 / (hi - lo))
+                for first, last in spans:
+                    overlap = min(hi, last) - max(lo, first)
+                    if overlap > 0:
+                        covered += overlap * huge
+    return covered / sum(last - first for first, last in spans)
 
 
 def _git(*args: str) -> str | None:

@@ -186,16 +186,6 @@ class FbgemmTBE:
         return [self.tbe.weights_host]
 
 
-def rows_on_huge_pages(weights) -> float | None:
-    """The share of the tables' row bytes on transparent huge pages (None where it cannot be
-    read): with huge pages asked for every engine, what each got, since a random row costs
-    several times more on small pages."""
-    shares = [(huge_page_share(w), w.nbytes) for w in weights]
-    if not shares or any(share is None for share, _ in shares):
-        return None
-    return sum(share * n for share, n in shares) / sum(n for _, n in shares)
-
-
 def run_steps(engine, batches, grad):
     """Seconds and minor page faults per step over batches (inputs prepared beforehand,
     outside the clock)."""
@@ -271,7 +261,7 @@ def main():
             "memory_bytes": engine.memory(),
             "hit_rate": hit_rate,
             "page_faults_per_step": statistics.mean(faults[name]),
-            "huge_pages": rows_on_huge_pages(engine.weights()),
+            "huge_pages": huge_page_share(engine.weights()),
         }
     ref = rows["FBGEMM TBE fp32 EXACT_SGD"]
     lines = [

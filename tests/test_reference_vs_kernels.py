@@ -409,6 +409,30 @@ def test_large_batches_parallel_paths(options):
     assert s["unique_rows"] / s["steps"] > 2048 and s["evictions"] > 0 and s["bypasses"] > 0
 
 
+@pytest.mark.parametrize("psw", [False, True], ids=("unweighted", "weighted"))
+def test_an_output_past_the_caches_is_the_same(psw):
+    """A forward output over 4 MiB of one-id bags is written with streaming stores
+    (kStreamOutputBytes in csrc/cpu/cpu_common.h): 20,000 bags x 64 floats, cached rows and
+    missed ones, with and without per-sample weights."""
+    module, _ = run_training(
+        steps=2,
+        rows=5000,
+        dim=64,
+        sets=40,
+        bags=20000,
+        max_len=None,
+        seed=33 + psw,
+        psw=psw,
+        precision="int8",
+        rounding="stochastic",
+        policy="lfu",
+        associativity=8,
+    )
+    assert 20000 * 64 * 4 > 4 << 20
+    s = module.stats()
+    assert 0 < s["hits"] < s["lookups"]
+
+
 def test_stats_and_state_actually_exercised():
     """The training configuration above does make sets overflow: hits, insertions,
     evictions and bypasses all happen, for LRU and LFU (else the comparison proves little)."""

@@ -37,6 +37,10 @@ constexpr int64_t kGrainSets = 1024;
 constexpr int64_t kPrefetch = 16;
 // Bytes of prefetched rows one pass over lookups may leave waiting in cache (a part of L2).
 constexpr int64_t kPassBytes = 256 << 10;
+// A forward output larger than this is written past the caches (docs/design.md, "Streamed
+// output"): it would not stay there until it is read, and each line written through them is
+// first read from memory.
+constexpr int64_t kStreamOutputBytes = 4 << 20;
 
 inline bool on_cpu(const at::Tensor& t) { return t.device().is_cpu(); }
 

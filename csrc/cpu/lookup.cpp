@@ -45,8 +45,9 @@ class MaxAbs {
 #endif
 };
 
-/// add_values with `first` known at compile time.
-template <bool kFirst, typename Values>
+/// add_values with `first` known at compile time; kStream (with kFirst, and acc 16-byte
+/// aligned): the term is stored past the caches (non-temporal stores).
+template <bool kFirst, bool kStream, typename Values>
 EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* acc,
                                      MaxAbs& max_abs) {
   int j = 0;
@@ -57,10 +58,14 @@ EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* a
     const __m128 x = v.at4(j);
     row_max = MaxAbs::max_abs4(x, row_max);
     const __m128 a = kFirst ? _mm_setzero_ps() : _mm_loadu_ps(acc + j);
-    _mm_storeu_ps(acc + j, _mm_add_ps(a, _mm_mul_ps(s4, x)));
+    if (kStream)
+      _mm_stream_ps(acc + j, _mm_add_ps(a, _mm_mul_ps(s4, x)));
+    else
+      _mm_storeu_ps(acc + j, _mm_add_ps(a, _mm_mul_ps(s4, x)));
   }
   max_abs.add_max4(row_max);
 #endif
+  static_assert(!kStream || kFirst, "only a bag's first term is streamed");
   for (; j < dim; ++j) {
     const float x = v.at(j);
     max_abs.add(x);
@@ -73,26 +78,32 @@ EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* a
 /// (it turns -0.f into +0.f). acc may be a cold output row: the first term does not read it
 /// (a load that misses would stall the loop, where a store does not), and later terms read
 /// it in the 16-byte pieces that were written, so that the store buffer serves them. Four
-/// lanes at a time where SSE is there (the same roundings as the scalar loop).
-template <typename Values>
+/// lanes at a time where SSE is there (the same roundings as the scalar loop). kStream: the
+/// term is a bag's first and only one, stored past the caches (add_term).
+template <bool kStream, typename Values>
 EMBCACHE_ALWAYS_INLINE void add_values(int dim, const Values& v, const float* w, bool first,
                                        float* acc, MaxAbs& max_abs) {
   const float s = w ? *w : 1.f;  // s * x == x exactly for s == 1
-  if (first)
-    add_term<true>(dim, v, s, acc, max_abs);
+  if constexpr (kStream)
+    add_term<true, true>(dim, v, s, acc, max_abs);
+  else if (first)
+    add_term<true, false>(dim, v, s, acc, max_abs);
   else
-    add_term<false>(dim, v, s, acc, max_abs);
+    add_term<false, false>(dim, v, s, acc, max_abs);
 }
 
 /// lookup_core's pooling pass over bags [b0, b1); returns the number of cached lookups.
 /// Instantiated for rows of kDim floats (0: `dim`, known at run time only; 16 is DLRM's
 /// Criteo dim) and for chunks whose every bag has one lookup (Criteo's features), so that the
 /// loop over lookups is short: with its rows prefetched, it is bound by its instruction count
-/// as much as by memory, so a runtime dim or per-bag bookkeeping shows in its time.
-template <int64_t kDim, bool kOneLookupPerBag, typename StoredValues>
+/// as much as by memory, so a runtime dim or per-bag bookkeeping shows in its time. kStream
+/// (with kOneLookupPerBag, output rows 16-byte aligned): each bag's row is written past the
+/// caches, once.
+template <int64_t kDim, bool kOneLookupPerBag, bool kStream, typename StoredValues>
 int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const Cache& cache,
                   const uint8_t* w, int64_t row_bytes, const int32_t* slot, bool mean, float* out,
                   int64_t out_stride, const StoredValues& stored_values, MaxAbs& max_abs) {
+  static_assert(!kStream || kOneLookupPerBag, "a streamed row is written once");
   if (kDim) dim = kDim;
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
@@ -109,10 +120,11 @@ int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const C
     const float* weight = psw ? psw + l : nullptr;
     if (slot[l] >= 0) {
       const uint8_t* v = (const uint8_t*)(cache_rows + slot[l] * dim);
-      add_values(dim, RowValues<32>{v}, weight, first, acc, max_abs);
+      add_values<kStream>(dim, RowValues<32>{v}, weight, first, acc, max_abs);
       ++hits;
     } else {
-      add_values(dim, stored_values(w + idx[l] * row_bytes), weight, first, acc, max_abs);
+      add_values<kStream>(dim, stored_values(w + idx[l] * row_bytes), weight, first, acc,
+                          max_abs);
     }
   };
   if (kOneLookupPerBag) {  // and the mean of one term is the term
@@ -133,10 +145,11 @@ int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const C
 /// Pooled lookups (docs/contract.md §4 step 1) into out[b * out_stride + j], the slot of every
 /// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l, and the largest
 /// |value| the lookups read into *max_abs (0 if none); returns the number of lookups that
-/// found their row cached. Throws before writing if an index is out of range.
+/// found their row cached. Throws before writing if an index is out of range. With `stream`
+/// (every out row 16-byte aligned), runs of one-lookup bags are written past the caches.
 int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, int64_t num_rows,
                     const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot,
-                    float* max_abs) {
+                    float* max_abs, bool stream) {
   const int64_t dim = f.dim;
   const int64_t* first_idx = bags.idx + bags.first();
   const int64_t n = bags.end() - bags.first();
@@ -178,18 +191,26 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
       const bool one_lookup_per_bag =
           first_where(nb, [&](int64_t i) { return off[b0 + i + 1] - off[b0 + i] != 1; }) == nb;
       with_row_values(f, [&](const auto& stored_values) {
-        auto pool = [&](auto k_dim, auto k_one) {
-          local_hits += pool_bags<decltype(k_dim)::value, decltype(k_one)::value>(
-              bags, b0, b1, dim, cache, w, row_bytes, slot, mean, out, out_stride, stored_values,
-              chunk_max);
+        auto pool = [&](auto k_dim, auto k_one, auto k_stream) {
+          local_hits +=
+              pool_bags<decltype(k_dim)::value, decltype(k_one)::value, decltype(k_stream)::value>(
+                  bags, b0, b1, dim, cache, w, row_bytes, slot, mean, out, out_stride,
+                  stored_values, chunk_max);
         };
         auto pool_dim = [&](auto k_dim) {
-          one_lookup_per_bag ? pool(k_dim, std::true_type()) : pool(k_dim, std::false_type());
+          const std::true_type yes;
+          const std::false_type no;
+          !one_lookup_per_bag ? pool(k_dim, no, no)
+          : stream            ? pool(k_dim, yes, yes)
+                              : pool(k_dim, yes, no);
         };
         dim == 16 ? pool_dim(std::integral_constant<int64_t, 16>())
                   : pool_dim(std::integral_constant<int64_t, 0>());
       });
     }
+#if defined(EMBCACHE_SSE)
+    if (stream) _mm_sfence();  // the streamed rows ordered before the threads join
+#endif
     hits += local_hits;
     const float m = chunk_max.value();
     std::lock_guard<std::mutex> lock(max_abs_mutex);
@@ -264,6 +285,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
   const FeatureOffsets bags_of_feature(lengths, nf, batch, indices.numel());  // valid bags
   const at::Tensor& offsets = bags_of_feature.offsets;
   at::Tensor out = new_cpu_tensor({batch, col[nf]}, at::kFloat);
+  // An output too large to stay in cache until it is read goes past the caches, where every
+  // row of it starts on 16 bytes (streaming stores take aligned addresses).
+  const bool stream = batch * col[nf] * (int64_t)sizeof(float) > kStreamOutputBytes &&
+                      ((uintptr_t)out.data_ptr<float>() & 15) == 0 &&
+                      std::all_of(col.begin(), col.end(), [](int64_t c) { return c % 4 == 0; });
   std::vector<int64_t> hits(nf);
   at::Tensor slots = new_cpu_tensor({indices.numel()}, at::kInt);
   at::Tensor max_abs = new_cpu_tensor({nf}, at::kFloat);
@@ -281,7 +307,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     const TableState& table = tables.state[t];
     hits[f] = lookup_core(spec[t].f, table_cache(spec[t], table), table.weights,
                           spec[t].rows, bags, spec[t].mean, out.data_ptr<float>() + col[f],
-                          col[nf], slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f);
+                          col[nf], slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f,
+                          stream);
   });
   for (int64_t f = 0; f < nf && !tables.counters.empty(); ++f) {
     tables.counters[feature_table[f]][kLookups] += lookups[f];

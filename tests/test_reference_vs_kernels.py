@@ -409,20 +409,25 @@ def test_large_batches_parallel_paths(options):
     assert s["unique_rows"] / s["steps"] > 2048 and s["evictions"] > 0 and s["bypasses"] > 0
 
 
-@pytest.mark.parametrize("psw", [False, True], ids=("unweighted", "weighted"))
-def test_an_output_past_the_caches_is_the_same(psw):
-    """A forward output over 4 MiB of one-id bags is written with streaming stores
-    (kStreamOutputBytes in csrc/cpu/cpu_common.h): 20,000 bags x 64 floats, cached rows and
-    missed ones, with and without per-sample weights."""
+@pytest.mark.parametrize(
+    "max_len,psw,mode",
+    [(None, False, "sum"), (None, True, "sum"), (3, True, "sum"), (3, False, "mean")],
+    ids=("one-id", "one-id-weighted", "multi-hot-weighted", "multi-hot-mean"),
+)
+def test_an_output_past_the_caches_is_the_same(max_len, psw, mode):
+    """A forward output over 4 MiB is written with streaming stores (kStreamOutputBytes in
+    csrc/cpu/cpu_common.h): one-id bags term by term, longer bags (and empty ones) once
+    summed; 20,000 bags x 64 floats, cached rows and missed ones."""
     module, _ = run_training(
         steps=2,
         rows=5000,
         dim=64,
         sets=40,
         bags=20000,
-        max_len=None,
-        seed=33 + psw,
+        max_len=max_len,
+        seed=33 + psw + 2 * (max_len or 0),
         psw=psw,
+        mode=mode,
         precision="int8",
         rounding="stochastic",
         policy="lfu",

@@ -92,18 +92,29 @@ EMBCACHE_ALWAYS_INLINE void add_values(int dim, const Values& v, const float* w,
     add_term<false, false>(dim, v, s, acc, max_abs);
 }
 
+/// dst[0 .. dim) = src[0 .. dim), past the caches where SSE is there (dim a multiple of 4,
+/// dst 16-byte aligned).
+EMBCACHE_ALWAYS_INLINE void stream_row(float* dst, const float* src, int64_t dim) {
+#if defined(EMBCACHE_SSE)
+  for (int64_t j = 0; j < dim; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+#else
+  std::copy_n(src, dim, dst);
+#endif
+}
+
 /// lookup_core's pooling pass over bags [b0, b1); returns the number of cached lookups.
 /// Instantiated for rows of kDim floats (0: `dim`, known at run time only; 16 is DLRM's
 /// Criteo dim) and for chunks whose every bag has one lookup (Criteo's features), so that the
 /// loop over lookups is short: with its rows prefetched, it is bound by its instruction count
 /// as much as by memory, so a runtime dim or per-bag bookkeeping shows in its time. kStream
-/// (with kOneLookupPerBag, output rows 16-byte aligned): each bag's row is written past the
-/// caches, once.
+/// (output rows 16-byte aligned, dim a multiple of 4): each bag's row is written past the
+/// caches, once: a one-lookup bag's term as it is computed, a longer bag's sum from a row
+/// of this thread's after its last term.
 template <int64_t kDim, bool kOneLookupPerBag, bool kStream, typename StoredValues>
 int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const Cache& cache,
                   const uint8_t* w, int64_t row_bytes, const int32_t* slot, bool mean, float* out,
                   int64_t out_stride, const StoredValues& stored_values, MaxAbs& max_abs) {
-  static_assert(!kStream || kOneLookupPerBag, "a streamed row is written once");
+  constexpr bool kStreamTerm = kStream && kOneLookupPerBag;
   if (kDim) dim = kDim;
   const int64_t* idx = bags.idx;
   const int64_t* off = bags.off;
@@ -120,24 +131,26 @@ int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const C
     const float* weight = psw ? psw + l : nullptr;
     if (slot[l] >= 0) {
       const uint8_t* v = (const uint8_t*)(cache_rows + slot[l] * dim);
-      add_values<kStream>(dim, RowValues<32>{v}, weight, first, acc, max_abs);
+      add_values<kStreamTerm>(dim, RowValues<32>{v}, weight, first, acc, max_abs);
       ++hits;
     } else {
-      add_values<kStream>(dim, stored_values(w + idx[l] * row_bytes), weight, first, acc,
-                          max_abs);
+      add_values<kStreamTerm>(dim, stored_values(w + idx[l] * row_bytes), weight, first, acc,
+                              max_abs);
     }
   };
   if (kOneLookupPerBag) {  // and the mean of one term is the term
     for (int64_t b = b0, l = off[b0]; b < b1; ++b, ++l) add_lookup(l, true, out + b * out_stride);
     return hits;
   }
+  std::vector<float> sum(kStream ? dim : 0);
   for (int64_t b = b0; b < b1; ++b) {
-    float* acc = out + b * out_stride;
+    float* acc = kStream ? sum.data() : out + b * out_stride;
     const int64_t l0 = off[b], l1 = off[b + 1];
     if (l0 == l1) std::fill_n(acc, dim, 0.f);
     for (int64_t l = l0; l < l1; ++l) add_lookup(l, l == l0, acc);
     if (mean && l1 > l0)
       for (int64_t j = 0; j < dim; ++j) acc[j] /= (float)(l1 - l0);
+    if (kStream) stream_row(out + b * out_stride, acc, dim);
   }
   return hits;
 }
@@ -146,7 +159,7 @@ int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const C
 /// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l, and the largest
 /// |value| the lookups read into *max_abs (0 if none); returns the number of lookups that
 /// found their row cached. Throws before writing if an index is out of range. With `stream`
-/// (every out row 16-byte aligned), runs of one-lookup bags are written past the caches.
+/// (every out row 16-byte aligned, dim a multiple of 4), out is written past the caches.
 int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, int64_t num_rows,
                     const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot,
                     float* max_abs, bool stream) {
@@ -200,9 +213,10 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
         auto pool_dim = [&](auto k_dim) {
           const std::true_type yes;
           const std::false_type no;
-          !one_lookup_per_bag ? pool(k_dim, no, no)
-          : stream            ? pool(k_dim, yes, yes)
-                              : pool(k_dim, yes, no);
+          if (one_lookup_per_bag)
+            stream ? pool(k_dim, yes, yes) : pool(k_dim, yes, no);
+          else
+            stream ? pool(k_dim, no, yes) : pool(k_dim, no, no);
         };
         dim == 16 ? pool_dim(std::integral_constant<int64_t, 16>())
                   : pool_dim(std::integral_constant<int64_t, 0>());

@@ -657,8 +657,8 @@ def main() -> None:
             else:
                 engine = FbgemmTBE(rows, dim, device)
             points = []
+            paired = kind in ("cached", "ours")
             for target in targets:
-                paired = kind in ("cached", "ours")
                 if kind == "cached":
                     p_hot, point = settle(
                         engine, trace, target, args.steps, args.rounds, clock, rival

@@ -50,6 +50,7 @@ class MaxAbs {
 template <bool kFirst, bool kStream, typename Values>
 EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* acc,
                                      MaxAbs& max_abs) {
+  static_assert(!kStream || kFirst, "only a bag's first term is streamed");
   int j = 0;
 #if defined(EMBCACHE_SSE)
   const __m128 s4 = _mm_set1_ps(s);
@@ -65,7 +66,6 @@ EMBCACHE_ALWAYS_INLINE void add_term(int dim, const Values& v, float s, float* a
   }
   max_abs.add_max4(row_max);
 #endif
-  static_assert(!kStream || kFirst, "only a bag's first term is streamed");
   for (; j < dim; ++j) {
     const float x = v.at(j);
     max_abs.add(x);

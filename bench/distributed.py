@@ -106,7 +106,8 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
     from dlrm.config import RunConfig
     from dlrm.data import batches as data_batches
     from dlrm.mixed_precision import MixedPrecisionTrainer
-    from dlrm.model import DLRM, make_torchrec_ebc
+    from dlrm.model import DLRM, SPARSE_KEYS
+    from dlrm.torchrec_adapter import make_torchrec_ebc
 
     dataset = data_batches.load(data)
     cards = list(dataset.meta["cardinalities"])
@@ -115,7 +116,8 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
         batch_size=args["batch_size"], dense_precision="fp32", optimizer="adagrad", lr=0.01
     )
     if engine == "ours":
-        model = distributed.shard(build_model(cfg, cards, device="meta"), ranks, cfg.batch_size)
+        model = build_model(cfg, cards, tables_on_meta=True, keyed=True)
+        model = distributed.shard(model, ranks, cfg.batch_size)
         trainer = MixedPrecisionTrainer(
             model, dense_precision="fp32", optimizer="adagrad", lr=cfg.lr
         )
@@ -126,7 +128,7 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
         torch.manual_seed(cfg.seed)
-        model = DLRM.from_preset(cfg.preset, make_torchrec_ebc(cards, 16))
+        model = DLRM.from_preset(cfg.preset, make_torchrec_ebc(cards, 16, SPARSE_KEYS))
         sharder = EmbeddingBagCollectionSharder(
             fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
         )
@@ -172,7 +174,7 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
     )
     for _ in range(args["warmup"]):
         b = next(batches)
-        step(b.dense, b.sparse, b.labels)
+        step(b.dense, b.ids, b.labels)
     counter: dict = {}
     _count_collectives(counter)
     phases_before = trainer.phase_seconds if engine == "ours" else {}
@@ -180,7 +182,7 @@ def _measure(rank: int, world: int, engine: str, args: dict, data: str) -> dict:
     start = time.perf_counter()
     for _ in range(args["steps"]):
         b = next(batches)
-        step(b.dense, b.sparse, b.labels)
+        step(b.dense, b.ids, b.labels)
     dist.barrier()
     seconds = time.perf_counter() - start
     # ours: the trainer's own timer, ms per step by phase (docs/design.md, trainer costs)

@@ -54,7 +54,7 @@ def train_steps(trainer, batches) -> float:
     """Samples/s of ``trainer`` over ``batches``."""
     start = time.perf_counter()
     for b in batches:
-        trainer.train_step(b.dense, b.sparse, b.labels)
+        trainer.train_step(b.dense, b.ids, b.labels)
     return sum(len(b.labels) for b in batches) / (time.perf_counter() - start)
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from dlrm import distributed
 from dlrm.config import RunConfig
@@ -17,8 +16,9 @@ from dlrm.data.criteo import DataError
 from dlrm.data.synthetic import SyntheticCriteo
 from dlrm.errors import RunError
 from dlrm.mixed_precision import MixedPrecisionTrainer, make_scaler
-from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, TABLE_NAMES, make_torchrec_ebc
-from embcache import CachedLowPrecisionEmbeddingBagCollection
+from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, TABLE_NAMES
+from dlrm.torchrec_adapter import make_torchrec_ebc
+from embcache.multi_table import BagTable, CachedLowPrecisionEmbeddingBags
 
 
 def resolve_data(cfg: RunConfig, root: Path) -> Path:
@@ -54,30 +54,53 @@ def run_data(data_dir: Path, dataset) -> dict:
     return {"dir": str(Path(data_dir).resolve()), "fingerprint": dataset.meta["fingerprint"]}
 
 
-def build_model(cfg: RunConfig, cardinalities: list[int], device: str | None = None) -> DLRM:
-    """The run's DLRM; ``device="meta"`` builds its tables without memory, to be sharded."""
+def build_model(
+    cfg: RunConfig,
+    cardinalities: list[int],
+    device: torch.device | str = "cpu",
+    *,
+    tables_on_meta: bool = False,
+    keyed: bool = False,
+) -> DLRM:
+    """The run's DLRM on ``device``, drawn on the CPU whatever the device (the same initial
+    model everywhere). Our tables are one
+    :class:`~embcache.multi_table.CachedLowPrecisionEmbeddingBags` (torch only), or, ``keyed``,
+    TorchRec's collection interface over them (for DMP to shard). ``tables_on_meta``: the
+    tables without memory (to be sharded, or filled by a checkpoint), the dense part on
+    ``device``."""
     torch.manual_seed(cfg.seed)
     dim = PRESETS[cfg.preset].embedding_dim
+    where = "meta" if tables_on_meta else None
     if cfg.embeddings == "torchrec":  # the FP32 baseline; else ours (RunConfig.validate)
-        return DLRM.from_preset(cfg.preset, make_torchrec_ebc(cardinalities, dim))
-    tables = [
-        EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=n, feature_names=[key])
-        for name, n, key in zip(TABLE_NAMES, cardinalities, SPARSE_KEYS)
-    ]
-    collection = CachedLowPrecisionEmbeddingBagCollection(
-        tables, per_table=cfg.tables, device=device, **cfg.table_defaults()
-    )
-    return DLRM.from_preset(cfg.preset, collection)
+        tables = make_torchrec_ebc(cardinalities, dim, SPARSE_KEYS, device=where)
+    else:
+        bags = [
+            BagTable(name, n, dim, (key,))
+            for name, n, key in zip(TABLE_NAMES, cardinalities, SPARSE_KEYS)
+        ]
+        kind = CachedLowPrecisionEmbeddingBags
+        if keyed:
+            from embcache.collection import CachedLowPrecisionEmbeddingBagCollection as kind
+
+        tables = kind.from_bag_tables(
+            bags, per_table=cfg.tables, device=where, **cfg.table_defaults()
+        )
+    model = DLRM.from_preset(cfg.preset, tables)
+    return model.dense_to(device) if tables_on_meta else model.to(device)
 
 
-def process_model(cfg: RunConfig, cardinalities: list[int], ranks, loading: bool) -> nn.Module:
-    """This process's model: over several ranks DMP's, with only the rank's shards (built
-    from the meta device); in one process the whole model, its tables left without memory
-    when a checkpoint is about to fill them (``loading``), so none is drawn in vain."""
+def process_model(
+    cfg: RunConfig, cardinalities: list[int], ranks, loading: bool, device: torch.device
+) -> nn.Module:
+    """This process's model on ``device``: over several ranks DMP's, with only the rank's
+    shards (built from the meta device); in one process the whole model, its tables left
+    without memory when a checkpoint is about to fill them (``loading``: they are then
+    filled in host memory, and the caller moves them to ``device``), so none is drawn in
+    vain."""
     if ranks.world_size > 1:
-        model = build_model(cfg, cardinalities, device="meta")
+        model = build_model(cfg, cardinalities, device, tables_on_meta=True, keyed=True)
         return distributed.shard(model, ranks, cfg.batch_size, cfg.memory_budget)
-    return build_model(cfg, cardinalities, device="meta" if loading else None)
+    return build_model(cfg, cardinalities, device, tables_on_meta=loading)
 
 
 def build_trainer(cfg: RunConfig, model: DLRM) -> MixedPrecisionTrainer:

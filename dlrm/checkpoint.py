@@ -97,14 +97,17 @@ def check(state: dict, path: Path, cfg, data: dict | None) -> None:
         raise RunError(f"{path} was written by another configuration ({fields})")
 
 
-def load_into(trainer, path: Path, state: dict, ranks) -> None:
+def load_into(trainer, path: Path, state: dict, ranks, device: torch.device) -> None:
     """Load the opened checkpoint ``state`` (:func:`open_checkpoint` of ``path``) into
-    ``trainer``, whatever number of processes wrote it. At the world size that wrote it the
-    state is the saved one exactly; at another the tables are cut anew
-    (``embcache.resharding.load_tables``: rows re-cut, caches written back)."""
+    ``trainer``, whatever number of processes and whichever device wrote it. At the world size
+    that wrote it the state is the saved one exactly; at another the tables are cut anew
+    (``embcache.resharding.load_tables``: rows re-cut, caches written back). In one process
+    the model is on ``device`` afterwards (tables built without memory are filled in host
+    memory, then moved)."""
     if state["world_size"] == 1:  # everything is in ``state``
         if ranks.world_size == 1:
             trainer.load_state_dict(state["trainer"])
+            trainer.model.to(device)
             return
         saved = state["trainer"]["model"]
         tables = SavedTables.from_state_dict(saved, _TABLES + "embedding_bags.")
@@ -120,6 +123,8 @@ def load_into(trainer, path: Path, state: dict, ranks) -> None:
     distributed.load_model_state(path, dense, ranks)
     tables = SavedTables.from_dcp(path, "model." + _TABLES + "_local.embedding_bags.")
     _load_resharded(trainer, state["trainer"], dense, tables)
+    if ranks.world_size == 1:
+        trainer.model.to(device)
 
 
 def _load_resharded(trainer, trainer_state: dict, dense: dict, tables: SavedTables) -> None:

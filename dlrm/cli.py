@@ -242,7 +242,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="steps between the figures written to OUT/history.jsonl (and TensorBoard)",
     )
     g.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files here")
-    g = p.add_argument_group("processes")
+    g = p.add_argument_group("device and processes")
+    g.add_argument(
+        "--device",
+        default=d.device,
+        help="where to train: auto (a CUDA GPU if torch sees one, else the CPU), cpu, cuda or "
+        "cuda:N; a run may resume on another device (default: %(default)s)",
+    )
     g.add_argument(
         "--nproc-per-node",
         type=int,

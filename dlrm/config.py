@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+
+import torch
 
 from dlrm.data.synthetic import scaled_cardinalities
 from dlrm.errors import RunError
@@ -59,6 +62,8 @@ class RunConfig:
     # processes on this machine, each with a part of every batch and a shard of the tables
     nproc_per_node: int = 1
     # bookkeeping: may differ between a run and its resumption
+    # "auto" (CUDA if present), "cpu", "cuda" or "cuda:N"; a run resumes on any device
+    device: str = "auto"
     threads: int | None = None
     checkpoint_every: int = 500
     # stop (as if interrupted) after this many steps of this invocation
@@ -86,6 +91,7 @@ class RunConfig:
         "log_every",
         "tensorboard",
         "plan_rows",  # the plan it led to is in ``tables``
+        "device",  # the tables' bytes are the same on every device (docs/design.md)
     )
     # fields newer than some checkpoints, with the value those checkpoints' runs had: the
     # table options among them (RunConfig names them as TableConfig does)
@@ -113,6 +119,7 @@ class RunConfig:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise RunError(f"{_option(name)} must be one of {', '.join(choices)}")
+        self._check_device_option()
         if self.nproc_per_node > 1:
             if self.batch_size % self.nproc_per_node:
                 raise RunError(
@@ -168,6 +175,44 @@ class RunConfig:
             )
             for i, (name, n) in enumerate(zip(TABLE_NAMES, cardinalities))
         ]
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        """The device this process trains on: ``device``, with "auto" CUDA where torch sees a
+        GPU, and with several processes on CUDA GPU ``local_rank``. A RunError naming
+        ``--device`` (or ``--nproc-per-node``) if the machine has no such device."""
+        self._check_device_option()
+        name = self.device
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if name == "auto":
+            name = "cuda" if gpus else "cpu"
+        if name == "cpu":
+            return torch.device("cpu")
+        if not gpus:
+            raise RunError(
+                f"--device {self.device}: torch {torch.__version__} sees no CUDA GPU here "
+                "(use --device cpu)"
+            )
+        if self.nproc_per_node > gpus:
+            raise RunError(
+                f"--nproc-per-node {self.nproc_per_node} on --device {self.device} needs a GPU "
+                f"a process; this machine has {gpus}"
+            )
+        index = int(name.split(":")[1]) if ":" in name else local_rank
+        if index >= gpus:
+            raise RunError(
+                f"--device {self.device}: this machine has {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}"
+            )
+        return torch.device("cuda", index)
+
+    def _check_device_option(self) -> None:
+        """``device`` is a device's name, and one that several processes can share."""
+        if not _DEVICE.fullmatch(self.device):
+            raise RunError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.nproc_per_node > 1 and self.device.startswith("cuda:"):
+            raise RunError(
+                f"--device {self.device} names one GPU: with --nproc-per-node use --device "
+                "cuda (rank r uses GPU r)"
+            )
 
     def table_defaults(self) -> dict:
         """The options every table of an embcache run gets unless ``tables`` overrides them."""
@@ -238,6 +283,9 @@ _TABLE_DEFAULT_OPTIONS = {
     "--emb-lr": ("lr", "emb_lr"),
     "--qparams": ("qparams", "qparams"),
 }
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _option(field: str) -> str:

@@ -26,20 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import Topology
-from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.planner.types import PlannerError
-from torchrec.distributed.types import ShardingEnv
 
 from dlrm.errors import RunError, Stopped
+from dlrm.torchrec_adapter import is_sharded, unwrap
 from embcache.serialization import load, load_dcp, read_metadata
-from embcache.sharding import (
-    CachedEmbeddingBagCollectionSharder,
-    default_constraints,
-    planner,
-)
 
+CPU = torch.device("cpu")
 # a collective that waits this long for a rank has lost it: it raises instead of hanging
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -94,14 +86,25 @@ ONE_PROCESS = Ranks()
 
 def shard(
     model: torch.nn.Module, ranks: Ranks, batch_size: int, memory_budget: int | None = None
-) -> DistributedModelParallel:
+) -> torch.nn.Module:
     """``model`` with its embedding collection sharded over ``ranks`` as TorchRec's planner
     places it (by our tables' real bytes; table-wise but for a table larger than a rank's
     share, ``embcache.sharding.default_constraints``), the dense part left for the trainer
     to make data-parallel (``init_data_parallel=False``). With ``memory_budget``, the
     planner keeps each rank's shards within that many bytes, counted as ``memory_bytes()``
     counts them (its host-memory capacity, none of it reserved for other modules);
-    ``RunError`` if it finds no such placement."""
+    ``RunError`` if it finds no such placement. Returns TorchRec's
+    ``DistributedModelParallel``: this is where a run of several processes imports TorchRec."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner.storage_reservations import (
+        FixedPercentageStorageReservation,
+    )
+    from torchrec.distributed.planner.types import PlannerError
+    from torchrec.distributed.types import ShardingEnv
+
+    from embcache.sharding import CachedEmbeddingBagCollectionSharder, default_constraints, planner
+
     sharder = CachedEmbeddingBagCollectionSharder()
     topology = Topology(world_size=ranks.world_size, compute_device="cpu", ddr_cap=memory_budget)
     constraints = default_constraints(model.embedding_collection, ranks.world_size)
@@ -130,13 +133,13 @@ def shard(
 def process_tables(model: torch.nn.Module) -> dict:
     """This process's tables by name: over several ranks its shards (``t``, or ``t@r`` for
     a row-wise shard from row ``r``), in one process the collection's tables."""
-    if isinstance(model, DistributedModelParallel):
-        return model.module.embedding_collection.local_tables()
+    if is_sharded(model):
+        return unwrap(model).embedding_collection.local_tables()
     return dict(model.embedding_collection.embedding_bags.items())
 
 
-def sharding_report(model: DistributedModelParallel) -> dict:
-    """Each table's sharding type and ranks, from the model's plan."""
+def sharding_report(model: torch.nn.Module) -> dict:
+    """Each table's sharding type and ranks, from the plan of a ``DistributedModelParallel``."""
     out = {}
     for module_plan in model.plan.plan.values():
         for table, ps in module_plan.items():

@@ -4,6 +4,7 @@ checkpoint (:func:`evaluate_checkpoint`, ``dlrm evaluate``)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -24,24 +25,26 @@ def evaluate(
     batch_size: int,
     max_batches: int | None = None,
     ranks: distributed.Ranks = distributed.ONE_PROCESS,
+    device: torch.device = distributed.CPU,
 ) -> dict:
-    """Metrics of ``model`` on ``split`` (all of it, or its first ``max_batches`` batches).
-    Changes no state: the model is put in eval mode and gradients are off. Over several
-    ranks each computes its part of every batch and all get the metrics of the whole."""
+    """Metrics of ``model`` (on ``device``) on ``split`` (all of it, or its first
+    ``max_batches`` batches). Changes no state: the model is put in eval mode and gradients
+    are off. Over several ranks each computes its part of every batch and all get the
+    metrics of the whole."""
     was_training = model.training
     model.eval()
     labels, logits = [], []
-    batches = data_batches.iterate_batches(dataset, split, batch_size, part=ranks.part)
+    batches = itertools.islice(
+        data_batches.iterate_batches(dataset, split, batch_size, part=ranks.part), max_batches
+    )
     with torch.no_grad():
-        for i, batch in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            logits.append(model(batch.dense, batch.sparse).float())
+        for batch in data_batches.on_device(batches, device):
+            logits.append(model(batch.dense, batch.ids).float())
             labels.append(batch.labels)
     model.train(was_training)
     if not labels:
         raise RunError(f"the {split} split is empty: more rows are needed")
-    parts = ranks.gather((torch.cat(labels).numpy(), torch.cat(logits).numpy()))
+    parts = ranks.gather((torch.cat(labels).cpu().numpy(), torch.cat(logits).cpu().numpy()))
     return metrics.evaluate(
         np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     )
@@ -53,6 +56,7 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
     own shards, cut anew at another world size). Reads ``out_dir`` only: it may run while
     the run trains."""
     ranks = distributed.Ranks.current()
+    device = cfg.torch_device(ranks.rank)  # before any work: a device this machine has
     path = run_dir.require_checkpoint(out_dir)
     if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
         return distributed.launch(evaluate_checkpoint, cfg.nproc_per_node, cfg, out_dir, split)
@@ -63,7 +67,7 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
     except (TypeError, RunError) as e:
         raise RunError(f"{path}: the configuration it holds is not valid ({e})") from None
     data_dir, dataset = resolve_dataset(cfg, out_dir)
-    model = process_model(cfg, list(dataset.meta["cardinalities"]), ranks, loading=True)
+    model = process_model(cfg, list(dataset.meta["cardinalities"]), ranks, True, device)
     checkpoint.check(saved, path, cfg, run_data(data_dir, dataset))
-    checkpoint.load_into(build_trainer(cfg, model), path, saved, ranks)
-    return evaluate(model, dataset, split, cfg.batch_size, ranks=ranks)
+    checkpoint.load_into(build_trainer(cfg, model), path, saved, ranks, device)
+    return evaluate(model, dataset, split, cfg.batch_size, ranks=ranks, device=device)

@@ -1,9 +1,10 @@
 """DLRM (Naumov et al., 2019) for Criteo-Kaggle (docs/contract.md §7).
 
 ``logit = top_mlp([x, dot_products(x, e_0, ..., e_25)])`` with ``x = bottom_mlp(dense)`` and
-``e_k`` the pooled embedding of categorical feature ``cat_k``. The embeddings come from any
-module with TorchRec's ``EmbeddingBagCollection`` interface: called with a
-``KeyedJaggedTensor``, it returns a ``KeyedTensor``. The dense part (both MLPs and the
+``e_k`` the pooled embedding of categorical feature ``cat_k``. The embeddings come from
+:class:`embcache.multi_table.CachedLowPrecisionEmbeddingBags` (the ids in, a tensor out: torch
+only), or from any module with TorchRec's ``EmbeddingBagCollection`` interface (called with a
+``KeyedJaggedTensor``, it returns a ``KeyedTensor``). The dense part (both MLPs and the
 interaction) runs in the dtype of its parameters -- FP32, or FP16 once
 :class:`dlrm.mixed_precision.MixedPrecisionTrainer` has converted it, in which case every matrix
 product is a tensor-core FP16 product (emulated exactly on CPU).
@@ -17,10 +18,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.modules.embedding_configs import PoolingType
 
 from dlrm.mixed_precision import Linear, bmm
+from dlrm.torchrec_adapter import kjt_from_ids, takes_keyed_input
 
 __all__ = [
     "NUM_DENSE",
@@ -28,8 +28,6 @@ __all__ = [
     "TABLE_NAMES",
     "DLRMConfig",
     "PRESETS",
-    "make_torchrec_ebc",
-    "kjt_from_ids",
     "DotInteraction",
     "DLRM",
 ]
@@ -61,41 +59,6 @@ PRESETS = {
     # top 1024-1024-512-256-1.
     "paper": DLRMConfig(bottom_mlp=(13, 512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1)),
 }
-
-
-def make_torchrec_ebc(
-    cardinalities: Sequence[int],
-    dim: int,
-    *,
-    pooling: PoolingType = PoolingType.SUM,
-    device: torch.device | None = None,
-) -> EmbeddingBagCollection:
-    """TorchRec's FP32 ``EmbeddingBagCollection`` (the baseline): table ``t_k`` of
-    ``cardinalities[k]`` rows serves feature ``cat_k``. Rows are initialised by TorchRec's
-    default, uniform in ``+-sqrt(1 / rows)`` -- the reference DLRM's initialisation."""
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t_{k}",
-            num_embeddings=int(rows),
-            embedding_dim=dim,
-            feature_names=[f"cat_{k}"],
-            pooling=pooling,
-        )
-        for k, rows in enumerate(cardinalities)
-    ]
-    return EmbeddingBagCollection(tables=tables, device=device)
-
-
-def kjt_from_ids(ids: Tensor, keys: Sequence[str] = SPARSE_KEYS) -> KeyedJaggedTensor:
-    """One id per sample and feature (``ids[b, k]``, shape ``[B, len(keys)]``, Criteo's one-hot
-    case) as a ``KeyedJaggedTensor``: ``values`` feature-major, every length 1."""
-    if ids.dim() != 2 or ids.shape[1] != len(keys):
-        raise ValueError(f"ids must have shape [B, {len(keys)}], got {tuple(ids.shape)}")
-    return KeyedJaggedTensor(
-        keys=list(keys),
-        values=ids.t().reshape(-1).long(),
-        lengths=torch.ones(ids.numel(), dtype=torch.int32, device=ids.device),
-    )
 
 
 class DotInteraction(nn.Module):
@@ -148,8 +111,10 @@ class DLRM(nn.Module):
     * ``top_mlp``: ``d + (n+1)n/2 -> top[0] -> ... -> top[-1] = 1``, ReLU between layers, none
       after the last.
 
-    ``embedding_collection(sparse)`` must return a ``KeyedTensor`` of ``num_sparse_features``
-    keys, each of width ``d``; its values may be FP32 whatever the dense dtype. The dense part
+    ``embedding_collection`` takes the ids ``[B, num_sparse_features]`` and returns ``[B,
+    num_sparse_features * d]``, or has TorchRec's interface (its
+    ``KeyedJaggedTensor`` of the ids in, a ``KeyedTensor`` of ``num_sparse_features`` keys of
+    width ``d`` out); its values may be FP32 whatever the dense dtype. The dense part
     computes in the dtype of its parameters: dense features and embeddings are cast to it on
     the way in (so in FP16 the embeddings receive FP16-valued gradients), the logit is cast to
     FP32 on the way out. Parameters are initialised as the reference DLRM's (see ``_mlp``).
@@ -168,6 +133,17 @@ class DLRM(nn.Module):
         self.embedding_collection = embedding_collection
         self.embedding_dim = bottom_mlp[-1]
         self.num_sparse_features = num_sparse_features
+        self._keyed = takes_keyed_input(embedding_collection)
+        if self._keyed:  # the ids' columns are its features, in its order
+            configs = embedding_collection.embedding_bag_configs()
+            self._feature_names = [f for c in configs for f in c.feature_names]
+        else:
+            dims = embedding_collection.feature_dims()
+            if dims != [self.embedding_dim] * num_sparse_features:
+                raise ValueError(
+                    f"expected {num_sparse_features} embeddings of width {self.embedding_dim}, "
+                    f"got widths {dims}"
+                )
         self.bottom_mlp = _mlp(bottom_mlp, relu_last=True)
         self.interaction = DotInteraction(num_sparse_features)
         self.top_mlp = _mlp(
@@ -185,18 +161,35 @@ class DLRM(nn.Module):
             raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
         return cls(embedding_collection, config.bottom_mlp, config.top_mlp, num_sparse_features)
 
+    def dense_to(self, device: torch.device | str) -> DLRM:
+        """Moves the dense part (both MLPs, the interaction) to ``device``; the tables stay
+        where they are (e.g. on the meta device until a checkpoint fills them)."""
+        for module in self.children():
+            if module is not self.embedding_collection:
+                module.to(device)
+        return self
+
     @property
     def dense_dtype(self) -> torch.dtype:
         return self.bottom_mlp[0].weight.dtype
 
-    def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
+    def forward(self, dense: Tensor, sparse) -> Tensor:
+        """Logits ``[B]`` of the dense features ``[B, 13]`` and ``sparse``: the ids ``[B, n]``
+        (int64, one per feature), or, for a collection with TorchRec's interface, also any
+        ``KeyedJaggedTensor`` of its features (multi-hot bags)."""
         dtype = self.dense_dtype
         x = self.bottom_mlp(dense.to(dtype))
-        pooled = self.embedding_collection(sparse)
         n, d = self.num_sparse_features, self.embedding_dim
-        if len(pooled.keys()) != n or any(w != d for w in pooled.length_per_key()):
-            raise ValueError(
-                f"expected {n} embeddings of width {d}, got widths {pooled.length_per_key()}"
-            )
-        embeddings = pooled.values().reshape(-1, n, d).to(dtype)
+        if self._keyed:
+            if isinstance(sparse, Tensor):
+                sparse = kjt_from_ids(sparse, self._feature_names)
+            pooled = self.embedding_collection(sparse)
+            if len(pooled.keys()) != n or any(w != d for w in pooled.length_per_key()):
+                raise ValueError(
+                    f"expected {n} embeddings of width {d}, got widths {pooled.length_per_key()}"
+                )
+            pooled = pooled.values()
+        else:
+            pooled = self.embedding_collection(sparse)
+        embeddings = pooled.reshape(-1, n, d).to(dtype)
         return self.top_mlp(self.interaction(x, embeddings)).float().squeeze(-1)

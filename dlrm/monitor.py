@@ -105,7 +105,7 @@ class RunMonitor:
 
     def _write_interval(self, step: int, scale: float) -> None:
         seconds = time.perf_counter() - self._start
-        sums = torch.tensor([self._loss_sum, float(self._steps)], dtype=torch.float64)
+        sums = torch.tensor([float(self._loss_sum), float(self._steps)], dtype=torch.float64)
         if self.ranks.group is not None:  # the loss of every rank's part of the batches
             dist.all_reduce(sums, group=self.ranks.group)
         loss_sum, steps = sums.tolist()

@@ -14,7 +14,6 @@ import torch
 
 from dlrm.config import RunConfig
 from dlrm.data import batches as data_batches
-from dlrm.data.criteo import NUM_SPARSE
 from dlrm.data.synthetic import scaled_cardinalities
 from dlrm.errors import RunError
 from dlrm.model import TABLE_NAMES
@@ -64,8 +63,7 @@ def sample_ids(cfg: RunConfig, dataset: data_batches.Dataset) -> dict[str, torch
         dataset, "train", cfg.batch_size, shuffle=True, seed=cfg.seed, drop_last=True
     )
     first = itertools.islice(batches, max(1, cfg.plan_rows // cfg.batch_size))
-    # a batch's ids are key after key, one per sample (dlrm.data.batches.make_batch)
-    parts = [b.sparse.values().view(NUM_SPARSE, -1) for b in first]
+    parts = [b.ids.t() for b in first]  # [26, B]: a row per table
     if not parts:
         raise RunError(f"the train split has fewer rows than one batch of {cfg.batch_size}")
     return dict(zip(TABLE_NAMES, torch.cat(parts, dim=1)))

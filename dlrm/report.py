@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from dlrm import distributed, run_dir
+from dlrm.torchrec_adapter import unwrap
 from embcache.memory import fp32_bytes
 from embcache.telemetry import PROBE_COUNTERS, rounding_figures
 
@@ -22,10 +23,21 @@ from embcache.telemetry import PROBE_COUNTERS, rounding_figures
 TABLE_COUNTS = ("lookups", "hits", "insertions", "evictions", "bypasses", *PROBE_COUNTERS)
 
 
-def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
-    """The run's report (as report.json holds it, before :func:`strict_json`)."""
+def describe_device(device: torch.device) -> str:
+    """``device`` for a person: ``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks, device) -> dict:
+    """The run's report (as report.json holds it, before :func:`strict_json`), of a run that
+    trained on ``device`` (the peak device memory is that since the loop began)."""
     scaling = trainer.report
     rss = ranks.gather(_peak_rss_bytes())
+    peak_device = ranks.gather(
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    )
     min_grad = scaling.min_abs_grad
     return {
         "status": "completed",
@@ -55,6 +67,10 @@ def make_report(cfg, dataset, data_dir, trainer, progress, test, ranks) -> dict:
         },
         "embeddings": _embedding_report(trainer.model, ranks),
         "world_size": ranks.world_size,
+        "device": describe_device(device),
+        "devices": progress["devices"],  # where each part of the run trained, from its step
+        # CUDA memory the tensors took at most (None on the CPU: see peak_rss_bytes)
+        "peak_device_memory_bytes": None if device.type != "cuda" else max(peak_device),
         "peak_rss_bytes": max(rss),
         **({"peak_rss_bytes_per_rank": rss} if ranks.world_size > 1 else {}),
     }
@@ -67,8 +83,7 @@ def table_figures(model: nn.Module, ranks: distributed.Ranks) -> dict | None:
     telemetry's ``probed_*``), ``untouched_share``, ``memory_bytes`` and ``fp32_bytes`` (FP32
     rows with the same optimizer state: the compression factor's denominator). None for a
     collection that is not ours (TorchRec's FP32 baseline)."""
-    collection = model.module if isinstance(model, DistributedModelParallel) else model
-    if not hasattr(collection.embedding_collection, "stats"):
+    if not hasattr(unwrap(model).embedding_collection, "stats"):
         return None
     mine = {}
     for name, t in distributed.process_tables(model).items():
@@ -91,8 +106,7 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
     several ranks, of every rank's shards, with the rank of each and the memory per rank."""
     tables = table_figures(model, ranks)
     if tables is None:
-        collection = model.module if isinstance(model, DistributedModelParallel) else model
-        fp32 = sum(p.nbytes for p in collection.embedding_collection.parameters())
+        fp32 = sum(p.nbytes for p in unwrap(model).embedding_collection.parameters())
         return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
     cached = [e for e in tables.values() if e["cache_slots"] > 0]
     lookups = sum(e["lookups"] for e in cached)

@@ -34,7 +34,7 @@ from dlrm.evaluate import evaluate
 from dlrm.mixed_precision import StepRefusedError
 from dlrm.monitor import RunMonitor
 from dlrm.plan import plan_run, refuse_unmeetable, run_cardinalities, with_plan
-from dlrm.report import make_report, metrics_line, write_report
+from dlrm.report import describe_device, make_report, metrics_line, write_report
 
 
 def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
@@ -104,6 +104,7 @@ def _refuse_early(cfg: RunConfig, out_dir: Path, resume: bool) -> None:
     """Raise RunError for what can be refused without work (see :func:`train`)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunError(f"--out {out_dir}: is a file, not a directory")
+    cfg.torch_device()  # a device this machine has
     if cfg.data != "synthetic":
         try:
             data_batches.read_meta(Path(cfg.data))
@@ -125,17 +126,20 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
         )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    device = cfg.torch_device(ranks.rank)  # one machine: the local rank is the rank
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if resume:  # its configuration is checked before the data are made
         path = run_dir.require_checkpoint(out_dir)
         saved = checkpoint.open_checkpoint(path, ranks)
         checkpoint.check(saved, path, cfg, None)
     data_dir, dataset = resolve_dataset(cfg, out_dir)
     data = run_data(data_dir, dataset)
-    model = process_model(cfg, list(dataset.meta["cardinalities"]), ranks, loading=resume)
+    model = process_model(cfg, list(dataset.meta["cardinalities"]), ranks, resume, device)
     trainer = build_trainer(cfg, model)
     if resume:
         checkpoint.check(saved, path, cfg, data)
-        checkpoint.load_into(trainer, path, saved, ranks)
+        checkpoint.load_into(trainer, path, saved, ranks, device)
         progress = saved["progress"]
         del saved
     else:
@@ -148,6 +152,10 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
             "samples": 0,
             "run": ranks.gather(secrets.token_hex(8))[0],  # names the run's checkpoints
         }
+    # where each part of the run trained: a run may resume on another device
+    progress.setdefault("devices", []).append(
+        {"step": progress["step"], "device": describe_device(device)}
+    )
 
     train_rows = dataset.split("train")[1] - dataset.split("train")[0]
     per_epoch = data_batches.num_batches(train_rows, cfg.batch_size, drop_last=True)
@@ -157,7 +165,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
         )
     probe = next(
         iter(data_batches.iterate_batches(dataset, "train", cfg.batch_size, part=ranks.part))
-    )
+    ).to(device)
     total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
     this_run = 0
     diverged = None
@@ -166,7 +174,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
     bar = tqdm(
         total=total,
         initial=progress["step"],
-        desc="train",
+        desc=f"train ({device})",
         unit="step",
         disable=not (cfg.progress and ranks.main and on_terminal),
     )
@@ -179,6 +187,8 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
         tensorboard=Path(cfg.tensorboard) if cfg.tensorboard else None,
         log_lines=cfg.progress and not on_terminal,
     )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     with _StopRequests(interrupt_twice=ranks.world_size == 1) as stop, monitor:
         while progress["step"] < total:
@@ -193,10 +203,10 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
                 start_batch=progress["batch"],
                 part=ranks.part,
             )
-            for batch in batches:
+            for batch in data_batches.on_device(batches, device):
                 try:
                     out = trainer.train_step(
-                        batch.dense, batch.sparse, batch.labels, stop=stop.signal is not None
+                        batch.dense, batch.ids, batch.labels, stop=stop.signal is not None
                     )
                 except StepRefusedError as e:
                     diverged = {"step": e.step, "reason": str(e)}
@@ -208,8 +218,9 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
                 progress["skipped_in_a_row"] = in_a_row
                 this_run += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{out['loss']:.4f}", scale=f"{out['scale']:g}")
                 step = progress["step"]
+                if step % cfg.log_every == 0 or step == total:  # reading the loss waits for it
+                    bar.set_postfix(loss=f"{float(out['loss']):.4f}", scale=f"{out['scale']:g}")
                 monitor.step(step, out, cfg.batch_size)
                 if in_a_row >= cfg.max_skipped_in_a_row:
                     diverged = {
@@ -219,7 +230,9 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
                     }
                     break
                 if cfg.eval_every and step % cfg.eval_every == 0:
-                    m = evaluate(model, dataset, "val", cfg.batch_size, cfg.eval_batches, ranks)
+                    m = evaluate(
+                        model, dataset, "val", cfg.batch_size, cfg.eval_batches, ranks, device
+                    )
                     progress["evals"].append({"step": step, **m})
                     monitor.evaluation(step, m)
                     if ranks.main:
@@ -250,7 +263,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
     if diverged:
         progress["train_seconds"] += time.perf_counter() - start
         diverged["last_checkpoint_step"] = progress.get("checkpoint_step")
-        report = make_report(cfg, dataset, data_dir, trainer, progress, None, ranks)
+        report = make_report(cfg, dataset, data_dir, trainer, progress, None, ranks, device)
         report["status"] = "diverged"
         report["diverged"] = diverged
         report["undefined"] = {"test": "the run diverged"}
@@ -261,8 +274,8 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
             "checkpoint_step": progress.get("checkpoint_step"),
         }
     else:
-        test = evaluate(model, dataset, "test", cfg.batch_size, ranks=ranks)
-        report = make_report(cfg, dataset, data_dir, trainer, progress, test, ranks)
+        test = evaluate(model, dataset, "test", cfg.batch_size, ranks=ranks, device=device)
+        report = make_report(cfg, dataset, data_dir, trainer, progress, test, ranks, device)
         if cfg.compare_fp32:
             report["compare_fp32"] = _compare_fp32(cfg, out_dir, data_dir, report, resume)
     if plan is not None:
@@ -278,7 +291,7 @@ def _predicts_finite(model: nn.Module, batches: list, ranks) -> bool:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        finite = all(bool(torch.isfinite(model(b.dense, b.sparse)).all()) for b in batches)
+        finite = all(bool(torch.isfinite(model(b.dense, b.ids)).all()) for b in batches)
     model.train(was_training)
     return not ranks.any(not finite)
 

@@ -4,6 +4,9 @@ See docs/contract.md §2-5 for the numerics. Public API:
 
 * :class:`CachedLowPrecisionEmbedding` — one table, ``nn.EmbeddingBag``-compatible.
 * :class:`CachedLowPrecisionUnpooledEmbedding` — the same table, ``nn.Embedding``-compatible.
+* :class:`CachedLowPrecisionEmbeddingBags` — several tables (features) in one module, one
+  table-batched call per phase, plain tensors in and out (torch only); :class:`BagTable`, a
+  table of it.
 * :class:`CachedLowPrecisionEmbeddingBagCollection` — TorchRec ``EmbeddingBagCollection``
   drop-in (``KeyedJaggedTensor`` in, ``KeyedTensor`` out); :class:`CachedLowPrecisionEmbeddingCollection`,
   ``EmbeddingCollection``'s (unpooled: a ``JaggedTensor`` per feature out).
@@ -20,13 +23,16 @@ from embcache.config import TableConfig
 from embcache.embedding import CachedLowPrecisionEmbedding, check_state_dict
 from embcache.group import EmbeddingUpdateError
 from embcache.memory import compression_factor, fp32_bytes, memory_breakdown
+from embcache.multi_table import BagTable, CachedLowPrecisionEmbeddingBags
 from embcache.planner import plan
 from embcache.swap import TableOptimizer, swap
 from embcache.unpooled import CachedLowPrecisionUnpooledEmbedding
 
 __all__ = [
     "TableConfig",
+    "BagTable",
     "CachedLowPrecisionEmbedding",
+    "CachedLowPrecisionEmbeddingBags",
     "CachedLowPrecisionEmbeddingBagCollection",
     "CachedLowPrecisionEmbeddingCollection",
     "CachedLowPrecisionUnpooledEmbedding",

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from embcache.embedding import CachedLowPrecisionEmbedding
+from embcache.multi_table import CachedLowPrecisionEmbeddingBags
 from embcache.unpooled import CachedLowPrecisionUnpooledEmbedding
 
 
@@ -113,14 +114,11 @@ class TableOptimizer:
     after ``backward()``, beside the torch optimizer of the other parameters."""
 
     def __init__(self, model: nn.Module):
-        try:
-            from embcache.collection import CachedLowPrecisionEmbeddingBagCollection as ours
-        except ImportError:  # without TorchRec there are no collections
-            ours = ()
         self.units = []
         inside = set()
         for module in model.modules():
-            if isinstance(module, ours):  # its tables step together, all or nothing
+            # a collection's tables step together, all or nothing
+            if isinstance(module, CachedLowPrecisionEmbeddingBags):
                 self.units.append(module)
                 inside.update(id(t) for t in module.tables())
         for module in model.modules():

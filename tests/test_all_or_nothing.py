@@ -285,7 +285,9 @@ def test_collection_check_step_is_a_dry_run_of_step(refused):
 
 def test_the_step_timer_sees_each_phase_and_a_skipped_step_updates_nothing():
     """phase_seconds: every phase of PHASES, their sum within the steps' wall time; an applied
-    step spends time in every update phase, a skipped one (inf gradient) in none of them."""
+    step spends time in every update phase, a skipped one (inf gradient) in none of those
+    after the decision (in one process the dense step comes before it, and is undone), and
+    leaves the masters and the model as they were."""
     import time
 
     from dlrm.mixed_precision.trainer import PHASES
@@ -300,9 +302,13 @@ def test_the_step_timer_sees_each_phase_and_a_skipped_step_updates_nothing():
     update = ("backup", "dense_step", "dense_check", "embedding_step", "fp16_copies")
     assert all(applied[p] > 0 for p in ("forward_backward", "unscale_check", *update))
     trainer.scaler.scale = float("inf")  # the scaled loss, and so every gradient, is inf
+    before = [m.clone() for m in trainer.masters], copy.deepcopy(trainer.model.state_dict())
     assert trainer.train_step(*_batch(4, with_edge_row=False))["skipped"]
     skipped = trainer.phase_seconds
-    assert all(skipped[p] == applied[p] for p in update)
+    assert all(skipped[p] == applied[p] for p in ("dense_check", "embedding_step", "fp16_copies"))
+    assert all(torch.equal(a, b) for a, b in zip(before[0], trainer.masters))
+    after = trainer.model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before[1].items() if torch.is_tensor(v))
     assert skipped["forward_backward"] > applied["forward_backward"]
 
 

@@ -7,6 +7,7 @@ found as well."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,3 +200,60 @@ def test_the_checks_find_what_they_look_for(tmp_path, monkeypatch):
         "dlrm.t line 7 reads dlrm.s's other._load",
     ]
     assert _private_attribute_uses("dlrm.u", apart, modules, members) == []
+
+
+def _design_layers() -> dict[str, int]:
+    """Each module's layer as docs/design.md draws it ("Architecture"): dlrm's list, bottom to
+    top, layers apart by ';' (files of one layer by ','; parentheses describe); embcache's
+    table rows "Python tables" then "around them", a layer each. A folder (``data/``) is a
+    layer of all its modules."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    layers: dict[str, int] = {}
+    start = text.index("**dlrm** (the program), bottom to top")
+    listing = text[text.index(":", start) + 1 : text.index("\n\n", start)]
+    while "(" in listing:  # descriptions (which name files of their own), innermost first
+        listing = re.sub(r"\([^()]*\)", "", listing)
+    for level, part in enumerate(listing.split(";")):
+        for name in part.split("`")[1::2]:
+            layers["dlrm." + name.removesuffix(".py").removesuffix("/")] = level
+    for level, row in enumerate(("| Python tables |", "| around them |")):
+        line = text[text.index(row) : text.index("\n", text.index(row))]
+        for name in line.split("`")[1::2]:
+            if name.endswith(".py"):
+                layers["embcache." + name.removesuffix(".py")] = level
+    return layers
+
+
+def _layer(module: str, layers: dict[str, int]) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in layers:
+            return layers[".".join(parts[:n])]
+    return None
+
+
+def test_every_module_imports_only_the_layers_below_it_as_design_md_draws_them():
+    """docs/design.md's drawing is the truth: every module of dlrm and embcache has its
+    layer there, and imports (function-level ones too) only from its own layer and those
+    below it."""
+    modules = _modules()
+    layers = _design_layers()
+    assert len(set(layers.values())) > 10  # the listing was read
+    unplaced = [
+        name
+        for name in modules
+        if not _is_package(name) and name != "embcache._C" and _layer(name, layers) is None
+    ]
+    assert not unplaced, f"modules docs/design.md does not place: {unplaced}"
+    upward = []
+    for name, tree in modules.items():
+        if _is_package(name):
+            continue
+        mine = _layer(name, layers)
+        for imported, _ in _imports(name, tree, modules):
+            if imported.split(".")[0] != name.split(".")[0] or _is_package(imported):
+                continue
+            theirs = _layer(imported, layers)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{name} imports {imported}")
+    assert not upward, "imports from a layer above: " + "; ".join(sorted(upward))

@@ -288,14 +288,14 @@ def _inconsistent_kjt(kjt, case):
     extra = {}
     if case.startswith("one_value_too_many"):
         values = torch.cat([values, values[:1]])
-        expected = f"lengths sum to {total} but it has {total + 1} values: 1 values are left"
+        expected = f"lengths sum to {total} but there are {total + 1} ids: 1 ids are left"
         expected += f" after the last feature '{keys[-1]}'"
     elif case.startswith("one_length_too_long"):
         lengths[9] += 1  # the second key's second sample claims an id more than there are
         ends = torch.tensor(per_key).cumsum(0) + torch.tensor([0, 1, 1, 1])
         first_past = keys[int(torch.nonzero(ends > total)[0])]
-        expected = f"lengths sum to {total + 1} but it has {total} values: feature "
-        expected += f"'{first_past}' runs past the end of the values"
+        expected = f"lengths sum to {total + 1} but there are {total} ids: feature "
+        expected += f"'{first_past}' runs past the end of the ids"
     elif case.startswith("length_per_key"):
         # lengths and values agree; the carried per-key sums give the second key an id more
         extra["length_per_key"] = [per_key[0], per_key[1] + 1, per_key[2] - 1, per_key[3]]
@@ -304,7 +304,7 @@ def _inconsistent_kjt(kjt, case):
     else:  # one length fewer than features x batch
         lengths = torch.cat([lengths[:1] + lengths[-1], lengths[1:-1]])
         extra["stride"] = 8
-        expected = "has 31 lengths, expected one per feature and sample: 4 features x batch 8"
+        expected = "31 lengths, expected one per feature and sample: 4 features x batch 8"
     broken = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, **extra)
     return broken, expected
 

@@ -233,9 +233,8 @@ def test_batches(prepared):
     plain = list(batches.iterate_batches(ds, "val", 32))
     assert [len(b.labels) for b in plain] == [32, 32, 7]  # val = rows 929..999
     b = plain[1]
-    assert b.sparse.keys() == [f"cat_{i}" for i in range(26)]
-    assert (b.sparse.lengths() == 1).all() and b.sparse.values().dtype == torch.int64
-    np.testing.assert_array_equal(b.sparse["cat_3"].values().numpy(), sparse[961:993, 3])
+    assert b.ids.shape == (32, 26) and b.ids.dtype == torch.int64
+    np.testing.assert_array_equal(b.ids.numpy(), sparse[961:993])
     np.testing.assert_array_equal(b.dense.numpy(), dense[961:993])
     np.testing.assert_array_equal(b.labels.numpy(), labels[961:993])
     assert len(list(batches.iterate_batches(ds, "val", 32, drop_last=True))) == 2
@@ -269,8 +268,6 @@ def test_batch_parts_are_the_batch_in_order(prepared, shuffle):
         pieces = [p[b] for p in parts]
         sizes = [len(p.labels) for p in pieces]
         assert max(sizes) - min(sizes) <= 1 and sum(sizes) == len(batch.labels)
-        for field in ("dense", "labels"):
+        for field in ("dense", "ids", "labels"):
             got = torch.cat([getattr(p, field) for p in pieces])
             assert torch.equal(got, getattr(batch, field))
-        got = torch.cat([p.sparse.values().view(26, -1) for p in pieces], dim=1)
-        assert torch.equal(got, batch.sparse.values().view(26, -1))

@@ -1,4 +1,5 @@
-"""DLRM (docs/contract.md §7) with TorchRec's EmbeddingBagCollection, and the CTR metrics."""
+"""DLRM (docs/contract.md §7) with TorchRec's EmbeddingBagCollection and with ours (plain
+tensors in, or through TorchRec's interface), and the CTR metrics."""
 
 import math
 
@@ -8,7 +9,10 @@ from torchrec import KeyedTensor
 
 from dlrm import metrics
 from dlrm.mixed_precision import MixedPrecisionTrainer, StaticScaler
-from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, DotInteraction, kjt_from_ids, make_torchrec_ebc
+from dlrm.model import DLRM, PRESETS, SPARSE_KEYS, TABLE_NAMES, DotInteraction
+from dlrm.torchrec_adapter import kjt_from_ids, make_torchrec_ebc
+from embcache.collection import CachedLowPrecisionEmbeddingBagCollection
+from embcache.multi_table import BagTable, CachedLowPrecisionEmbeddingBags
 
 ROWS = [3 + k for k in range(26)]
 
@@ -22,12 +26,13 @@ def _batch(n, seed):
     ids = torch.stack([torch.randint(0, r, (n,), generator=gen) for r in ROWS], 1)
     dense = torch.rand(n, 13, generator=gen) * 1.5
     labels = ((dense[:, 0] + (ids[:, 0] % 2)) > 1.0).float()
-    return dense, kjt_from_ids(ids), labels
+    return dense, ids, labels
 
 
 def _model(preset="kaggle", seed=0):
     torch.manual_seed(seed)
-    return DLRM.from_preset(preset, make_torchrec_ebc(ROWS, PRESETS[preset].embedding_dim))
+    dim = PRESETS[preset].embedding_dim
+    return DLRM.from_preset(preset, make_torchrec_ebc(ROWS, dim, SPARSE_KEYS))
 
 
 @pytest.mark.parametrize(
@@ -36,8 +41,8 @@ def _model(preset="kaggle", seed=0):
 def test_presets_and_shapes(preset, dim, top_in):
     model = _model(preset)
     assert model.embedding_dim == dim and model.top_mlp[0].in_features == top_in
-    dense, kjt, _ = _batch(5, 0)
-    logits = model(dense, kjt)
+    dense, ids, _ = _batch(5, 0)
+    logits = model(dense, ids)
     assert logits.shape == (5,) and logits.dtype == torch.float32
     # ReLU after every bottom layer, between top layers only
     assert isinstance(model.bottom_mlp[-1], torch.nn.ReLU)
@@ -45,8 +50,9 @@ def test_presets_and_shapes(preset, dim, top_in):
 
 
 def test_torchrec_ebc_keys_and_output():
-    ebc = make_torchrec_ebc(ROWS, 16)
-    dense, kjt, _ = _batch(4, 1)
+    ebc = make_torchrec_ebc(ROWS, 16, SPARSE_KEYS)
+    dense, ids, _ = _batch(4, 1)
+    kjt = kjt_from_ids(ids, SPARSE_KEYS)
     pooled = ebc(kjt)
     assert isinstance(pooled, KeyedTensor)
     assert pooled.keys() == list(SPARSE_KEYS) and pooled.values().shape == (4, 26 * 16)
@@ -81,10 +87,50 @@ def test_fp16_interaction_is_an_fp32_product_rounded_once():
 
 
 def test_wrong_embedding_width_is_rejected():
-    model = DLRM.from_preset("kaggle", make_torchrec_ebc(ROWS, 8))
-    dense, kjt, _ = _batch(2, 0)
+    model = DLRM.from_preset("kaggle", make_torchrec_ebc(ROWS, 8, SPARSE_KEYS))
+    dense, ids, _ = _batch(2, 0)
     with pytest.raises(ValueError, match="width"):
-        model(dense, kjt)
+        model(dense, ids)
+    bags = [BagTable(name, n, 8) for name, n in zip(TABLE_NAMES, ROWS)]
+    with pytest.raises(ValueError, match="width"):  # known when it is built
+        DLRM.from_preset("kaggle", CachedLowPrecisionEmbeddingBags(bags, precision="fp32"))
+
+
+def test_our_tables_give_torchrecs_logits_and_gradients_by_either_interface():
+    """The same FP32 rows as TorchRec's collection, in our torch-only module (the ids as a
+    tensor) and in our TorchRec adapter (a KeyedJaggedTensor): the same logits, and, after one
+    SGD step of lr 1, the same rows -- so the plain-tensor path feeds each feature its own
+    table, in order."""
+    torch.manual_seed(4)
+    ebc = make_torchrec_ebc(ROWS, 16, SPARSE_KEYS)
+    weights = {t: {"weight": bag.weight.detach().clone()} for t, bag in ebc.embedding_bags.items()}
+    bags = [BagTable(name, n, 16, (key,)) for name, n, key in zip(TABLE_NAMES, ROWS, SPARSE_KEYS)]
+    options = dict(per_table=weights, precision="fp32", cache_ratio=0, optimizer="sgd", lr=1.0)
+    ours = {
+        "plain": CachedLowPrecisionEmbeddingBags(bags, **options),
+        "keyed": CachedLowPrecisionEmbeddingBagCollection.from_bag_tables(bags, **options),
+    }
+    dense, ids, _ = _batch(6, 5)
+    models = {"torchrec": DLRM.from_preset("kaggle", ebc)}
+    for kind, tables in ours.items():
+        models[kind] = DLRM.from_preset("kaggle", tables)
+        models[kind].load_state_dict(
+            {k: v for k, v in models["torchrec"].state_dict().items() if "embedding" not in k},
+            strict=False,
+        )
+    logits = {kind: m(dense, ids) for kind, m in models.items()}
+    for kind in ours:
+        torch.testing.assert_close(logits[kind], logits["torchrec"], rtol=0, atol=0)
+    for out in logits.values():
+        (out * torch.arange(1.0, 7.0)).sum().backward()
+    with torch.no_grad():
+        for bag in ebc.embedding_bags.values():
+            bag.weight -= bag.weight.grad
+    for tables in ours.values():
+        tables.step()
+        for name, table in tables.embedding_bags.items():
+            expected = ebc.embedding_bags[name].weight.detach()
+            torch.testing.assert_close(table.current_weight(), expected, rtol=0, atol=0)
 
 
 def test_fp16_model_has_fp16_params_fp32_masters_and_fp16_gradients():
@@ -98,13 +144,13 @@ def test_fp16_model_has_fp16_params_fp32_masters_and_fp16_gradients():
     assert all(torch.equal(p, m.half()) for p, m in zip(dense_params, trainer.masters))
     assert all(p.dtype == torch.float32 for p in ebc_params)
 
-    dense, kjt, labels = _batch(8, 0)
-    model(dense, kjt).sum().backward()
+    dense, ids, labels = _batch(8, 0)
+    model(dense, ids).sum().backward()
     assert all(p.grad.dtype == torch.float16 for p in dense_params)
     assert all(p.grad.dtype == torch.float32 for p in ebc_params)
     model.zero_grad(set_to_none=True)
 
-    trainer.train_step(dense, kjt, labels)
+    trainer.train_step(dense, ids, labels)
     assert all(torch.equal(p, m.half()) for p, m in zip(dense_params, trainer.masters))
 
 

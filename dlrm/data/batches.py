@@ -8,9 +8,9 @@ files, which are read once for that (the same value a fresh preprocessing of the
 would store; it is not written back, so a read-only directory works). Re-running the
 preprocessing (or the generator) stores it and makes later loads instant.
 
-A batch is ``Batch(dense, sparse, labels)``: dense float32 [B, 13], sparse a TorchRec
-``KeyedJaggedTensor`` with keys ``cat_0`` .. ``cat_25`` and exactly one int64 id per sample
-per key (lengths all 1), labels float32 [B]. Batch b of an epoch holds the rows
+A batch is ``Batch(dense, ids, labels)`` of plain tensors: dense float32 [B, 13], ids int64
+[B, 26] (one id of each categorical feature ``cat_0`` .. ``cat_25`` per sample), labels
+float32 [B]. Batch b of an epoch holds the rows
 ``order[b * B:(b + 1) * B]`` of the split, where ``order`` is the split's rows in file order,
 or, with ``shuffle``, a permutation drawn from ``numpy.random.default_rng([seed, epoch])``
 (the rows inside a shuffled batch are then sorted, for locality in the memory map).
@@ -22,14 +22,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrm.data.criteo import (
     FILES,
@@ -42,13 +42,21 @@ from dlrm.data.criteo import (
 
 SPLITS = ("train", "val", "test")
 log = logging.getLogger(__name__)
-KEYS = [f"cat_{i}" for i in range(NUM_SPARSE)]
 
 
 class Batch(NamedTuple):
     dense: torch.Tensor  # float32 [B, 13]
-    sparse: KeyedJaggedTensor  # keys KEYS, one int64 id per sample per key
+    ids: torch.Tensor  # int64 [B, 26]: sample b's id of feature cat_k is ids[b, k]
     labels: torch.Tensor  # float32 [B]
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory, which a copy to a GPU can overlap."""
+        return Batch(*(t.pin_memory() for t in self))
+
+    def to(self, device: torch.device) -> Batch:
+        """The batch on ``device``; from pinned memory to a GPU without waiting (the copies
+        are ordered on the current stream before the work that reads them)."""
+        return Batch(*(t.to(device, non_blocking=True) for t in self))
 
 
 @dataclass(frozen=True)
@@ -116,16 +124,9 @@ def load(path: str | os.PathLike) -> Dataset:
 
 def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Batch:
     """A ``Batch`` (copies) from numpy rows: dense [B, 13], sparse ids [B, 26], labels [B]."""
-    batch_size = len(labels)
-    kjt = KeyedJaggedTensor(
-        keys=KEYS,
-        values=torch.from_numpy(np.array(sparse, dtype=np.int64).T.reshape(-1)),
-        lengths=torch.ones(batch_size * NUM_SPARSE, dtype=torch.int32),
-        stride=batch_size,
-    )
     return Batch(
         torch.from_numpy(np.array(dense, dtype=np.float32)),
-        kjt,
+        torch.from_numpy(np.array(sparse, dtype=np.int64)),
         torch.from_numpy(np.array(labels, dtype=np.float32)),
     )
 
@@ -168,3 +169,23 @@ def iterate_batches(
             rows = np.array_split(rows, part[1])[part[0]]
         rows = slice(rows[0], rows[-1] + 1) if order is None and len(rows) else rows
         yield make_batch(ds.dense[rows], ds.sparse[rows], ds.labels[rows])
+
+
+def on_device(batches: Iterable[Batch], device: torch.device) -> Iterator[Batch]:
+    """``batches`` on ``device``. To a GPU, a thread reads and pins batch ``i + 1`` while
+    batch ``i`` trains, and each is copied from pinned memory without waiting (ordered on the
+    current stream before the step that reads it); on the CPU they are passed on as they are."""
+    if device.type == "cpu":
+        yield from batches
+        return
+    source = iter(batches)
+
+    def next_pinned() -> Batch | None:
+        batch = next(source, None)
+        return None if batch is None else batch.pin_memory()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="batches") as reader:
+        ahead = reader.submit(next_pinned)
+        while (pinned := ahead.result()) is not None:
+            ahead = reader.submit(next_pinned)
+            yield pinned.to(device)

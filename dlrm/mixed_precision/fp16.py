@@ -83,8 +83,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     operands, or CUDA, where FP16 is native) this is ``F.linear``. Operands must share a dtype.
     (On CUDA, PyTorch lets cuBLAS use reduced-precision split-K reductions for FP16 by default;
     set ``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False`` for strict
-    FP32 accumulation.)
+    FP32 accumulation.) Under ``torch.autocast`` this is ``F.linear``, its operands' dtype
+    autocast's to choose.
     """
+    if torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)
     _check_same_dtype(x, weight, bias)
     if _emulated(weight):
         return _EmulatedHalfLinear.apply(x, weight, bias)
@@ -96,8 +99,11 @@ def bmm(a: Tensor, b: Tensor) -> Tensor:
 
     For FP16 operands on CPU the result is ``fp16(bmm(fp32(a), fp32(b)))`` and the backward
     pass returns ``fp16(g @ b^T)`` and ``fp16(a^T @ g)``, each accumulated in FP32 and rounded
-    once. Everywhere else this is ``torch.bmm``. Operands must share a dtype.
+    once. Everywhere else this is ``torch.bmm``. Operands must share a dtype, but under
+    ``torch.autocast``, which chooses it.
     """
+    if torch.is_autocast_enabled(a.device.type):
+        return torch.bmm(a, b)
     _check_same_dtype(a, b)
     if _emulated(a):
         return _EmulatedHalfBmm.apply(a, b)

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from dlrm.mixed_precision.scalers import BackoffScaler, LossScaler, StaticScaler
+from dlrm.torchrec_adapter import is_sharded
 from embcache.embedding import check_state_dict  # (also registers torch.ops.embcache)
 
 
@@ -163,7 +163,9 @@ PHASES = (
     "forward_backward",  # the model's forward, the loss, the backward
     "unscale_check",  # gradients to FP32, unscaled; their range (the overflow check)
     "dry_run",  # several processes: this rank's embedding shards checked (changing nothing)
-    "decision",  # several processes: the decision all-reduce, and the wait for the others
+    # one process: the step's one read of its figures (gradient range, new masters' largest
+    # |x|); several: the decision all-reduce, and the wait for the others
+    "decision",
     "backup",  # copies of the dense tensors and their optimizer state (to undo a refusal)
     "dense_step",  # the optimizer's step on the dense masters (and a non-protocol collection)
     "dense_check",  # the new dense values checked (finite; FP16: would not overflow)
@@ -197,25 +199,28 @@ def _on_cpu(tensors: list[Tensor]) -> bool:
     )
 
 
-def _abs_range(tensors: list[Tensor]) -> tuple[float, float]:
-    """(max |x|, min non-zero |x|) over all tensors; NaN propagates into both. On the CPU
+def _abs_range(tensors: list[Tensor]) -> Tensor:
+    """``[max |x|, min non-zero |x|]`` over all tensors (float64, on their device, so that a
+    GPU is not waited for until the figures are read); NaN propagates into both. On the CPU
     (float32) one read of each tensor on all threads (``torch.ops.embcache.abs_range``);
-    elsewhere, where that op has no kernel yet, torch's reductions."""
+    elsewhere torch's reductions."""
+    if tensors and _on_cpu(tensors):
+        return torch.tensor(torch.ops.embcache.abs_range(tensors), dtype=torch.float64)
+    tensors = [t for t in tensors if t.numel()]  # (torch's reductions refuse empty ones)
     if not tensors:
-        return 0.0, math.inf
-    if _on_cpu(tensors):
-        return torch.ops.embcache.abs_range(tensors)
+        return torch.tensor([0.0, math.inf], dtype=torch.float64)
     max_abs = torch.stack([t.abs().amax() for t in tensors]).amax()
     min_abs = torch.stack([torch.where(t != 0, t.abs(), math.inf).amin() for t in tensors]).amin()
-    return max_abs.item(), min_abs.item()
+    return torch.stack([max_abs, min_abs]).double()
 
 
-def _unscale_abs_range(grads: list[Tensor], inv_scale: float) -> tuple[float, float]:
+def _unscale_abs_range(grads: list[Tensor], inv_scale: float) -> Tensor:
     """Multiplies every gradient in place by ``inv_scale`` (as ``g.mul_(inv_scale)``) and
     returns :func:`_abs_range` of the results: on the CPU (float32) in one pass on all threads
     (``torch.ops.embcache.unscale_abs_range``)."""
     if grads and _on_cpu(grads):
-        return torch.ops.embcache.unscale_abs_range(grads, inv_scale)
+        figures = torch.ops.embcache.unscale_abs_range(grads, inv_scale)
+        return torch.tensor(figures, dtype=torch.float64)
     if grads:
         torch._foreach_mul_(grads, inv_scale)
     return _abs_range(grads)
@@ -305,7 +310,7 @@ class MixedPrecisionTrainer:
         self.model = model
         self.dense_precision = dense_precision
         self.process_group: dist.ProcessGroup | None = None
-        if isinstance(model, DistributedModelParallel):
+        if is_sharded(model):
             if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
                 raise ValueError(
                     "build DistributedModelParallel with init_data_parallel=False: the trainer "
@@ -369,7 +374,8 @@ class MixedPrecisionTrainer:
         return dict(self._clock.seconds)
 
     def train_step(self, dense: Tensor, sparse, labels: Tensor, stop: bool = False) -> dict:
-        """One training step. Returns ``loss`` (the unscaled FP32 loss), ``skipped``, ``scale``
+        """One training step. Returns ``loss`` (the unscaled FP32 loss, a 0-d tensor on the
+        model's device: reading it waits for the step, so a loop reads it only when it logs), ``skipped``, ``scale``
         (the S this step used), ``max_abs_grad`` and ``min_abs_nonzero_grad`` (over the unscaled
         dense and FP32-embedding gradients; ``inf`` when none is non-zero, and on a skipped step
         possibly inf or NaN), and ``stop``: whether any rank passed ``stop`` (this process's
@@ -388,22 +394,24 @@ class MixedPrecisionTrainer:
 
         dense_grads, embedding_grads = self._take_grads()
         pending = getattr(self.protocol_embedding, "pending_grads", None)
-        max_abs, min_abs = _unscale_abs_range(
+        grad_range = _unscale_abs_range(
             dense_grads + [g for _, g in embedding_grads] + (pending() if pending else []),
             1.0 / scale,
         )
-        # max_abs is NaN or inf if any gradient it saw is; a collection that does not show
+        # the range is NaN or inf if any gradient it saw is; a collection that does not show
         # its pending gradients unscales them itself and is asked
-        found_inf = not math.isfinite(max_abs)
+        found_inf = False
         if pending is None and self.protocol_embedding is not None:
             self.protocol_embedding.unscale_grad_(1.0 / scale)
-            found_inf = found_inf or self.protocol_embedding.has_nonfinite_grad()
+            found_inf = self.protocol_embedding.has_nonfinite_grad()
         clock.lap("unscale_check")
-        refused, stepped = None, False
-        # One process decides alone: its update is all-or-nothing without a dry run. Several
-        # send their figures, and while the others answer a rank that would apply the step
-        # makes its dense step (undone from the backup if the decision is to skip or refuse).
+        refused, stepped, new_max = None, False, None
         if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
+            # Several processes send their figures, and while the others answer a rank that
+            # would apply the step makes its dense step (undone from the backup if the
+            # decision is to skip or refuse).
+            max_abs, min_abs = grad_range.tolist()
+            found_inf = found_inf or not math.isfinite(max_abs)
             reason = self._dry_run() if not found_inf else None
             clock.lap("dry_run")
             decision = self._start_decision(found_inf, reason, max_abs, min_abs, stop)
@@ -417,6 +425,16 @@ class MixedPrecisionTrainer:
                 if stepped:
                     self._backup.restore()
                 raise
+        else:
+            # One process decides alone (its update is all-or-nothing without a dry run). It
+            # makes its dense step at once (undone from the backup if the step is skipped or
+            # refused), so that the gradients' range and the new masters' largest |x| are read
+            # together: the one wait for a GPU this step's decision costs.
+            self._dense_step()
+            stepped = True
+            new_range = _abs_range(self._dense_targets).to(grad_range.device)
+            max_abs, min_abs, new_max = torch.cat([grad_range, new_range[:1]]).tolist()
+            found_inf = found_inf or not math.isfinite(max_abs)
         clock.lap("decision")
         try:
             if found_inf or refused is not None:
@@ -429,14 +447,14 @@ class MixedPrecisionTrainer:
             else:
                 if not stepped:
                     self._dense_step()
-                self._apply_update(embedding_grads)
+                self._apply_update(embedding_grads, new_max)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(found_inf, max_abs)
         self._record(found_inf, max_abs, min_abs)
         clock.lap("bookkeeping")
         return {
-            "loss": loss.item(),
+            "loss": loss.detach(),
             "skipped": found_inf,
             "scale": scale,
             "max_abs_grad": max_abs,
@@ -516,13 +534,15 @@ class MixedPrecisionTrainer:
             self.optimizer.step()
         clock.lap("dense_step")
 
-    def _apply_update(self, embedding_grads: list[tuple[Tensor, Tensor]]) -> None:
-        """After the dense update (:meth:`_dense_step`): its check, the embedding update, then
-        the FP16 copies and the LR schedule. Undone, raising :class:`StepRefusedError`, if a
-        new value cannot be stored."""
+    def _apply_update(
+        self, embedding_grads: list[tuple[Tensor, Tensor]], new_max: float | None
+    ) -> None:
+        """After the dense update (:meth:`_dense_step`): its check (``new_max``: the largest
+        new |master|, if already read), the embedding update, then the FP16 copies and the LR
+        schedule. Undone, raising :class:`StepRefusedError`, if a new value cannot be stored."""
         clock = self._clock
         with torch.no_grad():
-            reason = self._unstorable_dense_values()
+            reason = self._unstorable_dense_values(new_max)
             clock.lap("dense_check")
             if reason is None and self.protocol_embedding is not None:
                 try:
@@ -548,17 +568,19 @@ class MixedPrecisionTrainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _unstorable_dense_values(self) -> str | None:
+    def _unstorable_dense_values(self, max_abs: float | None) -> str | None:
         """None, or why the new dense values cannot be stored, naming the first parameter at
-        fault: a value that is not finite, or (fp16) whose FP16 copy would overflow. One read
-        of the masters (:func:`_abs_range`), not a trial copy."""
+        fault: a value that is not finite, or (fp16) whose FP16 copy would overflow. From
+        ``max_abs``, the masters' largest |x| (read here if None: :func:`_abs_range`, one
+        read of the masters, not a trial copy); each master is read only if one is at fault."""
         targets = self._dense_targets
         limit = FP16_OVERFLOW if self.dense_precision == "fp16" else math.inf
-        max_abs, _ = _abs_range(targets)
+        if max_abs is None:
+            max_abs = float(_abs_range(targets)[0])
         if max_abs < limit:  # False for NaN
             return None
         for name, t in zip(self._dense_names, targets):
-            largest, _ = _abs_range([t])
+            largest = float(_abs_range([t])[0])
             if not math.isfinite(largest):
                 return f"dense parameter '{name}': a new value is not finite"
             if largest >= limit:

@@ -9,8 +9,9 @@ with no time left is skipped, so that the most important come first):
    the CUDA kernels and the warp emulator). Where setup.py refuses $CXX because it links
    libstdc++ statically (the workplace's CUDA image sets CXX to such a wrapper), the build is
    retried once with the distribution's /usr/bin/g++;
-3. ``tests``: the CUDA tests (``tests/test_cuda_kernels.py``, ``tests/test_cuda_modules.py``),
-   the kernels against the CPU ops bit for bit;
+3. ``tests``: the CUDA tests (``tests/test_cuda_kernels.py``, ``tests/test_cuda_modules.py``:
+   the kernels against the CPU ops bit for bit; ``tests/test_device.py``: a GPU run's
+   checkpoint loaded, evaluated and resumed on the CPU);
 4. ``train``, ``evaluate``: a short ``dlrm train --device cuda`` (``TRAIN``: scale 0.01) and
    ``dlrm evaluate --device cuda`` of it; ``resume_cpu``, ``resume_cuda``: a run begun on the
    CPU and resumed on the GPU. Their ``report.json``s are copied into OUT
@@ -390,7 +391,11 @@ def main(argv: list[str]) -> int:
     report["cxx"] = shutil.which(here.get("CXX", "c++"))
     if steps.results["build"]["status"] == "passed":
         tests = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-        tests += ["tests/test_cuda_kernels.py", "tests/test_cuda_modules.py"]
+        tests += [
+            "tests/test_cuda_kernels.py",
+            "tests/test_cuda_modules.py",
+            "tests/test_device.py",
+        ]
         steps.run("tests", tests, LIMITS["tests"])
         with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as runs:
             _training(steps, python, Path(runs))

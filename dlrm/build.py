@@ -99,7 +99,7 @@ def process_model(
     vain."""
     if ranks.world_size > 1:
         model = build_model(cfg, cardinalities, device, tables_on_meta=True, keyed=True)
-        return distributed.shard(model, ranks, cfg.batch_size, cfg.memory_budget)
+        return distributed.shard(model, ranks, cfg.batch_size, cfg.memory_budget, device)
     return build_model(cfg, cardinalities, device, tables_on_meta=loading)
 
 

@@ -85,16 +85,21 @@ ONE_PROCESS = Ranks()
 
 
 def shard(
-    model: torch.nn.Module, ranks: Ranks, batch_size: int, memory_budget: int | None = None
+    model: torch.nn.Module,
+    ranks: Ranks,
+    batch_size: int,
+    memory_budget: int | None = None,
+    device: torch.device = CPU,
 ) -> torch.nn.Module:
     """``model`` with its embedding collection sharded over ``ranks`` as TorchRec's planner
     places it (by our tables' real bytes; table-wise but for a table larger than a rank's
-    share, ``embcache.sharding.default_constraints``), the dense part left for the trainer
-    to make data-parallel (``init_data_parallel=False``). With ``memory_budget``, the
-    planner keeps each rank's shards within that many bytes, counted as ``memory_bytes()``
-    counts them (its host-memory capacity, none of it reserved for other modules);
-    ``RunError`` if it finds no such placement. Returns TorchRec's
-    ``DistributedModelParallel``: this is where a run of several processes imports TorchRec."""
+    share, ``embcache.sharding.default_constraints``), each rank's shards on its ``device``
+    (a CPU, or its GPU), the dense part left for the trainer to make data-parallel
+    (``init_data_parallel=False``). With ``memory_budget``, the planner keeps each rank's
+    shards within that many bytes, counted as ``memory_bytes()`` counts them (the capacity of
+    the memory they live in, none of it reserved for other modules); ``RunError`` if it finds
+    no such placement. Returns TorchRec's ``DistributedModelParallel``: this is where a run of
+    several processes imports TorchRec."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
     from torchrec.distributed.planner.storage_reservations import (
@@ -106,7 +111,12 @@ def shard(
     from embcache.sharding import CachedEmbeddingBagCollectionSharder, default_constraints, planner
 
     sharder = CachedEmbeddingBagCollectionSharder()
-    topology = Topology(world_size=ranks.world_size, compute_device="cpu", ddr_cap=memory_budget)
+    capacity = "hbm_cap" if device.type == "cuda" else "ddr_cap"
+    topology = Topology(
+        world_size=ranks.world_size,
+        compute_device=device.type,
+        **({} if memory_budget is None else {capacity: memory_budget}),
+    )
     constraints = default_constraints(model.embedding_collection, ranks.world_size)
     reserve = None if memory_budget is None else FixedPercentageStorageReservation(0.0)
     try:
@@ -123,7 +133,7 @@ def shard(
     return DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(ranks.group),
-        device=torch.device("cpu"),
+        device=device,
         plan=plan,
         sharders=[sharder],
         init_data_parallel=False,

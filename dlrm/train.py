@@ -187,6 +187,8 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
         tensorboard=Path(cfg.tensorboard) if cfg.tensorboard else None,
         log_lines=cfg.progress and not on_terminal,
     )
+    if cfg.progress and ranks.main and not on_terminal:  # (on a terminal the bar says it)
+        print(f"train: {describe_device(device)}", file=sys.stderr, flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()

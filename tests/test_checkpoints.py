@@ -112,6 +112,18 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, capsys):
         _refused(capsys, argv, state, "truncated")
 
 
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_a_damaged_manifest_is_refused_naming_the_previous_checkpoint(tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "4", "--checkpoint-every", "2", "--eval-every", "0") == 0
+    manifest = out / "checkpoint" / run_dir.MANIFEST
+    text = manifest.read_text()
+    manifest.write_text("" if damage == "empty" else text[: len(text) // 2])
+    way_back = f"the checkpoint before it is {out / 'checkpoint.prev'}"
+    for argv in _resume_and_evaluate(out):
+        _refused(capsys, argv, manifest, "not a checkpoint manifest", way_back)
+
+
 def _start(out: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dlrm.cli", "train", "--out", str(out), *SMALL, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_serialization import CreatesFile
+from test_serialization import CreatesFile, plant_in_tensor_item
 from test_train import SMALL
 
 from dlrm import run_dir
@@ -94,6 +94,24 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, p
     where = checkpoint / ".metadata" if planted == "metadata" else f"{checkpoint} (rest)"
     for argv in _resume_and_evaluate(out):
         _refused(capsys, argv, f"{where}: refused", "open")
+    assert not marker.exists()
+
+
+def test_a_sharded_checkpoint_whose_rest_item_holds_a_pickle_is_refused(tmp_path, capsys):
+    """The item that holds the configuration and trainer state is a uint8 tensor; here its
+    stored bytes, vouched for by the manifest, are a pickle that would run code."""
+    out, marker = tmp_path / "run", tmp_path / "marker"
+    checkpoint = out / "checkpoint"
+    dcp.save({"rest": torch.zeros(8, dtype=torch.uint8)}, checkpoint_id=checkpoint, no_dist=True)
+    hostile = io.BytesIO()
+    torch.save({"config": {}, "trainer": CreatesFile(marker), "progress": {}}, hostile)
+    name = plant_in_tensor_item(checkpoint, "rest", hostile.getvalue())
+    manifest = {"format": run_dir.FORMAT, "step": 4, "run": "x", "files": {}}
+    (checkpoint / run_dir.MANIFEST).write_text(json.dumps(manifest))
+    _sign(checkpoint)
+    capsys.readouterr()  # DCP's warning about saving without a process group
+    for argv in _resume_and_evaluate(out):
+        _refused(capsys, argv, f"{checkpoint / name} (rest): refused", "would call io.open")
     assert not marker.exists()
 
 

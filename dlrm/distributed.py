@@ -13,6 +13,7 @@ makes the launcher end the others, and the launch raises one error naming the ra
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import io
@@ -202,7 +203,8 @@ def launch(entry: Callable, nproc: int, *args):
     result. ``entry`` must be a module-level function (the processes are spawned, and import
     it by name). A failed rank ends the others; the error names it. A SIGINT or SIGTERM to
     this process reaches the ranks too (from the terminal, or forwarded by the launcher, which
-    waits 30 s for them to end): once they have, it raises :class:`dlrm.errors.Stopped`."""
+    waits 30 s for them to end): once they have, it raises :class:`dlrm.errors.Stopped`. If
+    this process dies (SIGKILL), the kernel kills the ranks (Linux's parent-death signal)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -231,7 +233,7 @@ def launch(entry: Callable, nproc: int, *args):
         filter(None, [warning_options, "ignore:resource_tracker:UserWarning"])
     )
     try:
-        results = elastic_launch(config, _worker)(entry, *args)
+        results = elastic_launch(config, _worker)(os.getpid(), entry, *args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -253,13 +255,32 @@ def _last_line(message: str) -> str:
     return lines[-1] if lines else "exited without a message"
 
 
-def _worker(entry: Callable, *args):
+def _worker(launcher: int, entry: Callable, *args):
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run)(entry, *args)
+    return record(_run)(launcher, entry, *args)
 
 
-def _run(entry: Callable, *args):
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
+
+
+def _end_with(launcher: int) -> None:
+    """Have the kernel kill this process (SIGKILL) when its parent, the process ``launcher``,
+    ends however it ends (``prctl(PR_SET_PDEATHSIG)``); end it now if it has already. A
+    rank must not outlive its launcher: it would hold its memory (a GPU) for nobody. The
+    signal torch's spawn sets, SIGINT, asks the loop to stop at a step and write a
+    checkpoint (without the launcher's lock on the run directory), after which the rank
+    waits forever for the dead launcher to read its result. SIGKILL ends every rank at
+    once, so none is left waiting in a collective."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher:  # it ended before the signal was set
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run(launcher: int, entry: Callable, *args):
+    _end_with(launcher)
     # torch and torchrec deprecation notices, once per rank, say nothing to a user of dlrm
     warnings.filterwarnings("ignore", category=FutureWarning)
     # the planner warns about how it was built and about sizes it guesses for dense tensors

@@ -176,9 +176,14 @@ def read_manifest(path: Path) -> dict:
 
 def verify(path: Path, ranks) -> dict:
     """The manifest of the checkpoint ``path`` once every file it lists has its size and
-    SHA-256 (each rank checks a share; all agree). Otherwise RunError naming the first
-    missing, truncated or damaged file, on every rank, before anything is loaded."""
-    manifest = read_manifest(path)
+    SHA-256 (each rank checks a share; all agree). Otherwise RunError, on every rank,
+    before anything is loaded: naming the manifest if it is missing or malformed, else the
+    first missing, truncated or damaged file; and naming ``checkpoint.prev`` as the way back
+    if ``path`` is the latest checkpoint and that one is intact."""
+    try:
+        manifest = read_manifest(path)
+    except RunError as e:
+        raise RunError(f"{e}{_way_back(path)}") from None
     names = sorted(manifest["files"])
     found = _hash_files(path, names[ranks.rank :: ranks.world_size], sync=False)
     problems = []
@@ -195,12 +200,24 @@ def verify(path: Path, ranks) -> dict:
             problems.append(f"{path / name}: damaged (its SHA-256 differs from {MANIFEST}'s)")
     problems = [p for part in ranks.gather(problems) for p in part]
     if problems:
-        previous = path.with_name(PREVIOUS)
-        hint = ""
-        if path.name == CHECKPOINT and previous.is_dir():
-            hint = f"; the checkpoint before it is {previous}: remove {path} to use that one"
-        raise RunError(problems[0] + hint)
+        raise RunError(problems[0] + _way_back(path))
     return manifest
+
+
+def _way_back(path: Path) -> str:
+    """What a refusal of the checkpoint ``path`` adds: ``checkpoint.prev`` as the way back
+    if ``path`` is the latest checkpoint and ``checkpoint.prev`` is intact (its manifest
+    read and every file it lists checked, by this process alone); else nothing."""
+    previous = path.with_name(PREVIOUS)
+    if path.name != CHECKPOINT or not previous.is_dir():
+        return ""
+    try:
+        files = read_manifest(previous)["files"]
+    except RunError:
+        return ""
+    if _hash_files(previous, sorted(files), sync=False) != files:
+        return ""
+    return f"; the checkpoint before it is {previous}: remove {path} to use that one"
 
 
 def _hash_files(directory: Path, names: list[str], sync: bool) -> dict:

@@ -28,7 +28,7 @@ from dlrm import checkpoint, distributed, run_dir
 from dlrm.build import build_trainer, process_model, resolve_dataset, run_data
 from dlrm.config import RunConfig
 from dlrm.data import batches as data_batches
-from dlrm.data.criteo import DataError
+from dlrm.data.criteo import DataError, split_ranges
 from dlrm.errors import RunError, Stopped
 from dlrm.evaluate import evaluate
 from dlrm.mixed_precision import StepRefusedError
@@ -42,8 +42,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
 
     Everything that can be refused without work is refused first (RunError), before any
     directory is made or any data generated: an invalid option, an ``out_dir`` that is a
-    file, missing data, ``resume`` with nothing to resume. The run then holds ``out_dir``
-    for its whole life (:func:`dlrm.run_dir.lock`: a second writer is refused at once).
+    file, missing data, a batch larger than the train split, ``resume`` with nothing to
+    resume. The run then holds ``out_dir`` for its whole life (:func:`dlrm.run_dir.lock`: a
+    second writer is refused at once).
 
     A run that diverges -- a step refused because its new values cannot be stored, or
     ``max_skipped_in_a_row`` steps in a row skipped for non-finite gradients -- stops there:
@@ -105,15 +106,35 @@ def _refuse_early(cfg: RunConfig, out_dir: Path, resume: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise RunError(f"--out {out_dir}: is a file, not a directory")
     cfg.torch_device()  # a device this machine has
-    if cfg.data != "synthetic":
+    if cfg.data == "synthetic":  # the rows it will have, split as every dataset is
+        train_rows = split_ranges(cfg.synthetic_rows)["train"]
+        data = f"--synthetic-rows {cfg.synthetic_rows}"
+    else:
+        data = cfg.data
         try:
-            data_batches.read_meta(Path(cfg.data))
+            meta = data_batches.read_meta(Path(cfg.data))
         except DataError as e:
             raise RunError(str(e)) from None
+        try:
+            train_rows = meta["splits"]["train"]
+        except (KeyError, TypeError):
+            raise RunError(f"{Path(cfg.data) / 'meta.json'}: no train split") from None
+    _refuse_batch_size(cfg, train_rows[1] - train_rows[0], data)
     if resume:
         run_dir.require_checkpoint(out_dir)
     if cfg.memory_budget is not None:  # its data's meta.json was read above
         refuse_unmeetable(cfg, run_cardinalities(cfg))
+
+
+def _refuse_batch_size(cfg: RunConfig, train_rows: int, data: str) -> None:
+    """RunError if a (global) batch of ``cfg.batch_size`` rows is more than the ``train_rows``
+    rows of the train split of ``data``: no batch would fill (the last, partial one of an
+    epoch is dropped)."""
+    if cfg.batch_size > train_rows:
+        raise RunError(
+            f"--batch-size {cfg.batch_size}: more than the {train_rows} rows of the train "
+            f"split ({data}), so no batch would fill"
+        )
 
 
 def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -> dict:
@@ -158,11 +179,8 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
     )
 
     train_rows = dataset.split("train")[1] - dataset.split("train")[0]
+    _refuse_batch_size(cfg, train_rows, str(data_dir))  # if a launcher of its own started it
     per_epoch = data_batches.num_batches(train_rows, cfg.batch_size, drop_last=True)
-    if per_epoch == 0:
-        raise RunError(
-            f"the train split has {train_rows} rows, fewer than one batch of {cfg.batch_size}"
-        )
     probe = next(
         iter(data_batches.iterate_batches(dataset, "train", cfg.batch_size, part=ranks.part))
     ).to(device)

@@ -7,8 +7,9 @@ unpickler calls whatever function the file names. Here every read is restricted 
   plain data: dicts, lists, tuples, strings, numbers...). Our own saved states (a table's or
   a collection's ``state_dict()``, the trainer's) are only that, so nothing is allow-listed.
 * :func:`load_dcp` reads a DCP directory: its ``.metadata`` with an unpickler that builds
-  only the classes DCP's metadata holds (:class:`SafeFileSystemReader`), and each non-tensor
-  item with :func:`load` (:class:`SafeLoadPlanner`).
+  only the classes DCP's metadata holds, each tensor item as DCP does (weights-only), a
+  refusal naming its data file (:class:`SafeFileSystemReader`), and each non-tensor item
+  with :func:`load` (:class:`SafeLoadPlanner`).
 
 A file that refers to anything else is refused with :class:`UnsafeFileError` before the
 thing is called.
@@ -16,6 +17,7 @@ thing is called.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -26,7 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 
 class UnsafeFileError(ValueError):
@@ -115,7 +118,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's ``FileSystemReader`` whose ``read_metadata`` builds nothing but the metadata:
     it raises :class:`UnsafeFileError` naming the ``.metadata`` file and the global if the
-    file refers to anything else. Its tensors are read as DCP reads them (weights-only)."""
+    file refers to anything else. Its tensors are read as DCP reads them (weights-only), an
+    item at a time: a tensor item whose stored bytes are not a tensor's (a pickle of
+    anything else, or of something that would run code) raises :class:`UnsafeFileError`
+    naming the data file and the item's key, not DCP's error."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -126,6 +132,41 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            except Exception:
+                refusal = self._refusal_of(item) if item.type == LoadItemType.TENSOR else None
+                if refusal is None:
+                    raise
+                raise UnsafeFileError(refusal) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _refusal_of(self, item: ReadItem) -> str | None:
+        """The message refusing the tensor ``item`` whose read failed, naming its file and
+        the globals its stored bytes refer to, if those bytes are not a tensor's (loaded
+        weights-only); None if they are (or are stored transformed: not told apart)."""
+        stored = self.storage_data[item.storage_index]
+        if stored.transform_descriptors:
+            return None
+        file = self.fs.concat_path(self.path, stored.relative_path)
+        with self.fs.create_stream(file, "rb") as f:
+            f.seek(stored.offset)
+            data = io.BytesIO(f.read(stored.length))
+        refused = []
+        try:
+            if isinstance(torch.load(data, map_location="cpu", weights_only=True), torch.Tensor):
+                return None
+        except pickle.UnpicklingError:
+            data.seek(0)
+            refused = _refused_globals(data)
+        except Exception:  # not torch.save's bytes at all
+            pass
+        return _refusal(f"{file} ({item.dest_index.fqn})", refused, "a tensor")
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):

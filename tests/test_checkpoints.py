@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_serialization import CreatesFile
+from test_serialization import CreatesFile, plant_in_tensor_item
 from test_train import SMALL
 
 from dlrm import run_dir
@@ -97,6 +97,24 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, p
     assert not marker.exists()
 
 
+def test_a_sharded_checkpoint_whose_rest_item_holds_a_pickle_is_refused(tmp_path, capsys):
+    """The item that holds the configuration and trainer state is a uint8 tensor; here its
+    stored bytes, vouched for by the manifest, are a pickle that would run code."""
+    out, marker = tmp_path / "run", tmp_path / "marker"
+    checkpoint = out / "checkpoint"
+    dcp.save({"rest": torch.zeros(8, dtype=torch.uint8)}, checkpoint_id=checkpoint, no_dist=True)
+    hostile = io.BytesIO()
+    torch.save({"config": {}, "trainer": CreatesFile(marker), "progress": {}}, hostile)
+    name = plant_in_tensor_item(checkpoint, "rest", hostile.getvalue())
+    manifest = {"format": run_dir.FORMAT, "step": 4, "run": "x", "files": {}}
+    (checkpoint / run_dir.MANIFEST).write_text(json.dumps(manifest))
+    _sign(checkpoint)
+    capsys.readouterr()  # DCP's warning about saving without a process group
+    for argv in _resume_and_evaluate(out):
+        _refused(capsys, argv, f"{checkpoint / name} (rest): refused", "would call io.open")
+    assert not marker.exists()
+
+
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, capsys):
     out = tmp_path / "run"
     assert _train(out, "--steps", "2") == 0
@@ -110,6 +128,18 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, capsys):
     state.write_bytes(bytes(data[:middle]))
     for argv in _resume_and_evaluate(out):
         _refused(capsys, argv, state, "truncated")
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_a_damaged_manifest_is_refused_naming_the_previous_checkpoint(tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "4", "--checkpoint-every", "2", "--eval-every", "0") == 0
+    manifest = out / "checkpoint" / run_dir.MANIFEST
+    text = manifest.read_text()
+    manifest.write_text("" if damage == "empty" else text[: len(text) // 2])
+    way_back = f"the checkpoint before it is {out / 'checkpoint.prev'}"
+    for argv in _resume_and_evaluate(out):
+        _refused(capsys, argv, manifest, "not a checkpoint manifest", way_back)
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:

@@ -63,6 +63,12 @@ def _strict_json(path):
             "--memory-budget: 1,024 bytes a process cannot be met by 2 processes",
         ),
         (["train", "--plan-rows", "0"], "--plan-rows"),
+        # SMALL's 30,000 synthetic rows have a train split of 25,715 (six days of seven)
+        (["train", "--batch-size", "25716"], "--batch-size 25716: more than the 25715 rows"),
+        (  # a global batch: each of the 2 processes would read 12,858 rows of it
+            ["train", "--nproc-per-node", "2", "--batch-size", "25716"],
+            "--batch-size 25716: more than the 25715 rows of the train split",
+        ),
         (["generate", "OUT", "--synthetic-scale", "-1"], "--synthetic-scale"),
         (["generate", "OUT", "--rows", "0"], "--synthetic-rows"),  # its old name, the same check
         (["preprocess", "SRC", "OUT", "--min-count", "0"], "--min-count"),
@@ -80,6 +86,22 @@ def test_invalid_option_is_one_line_exit_2_before_any_work(tmp_path, capsys, arg
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and option in err and "error" in err, err
     assert list(tmp_path.iterdir()) == []  # no data generated, no run directory made
+
+
+def test_a_batch_larger_than_the_train_split_is_refused_before_any_work(tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "run"
+    assert main(["generate", str(data), "--rows", "700", "--scale", "0.0005"]) == 0
+    capsys.readouterr()
+    argv = ["train", "--out", str(out), "--data", str(data), "--no-progress"]
+    assert main([*argv, "--batch-size", "601"]) == 2  # 700 rows: a train split of 600
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"--batch-size 601: more than the 600 rows of the train split ({data})" in err, err
+    (data / "meta.json").write_text("{}")  # no splits to check it against
+    assert main([*argv, "--batch-size", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{data / 'meta.json'}: no train split" in err, err
+    assert not out.exists()
 
 
 def test_dense_divergence_stops_at_step_1_with_a_strict_report(tmp_path, capsys):

@@ -135,6 +135,31 @@ def test_rank_0_writes_the_history_of_every_rank(whole):
         assert table["hit_rate"] == (hits / lookups if lookups else 0.0), name
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkill_of_the_launcher_ends_its_ranks(tmp_path):
+    """Orphaned ranks would train on, holding their memory (a GPU) for nobody."""
+    out = tmp_path / "orphaned"
+    proc = _train(out, "--steps", "100000")
+    _wait_for_checkpoint(out, proc)  # the ranks are in the training loop
+    workers = _workers(proc.pid)
+    assert len(workers) == 2, workers
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 15
+    while (alive := [pid for pid in workers if _running(pid)]) and time.time() < deadline:
+        time.sleep(0.1)
+    for pid in alive:  # none should be left; if some are, end them here
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks {alive} outlived their launcher by 15 s"
+
+
 def test_sigterm_stops_every_rank_at_one_step_and_resume_reproduces_the_run(tmp_path, whole):
     out = tmp_path / "stopped"
     proc = _train(out)

@@ -79,6 +79,23 @@ def test_truncated_and_missing_files_are_refused_naming_them(tmp_path):
     _refused(path, run_dir.MANIFEST, "not a complete checkpoint")
 
 
+def test_the_previous_checkpoint_is_named_as_the_way_back_only_if_intact(tmp_path):
+    _write(tmp_path, 5)
+    path = _write(tmp_path, 10)
+    previous = tmp_path / run_dir.PREVIOUS
+    manifest = path / run_dir.MANIFEST
+    whole = manifest.read_text()
+    for damaged in ("", whole[: len(whole) // 2]):  # empty, truncated
+        manifest.write_text(damaged)
+        message = _refused(path, str(manifest), "not a checkpoint manifest")
+        assert f"the checkpoint before it is {previous}: remove {path}" in message
+    (previous / "b.bin").write_bytes(b"x")  # the previous one damaged too: no way back
+    assert str(previous) not in _refused(path, str(manifest))
+    manifest.write_text(whole)
+    (path / "a.bin").write_bytes(b"x")
+    assert str(previous) not in _refused(path, str(path / "a.bin"), "1 bytes")
+
+
 def test_a_manifest_cannot_point_outside_its_checkpoint(tmp_path):
     path = _write(tmp_path, 5)
     manifest = json.loads((path / run_dir.MANIFEST).read_text())

@@ -6,6 +6,7 @@ does not exist."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 
@@ -111,6 +112,55 @@ def test_a_dcp_item_that_would_run_code_is_refused(tmp_path, stored):
         load_dcp({"w": torch.empty(3), "x": None}, path, no_dist=True)
     _refused(error, f"{path} (x)")
     assert not marker.exists()
+
+
+def plant_in_tensor_item(path, fqn: str, payload: bytes) -> str:
+    """Make the stored bytes of the tensor item ``fqn`` of the DCP checkpoint ``path`` be
+    ``payload`` (in a data file of its own, the metadata pointing there); the file's name."""
+    metadata = read_metadata(path)
+    (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
+    name = "__planted.distcp"
+    (path / name).write_bytes(payload)
+    stored = dataclasses.replace(
+        metadata.storage_data[index], relative_path=name, offset=0, length=len(payload)
+    )
+    metadata.storage_data[index] = stored
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    return name
+
+
+@pytest.mark.parametrize("stored", ["code", "data", "no_pickle"])
+def test_a_dcp_tensor_item_that_holds_anything_but_a_tensor_is_refused(tmp_path, stored):
+    """DCP reads a tensor item with torch's weights-only unpickler; its stored bytes here are
+    a ``torch.save`` of an object that would run code, or of plain data, or no pickle."""
+    marker, path = tmp_path / "marker", tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(3), "x": torch.zeros(4)}, checkpoint_id=path, no_dist=True)
+    payload = io.BytesIO()
+    if stored == "no_pickle":
+        payload.write(b"PK\x03\x04" + bytes(60))
+    else:
+        torch.save(CreatesFile(marker) if stored == "code" else {"x": [1, 2]}, payload)
+    name = plant_in_tensor_item(path, "x", payload.getvalue())
+    state = {"w": torch.empty(3), "x": torch.empty(4)}
+    with pytest.raises(UnsafeFileError) as error:
+        load_dcp(state, path, no_dist=True)
+    message = _refused(error, f"{path / name} (x)")
+    if stored == "code":
+        assert "would call io.open" in message
+    else:
+        assert "it holds more than a tensor" in message
+    assert not marker.exists()
+
+
+def test_a_dcp_tensor_item_that_holds_another_tensor_fails_as_dcp_fails(tmp_path):
+    """Stored bytes that are a tensor, only not of the metadata's shape, are no refusal."""
+    dcp.save({"x": torch.zeros(4)}, checkpoint_id=tmp_path, no_dist=True)
+    other = io.BytesIO()
+    torch.save(torch.zeros(3), other)
+    plant_in_tensor_item(tmp_path, "x", other.getvalue())
+    with pytest.raises(BaseException, match="mismatch sizes") as error:
+        load_dcp({"x": torch.empty(4)}, tmp_path, no_dist=True)
+    assert not isinstance(error.value, UnsafeFileError)
 
 
 def test_a_dcp_checkpoint_of_data_loads_as_saved(tmp_path):

@@ -25,8 +25,10 @@ class CachedLowPrecisionEmbedding(nn.Module):
     r"""An ``nn.EmbeddingBag`` whose rows are stored in FP16/INT8/INT4/INT2 and trained there,
     with the hottest rows kept in a small FP32 cache (LRU or LFU, direct-mapped or N-way).
 
-    Usage is ``nn.EmbeddingBag``'s (``include_last_offset`` included), except that the update is applied by :meth:`step` (a
-    fused sparse optimizer) rather than by a ``torch.optim`` optimizer::
+    Usage is ``nn.EmbeddingBag``'s (its constructor's arguments, in its order, and its forward's
+    conventions), except that the update is applied by :meth:`step` (a fused sparse optimizer)
+    rather than by a ``torch.optim`` optimizer; the remaining differences are listed in
+    docs/contract.md §8::
 
         emb = CachedLowPrecisionEmbedding(10**6, 16, precision="int8", cache_ratio=0.05)
         loss = head(emb(indices, offsets)).sum()
@@ -66,18 +68,44 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        *,
-        weight: torch.Tensor | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
         include_last_offset: bool = False,
         padding_idx: int | None = None,
         device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        weight: torch.Tensor | None = None,
         **options,
     ) -> None:
+        """``nn.EmbeddingBag``'s arguments, positional in its order, then this package's own,
+        keyword-only: ``weight`` (the initial rows, as ``_weight``) and the fields of
+        :class:`~embcache.config.TableConfig` (``precision``, ``cache_ratio``, ``lr``, ...).
+        Its options that this table cannot honour are refused by name unless left at their
+        defaults: ``max_norm``, ``scale_grad_by_freq=True`` and a ``dtype`` other than FP32.
+        ``norm_type`` (read only with ``max_norm``) and ``sparse`` are accepted whatever
+        their value: the gradient is always sparse, deduplicated per row, and applied by
+        :meth:`step`. Without initial rows, the ``padding_idx`` row starts at zero, as
+        ``nn.EmbeddingBag``'s."""
         super().__init__()
+        name = options.get("name", TableConfig.name)
+        check_torch_options(
+            name, max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq, dtype=dtype
+        )
+        if _weight is not None and weight is not None:
+            raise ValueError(
+                f"table '{name}': give the initial rows as weight or _weight, not both"
+            )
+        weight = _weight if weight is None else weight
         self.include_last_offset = include_last_offset
-        self.config = TableConfig.of(num_embeddings, embedding_dim, **options)
+        self.config = TableConfig.of(num_embeddings, embedding_dim, mode=mode, **options)
         cfg = self.config
         self.spec = cfg.spec()
+        self.norm_type, self.sparse = norm_type, sparse
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(
@@ -106,6 +134,29 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.group = TableGroup([self])
         if device.type not in ("cpu", "meta"):
             self.to(device)
+
+    # nn.EmbeddingBag's attributes, for code that reads them: read-only, since setting one
+    # would not change what the table does (norm_type and sparse change nothing anyway)
+
+    @property
+    def max_norm(self) -> None:
+        return None
+
+    @property
+    def scale_grad_by_freq(self) -> bool:
+        return False
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.config.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.config.embedding_dim
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -588,6 +639,29 @@ def check_state_dict(module: nn.Module, state_dict, strict: bool = True) -> None
                 f"state_dict['{key}'] is {saved.dtype} {tuple(saved.shape)}, "
                 f"expected {mine.dtype} {tuple(mine.shape)}"
             )
+
+
+# nn.EmbeddingBag's and nn.Embedding's options that a table honours at these values only, and why
+_TORCH_OPTIONS = {
+    "max_norm": (
+        (None,),
+        "nn.EmbeddingBag renormalises the rows it looks up in place, in the forward; this "
+        "table's rows change only in step()",
+    ),
+    "scale_grad_by_freq": ((False,), "the gradient is not scaled by the ids' frequencies"),
+    "dtype": ((None, torch.float32), "lookups are FP32; precision= sets how rows are stored"),
+    "_freeze": ((False,), "the rows change only in step(): not calling it freezes them"),
+}
+
+
+def check_torch_options(table: str, **options) -> None:
+    """Raise ValueError naming table ``table``, the option, its value and why, for the first
+    of ``options`` (any of ``max_norm``, ``scale_grad_by_freq``, ``dtype``, ``_freeze``) that
+    is set to a value the table cannot honour."""
+    for option, value in options.items():
+        honoured, why = _TORCH_OPTIONS[option]
+        if value not in honoured:
+            raise ValueError(f"table '{table}': {option}={value!r} is not supported: {why}")
 
 
 # why a table built with device="meta" cannot look up: it holds no rows yet

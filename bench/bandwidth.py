@@ -133,7 +133,7 @@ class Ours:
 
     def __init__(self, rows, dim, device, **options):
         self.table = embcache.CachedLowPrecisionEmbedding(
-            rows, dim, device=device, lr=0.01, min_rows_for_low_precision=0, **options
+            rows, dim, mode="sum", device=device, lr=0.01, min_rows_for_low_precision=0, **options
         )
         self.stored_row = self.table.config.row_bytes
         self.fp32_row = dim * 4

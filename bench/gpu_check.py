@@ -86,6 +86,7 @@ def driver(device: str) -> None:
             table = CachedLowPrecisionEmbedding(
                 4096,
                 16,
+                mode="sum",
                 precision=precision,
                 policy=policy,
                 cache_ratio=0.05,
@@ -149,7 +150,7 @@ def profile(
     grad = torch.randn(batch, tables * dim, generator=gen).to(device) * 1e-3
     ours = [
         CachedLowPrecisionEmbedding(
-            rows, dim, precision="int8", cache_ratio=0.05, associativity=32, seed=t
+            rows, dim, mode="sum", precision="int8", cache_ratio=0.05, associativity=32, seed=t
         ).to(device)
         for t in range(tables)
     ]

@@ -92,7 +92,9 @@ class TableConfig:
     ``seed`` keys the stochastic rounding stream together with ``table_id``; tables with
     fewer than ``min_rows_for_low_precision`` rows are stored FP32 without cache. An LFU
     table counts each row's occurrences in ``lfu_count_bits`` (16, 32 or 8) bits, saturating
-    at the largest count they hold.
+    at the largest count they hold. ``mode`` pools a bag by sum or mean; its default here is
+    TorchRec's, SUM, while :class:`~embcache.CachedLowPrecisionEmbedding` defaults to
+    ``nn.EmbeddingBag``'s, mean.
     """
 
     num_embeddings: int

@@ -25,8 +25,10 @@ class CachedLowPrecisionEmbedding(nn.Module):
     r"""An ``nn.EmbeddingBag`` whose rows are stored in FP16/INT8/INT4/INT2 and trained there,
     with the hottest rows kept in a small FP32 cache (LRU or LFU, direct-mapped or N-way).
 
-    Usage is ``nn.EmbeddingBag``'s (``include_last_offset`` included), except that the update is applied by :meth:`step` (a
-    fused sparse optimizer) rather than by a ``torch.optim`` optimizer::
+    Usage is ``nn.EmbeddingBag``'s (its constructor's arguments, in its order, and its forward's
+    conventions), except that the update is applied by :meth:`step` (a fused sparse optimizer)
+    rather than by a ``torch.optim`` optimizer; the remaining differences are listed in
+    docs/contract.md §8::
 
         emb = CachedLowPrecisionEmbedding(10**6, 16, precision="int8", cache_ratio=0.05)
         loss = head(emb(indices, offsets)).sum()
@@ -66,18 +68,44 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        *,
-        weight: torch.Tensor | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
         include_last_offset: bool = False,
         padding_idx: int | None = None,
         device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        weight: torch.Tensor | None = None,
         **options,
     ) -> None:
+        """``nn.EmbeddingBag``'s arguments, positional in its order, then this package's own,
+        keyword-only: ``weight`` (the initial rows, as ``_weight``) and the fields of
+        :class:`~embcache.config.TableConfig` (``precision``, ``cache_ratio``, ``lr``, ...).
+        Its options that this table cannot honour are refused by name unless left at their
+        defaults: ``max_norm``, ``scale_grad_by_freq=True`` and a ``dtype`` other than FP32.
+        ``norm_type`` (read only with ``max_norm``) and ``sparse`` are accepted whatever
+        their value: the gradient is always sparse, deduplicated per row, and applied by
+        :meth:`step`. Without initial rows, the ``padding_idx`` row starts at zero, as
+        ``nn.EmbeddingBag``'s."""
         super().__init__()
+        name = options.get("name", TableConfig.name)
+        check_torch_options(
+            name, max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq, dtype=dtype
+        )
+        if _weight is not None and weight is not None:
+            raise ValueError(
+                f"table '{name}': give the initial rows as weight or _weight, not both"
+            )
+        weight = _weight if weight is None else weight
         self.include_last_offset = include_last_offset
-        self.config = TableConfig.of(num_embeddings, embedding_dim, **options)
+        self.config = TableConfig.of(num_embeddings, embedding_dim, mode=mode, **options)
         cfg = self.config
         self.spec = cfg.spec()
+        self.norm_type, self.sparse = norm_type, sparse
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(
@@ -106,6 +134,29 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.group = TableGroup([self])
         if device.type not in ("cpu", "meta"):
             self.to(device)
+
+    # nn.EmbeddingBag's attributes, for code that reads them: read-only, since setting one
+    # would not change what the table does (norm_type and sparse change nothing anyway)
+
+    @property
+    def max_norm(self) -> None:
+        return None
+
+    @property
+    def scale_grad_by_freq(self) -> bool:
+        return False
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.config.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.config.embedding_dim
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -176,7 +227,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         table exists at once."""
         cfg = self.config
         if blocks is None:
-            blocks = _initial_blocks(cfg, 0, cfg.num_embeddings)
+            blocks = _initial_blocks(cfg, 0, cfg.num_embeddings, self.padding_idx)
         for start, block in blocks:
             at = start - first
             ids = torch.arange(at, at + block.shape[0], dtype=torch.int64)
@@ -194,8 +245,10 @@ class CachedLowPrecisionEmbedding(nn.Module):
         per_sample_weights: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(indices int64 [L], offsets int64 [B+1], weights float32 [L] or None), their types
-        and shapes checked. Their values (which reading would cost a device sync per check)
-        are checked by the C++ forward; :meth:`_check_values` names what it refused."""
+        and shapes checked as ``F.embedding_bag`` checks them. With ``include_last_offset``
+        ids past the last offset are in no bag, and are left out. Their values (which reading
+        would cost a device sync per check) are checked by the C++ forward;
+        :meth:`_check_values` names what it refused."""
         name = self.config.name
 
         def bad(msg: str) -> ValueError:
@@ -207,13 +260,30 @@ class CachedLowPrecisionEmbedding(nn.Module):
             raise bad(
                 f"input must be an int64 or int32 tensor, got {getattr(input, 'dtype', type(input))}"
             )
+        psw = per_sample_weights
+        if psw is not None:
+            if not isinstance(psw, torch.Tensor) or psw.shape != input.shape:
+                got = tuple(psw.shape) if isinstance(psw, torch.Tensor) else type(psw).__name__
+                raise bad(
+                    f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
+                    f"got {got}"
+                )
+            if self.config.mode != "sum":
+                raise bad(
+                    f"per_sample_weights are only supported with mode='sum' "
+                    f"(got mode={self.config.mode!r})"
+                )
+            if psw.dtype != torch.float32:
+                raise bad(
+                    "per_sample_weights must have the dtype of the table's values, "
+                    f"torch.float32, got {psw.dtype}"
+                )
+            psw = psw.reshape(-1)
         if input.dim() == 2:
             if offsets is not None:
                 raise bad("offsets must be None when input is 2-D (fixed-length bags)")
             bags, length = input.shape
-            offsets = torch.arange(
-                0, bags * length + 1, max(length, 1), dtype=torch.int64, device=input.device
-            )[: bags + 1]
+            offsets = torch.arange(bags + 1, device=input.device) * length
             input = input.reshape(-1)
         elif input.dim() == 1:
             if offsets is None:
@@ -226,26 +296,20 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 raise bad("offsets must be a 1-D int64 or int32 tensor")
             offsets = offsets.long()
             if not self.include_last_offset:
-                offsets = torch.cat([offsets, offsets.new_tensor([input.numel()])])
+                end = input.numel() if offsets.numel() else 0  # no offsets: no bags
+                offsets = torch.cat([offsets, offsets.new_tensor([end])])
             elif offsets.numel() == 0:
-                raise bad("with include_last_offset, offsets must end with len(input)")
+                raise bad("with include_last_offset, offsets must hold at least one offset")
+            else:
+                end = int(offsets[-1])
+            if 0 <= end < input.numel():  # ids past the last offset are in no bag
+                input = input[:end]
+                psw = None if psw is None else psw[:end]
         else:
             raise bad(f"input must be 1-D or 2-D, got {input.dim()}-D")
         indices = input.long().contiguous()
-        if per_sample_weights is not None:
-            if self.config.mode != "sum":
-                raise bad("per_sample_weights are only supported with mode='sum'")
-            if (
-                not isinstance(per_sample_weights, torch.Tensor)
-                or not per_sample_weights.is_floating_point()
-            ):
-                raise bad("per_sample_weights must be a floating-point tensor")
-            if per_sample_weights.shape != indices.shape:
-                raise bad(
-                    f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
-                    f"expected {tuple(indices.shape)}"
-                )
         if self.padding_idx is not None and bool((indices == self.padding_idx).any()):
+            self._check_values(indices, offsets)
             keep = indices != self.padding_idx
             bag_of = torch.repeat_interleave(
                 torch.arange(offsets.numel() - 1, device=indices.device), offsets.diff()
@@ -253,9 +317,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
             kept = torch.bincount(bag_of[keep], minlength=offsets.numel() - 1)
             offsets = torch.cat([offsets[:1], kept.cumsum(0)])
             indices = indices[keep]
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights[keep]
-        return indices, offsets.contiguous(), per_sample_weights
+            psw = None if psw is None else psw[keep]
+        return indices, offsets.contiguous(), psw
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -270,7 +333,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         In training mode the backward pass stores the per-row gradient for :meth:`step`.
         """
         indices, offs, psw = self._bags(input, offsets, per_sample_weights)
-        psw32 = None if psw is None else psw.detach().float().contiguous()
+        psw32 = None if psw is None else psw.detach().contiguous()
         try:
             return self.group.lookup(
                 indices,
@@ -287,7 +350,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def _check_values(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
         """Every index in range, offsets from 0 up to len(indices) without decreasing: else
-        a ValueError naming the table. (Run only when the C++ forward has refused them.)"""
+        a ValueError naming the table. (Run when the C++ forward has refused them, and
+        before padding ids are taken out of their bags.)"""
 
         def bad(msg: str) -> ValueError:
             return ValueError(f"table '{self.config.name}': {msg}")
@@ -300,7 +364,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         if int(offsets[0]) != 0:
             raise bad(f"offsets must start at 0, got {int(offsets[0])}")
         if int(offsets[-1]) != n:
-            raise bad(f"the last offset must be len(input)={n}, got {int(offsets[-1])}")
+            raise bad(f"the last offset must be in [0, len(input)={n}], got {int(offsets[-1])}")
         steps = offsets.diff()
         if bool((steps < 0).any()):
             at = int(torch.nonzero(steps < 0)[0])
@@ -401,7 +465,9 @@ class CachedLowPrecisionEmbedding(nn.Module):
         stop, end = start + rows, into + rows
         with torch.no_grad():
             if initial:
-                self._write_rows(start - into, _initial_blocks(theirs, start, stop))
+                self._write_rows(
+                    start - into, _initial_blocks(theirs, start, stop, source.padding_idx)
+                )
             else:
                 self.weights[into:end] = source.weights[start:stop]
             state = self.optimizer_state[into * width : end * width]
@@ -590,6 +656,29 @@ def check_state_dict(module: nn.Module, state_dict, strict: bool = True) -> None
             )
 
 
+# nn.EmbeddingBag's and nn.Embedding's options that a table honours at these values only, and why
+_TORCH_OPTIONS = {
+    "max_norm": (
+        (None,),
+        "nn.EmbeddingBag renormalises the rows it looks up in place, in the forward; this "
+        "table's rows change only in step()",
+    ),
+    "scale_grad_by_freq": ((False,), "the gradient is not scaled by the ids' frequencies"),
+    "dtype": ((None, torch.float32), "lookups are FP32; precision= sets how rows are stored"),
+    "_freeze": ((False,), "the rows change only in step(): not calling it freezes them"),
+}
+
+
+def check_torch_options(table: str, **options) -> None:
+    """Raise ValueError naming table ``table``, the option, its value and why, for the first
+    of ``options`` (any of ``max_norm``, ``scale_grad_by_freq``, ``dtype``, ``_freeze``) that
+    is set to a value the table cannot honour."""
+    for option, value in options.items():
+        honoured, why = _TORCH_OPTIONS[option]
+        if value not in honoured:
+            raise ValueError(f"table '{table}': {option}={value!r} is not supported: {why}")
+
+
 # why a table built with device="meta" cannot look up: it holds no rows yet
 META_TABLE = (
     "it is on the meta device (no rows in memory): shard it with DistributedModelParallel, "
@@ -611,13 +700,14 @@ def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _initial_blocks(
-    config: TableConfig, start: int, stop: int
+    config: TableConfig, start: int, stop: int, padding_idx: int | None = None
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Rows ``[start, stop)`` of the initial FP32 values of a table with ``config``, as
     (first row, rows) blocks: uniform in ``±sqrt(1 / rows)``, the 2^16 rows from
-    ``c * 2^16`` on drawn by a generator seeded by (seed, table id, ``c``). So any row range
-    is drawn without drawing the rows before it, and a row-wise shard built on its own holds
-    the rows the whole table would."""
+    ``c * 2^16`` on drawn by a generator seeded by (seed, table id, ``c``), and row
+    ``padding_idx`` zero (as nn.EmbeddingBag's; every format stores zero exactly). So any
+    row range is drawn without drawing the rows before it, and a row-wise shard built on its
+    own holds the rows the whole table would."""
     rows, dim = config.num_embeddings, config.embedding_dim
     bound = math.sqrt(1.0 / rows)
     for chunk in range(start // _INIT_CHUNK_ROWS, -(-stop // _INIT_CHUNK_ROWS)):
@@ -626,6 +716,8 @@ def _initial_blocks(
         seed = ((config.seed * 1_000_003 + config.table_id) * 1_000_003 + chunk) % (1 << 63)
         gen = torch.Generator().manual_seed(seed)
         block = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
+        if padding_idx is not None and lo <= padding_idx < hi:
+            block[padding_idx - lo] = 0.0
         a, b = max(lo, start), min(hi, stop)
         yield a, block[a - lo : b - lo]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from embcache.config import TableConfig
-from embcache.embedding import CachedLowPrecisionEmbedding
+from embcache.embedding import CachedLowPrecisionEmbedding, check_torch_options
 
 
 class CachedLowPrecisionUnpooledEmbedding(CachedLowPrecisionEmbedding):
@@ -19,18 +19,48 @@ class CachedLowPrecisionUnpooledEmbedding(CachedLowPrecisionEmbedding):
     FP16/INT8/INT4/INT2 behind an FP32 cache: ``forward(input)`` gives ``[*input.shape, dim]``,
     row ``input[...]`` at each position, for int64 or int32 ids of any shape. As with
     ``nn.Embedding``, a position whose id is ``padding_idx`` gets that row's current value and
-    no gradient, and that row is never updated. The update is :meth:`step`'s, as for every
-    table of this package; ``mode`` (pooling) and ``include_last_offset`` do not apply and are
-    refused."""
+    no gradient, and that row is never updated (it starts at zero unless initial rows are
+    given). The update is :meth:`step`'s, as for every table of this package; ``mode``
+    (pooling) and ``include_last_offset`` do not apply and are refused."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, **options) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
+        _freeze: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **options,
+    ) -> None:
+        """``nn.Embedding``'s arguments, positional in its order, then the keyword-only ones of
+        :class:`CachedLowPrecisionEmbedding` (``weight`` and the fields of
+        :class:`~embcache.config.TableConfig`); ``_freeze=True`` is refused, as that class
+        refuses the options it cannot honour."""
+        name = options.get("name", TableConfig.name)
         for option in ("mode", "include_last_offset"):
             if option in options:
-                raise ValueError(
-                    f"table '{options.get('name', TableConfig.name)}': {option} does not apply "
-                    "to an unpooled table"
-                )
-        super().__init__(num_embeddings, embedding_dim, **options)
+                raise ValueError(f"table '{name}': {option} does not apply to an unpooled table")
+        check_torch_options(name, _freeze=_freeze)
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            "sum",  # bags of one id: the mode changes nothing (and old checkpoints say sum)
+            sparse,
+            _weight,
+            padding_idx=padding_idx,
+            device=device,
+            dtype=dtype,
+            **options,
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Rows ``[*input.shape, dim]`` (FP32). In training mode the backward stores the

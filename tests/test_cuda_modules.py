@@ -23,6 +23,7 @@ def test_module_on_cuda_matches_cpu(precision, policy, ways):
     cpu = CachedLowPrecisionEmbedding(
         5000,
         12,
+        mode="sum",
         precision=precision,
         policy=policy,
         associativity=ways,

@@ -131,6 +131,7 @@ def run_training(
     if "cache_ratio" not in options:
         options["cache_ratio"] = cache_ratio_for(rows, ways, sets)
     options.setdefault("min_rows_for_low_precision", 0)
+    options.setdefault("mode", "sum")  # the cases name mean where they test it
     options.setdefault("seed", (seed * 2654435761 + 12345) % 2**62 + 2**33)  # both key words
     options.setdefault("table_id", seed % 5 + 1)
     gen = torch.Generator().manual_seed(seed)

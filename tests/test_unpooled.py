@@ -46,7 +46,7 @@ def test_low_precision_equals_bags_of_one_id(precision, policy):
     options = dict(precision=precision, policy=policy, cache_ratio=0.1, rounding="stochastic")
     options.update(optimizer="rowwise_adagrad", lr=0.1, padding_idx=PAD, seed=3)
     ours = CachedLowPrecisionUnpooledEmbedding(ROWS, DIM, **options)
-    bags = CachedLowPrecisionEmbedding(ROWS, DIM, **options)
+    bags = CachedLowPrecisionEmbedding(ROWS, DIM, mode="sum", **options)
     bags.load_state_dict(ours.state_dict())
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):

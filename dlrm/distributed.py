@@ -197,10 +197,11 @@ def _load(state: dict, path: Path, ranks: Ranks) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-def launch(entry: Callable, nproc: int, *args):
+def launch(entry: Callable, nproc: int, *args, device_type: str = "cpu"):
     """``entry(*args)`` in ``nproc`` processes on this machine (torch's elastic launcher), each
-    with a gloo process group initialized and an equal share of the CPU's threads; rank 0's
-    result. ``entry`` must be a module-level function (the processes are spawned, and import
+    with a process group initialized and an equal share of the CPU's threads; rank 0's
+    result. The group runs collectives of CPU tensors with gloo; for ``device_type="cuda"``
+    each rank takes GPU ``LOCAL_RANK`` and the group runs those of CUDA tensors with NCCL. ``entry`` must be a module-level function (the processes are spawned, and import
     it by name). A failed rank ends the others; the error names it. A SIGINT or SIGTERM to
     this process reaches the ranks too (from the terminal, or forwarded by the launcher, which
     waits 30 s for them to end): once they have, it raises :class:`dlrm.errors.Stopped`. If
@@ -233,7 +234,7 @@ def launch(entry: Callable, nproc: int, *args):
         filter(None, [warning_options, "ignore:resource_tracker:UserWarning"])
     )
     try:
-        results = elastic_launch(config, _worker)(os.getpid(), entry, *args)
+        results = elastic_launch(config, _worker)(os.getpid(), device_type, entry, *args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -255,10 +256,10 @@ def _last_line(message: str) -> str:
     return lines[-1] if lines else "exited without a message"
 
 
-def _worker(launcher: int, entry: Callable, *args):
+def _worker(launcher: int, device_type: str, entry: Callable, *args):
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run)(launcher, entry, *args)
+    return record(_run)(launcher, device_type, entry, *args)
 
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
@@ -279,13 +280,17 @@ def _end_with(launcher: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _run(launcher: int, entry: Callable, *args):
+def _run(launcher: int, device_type: str, entry: Callable, *args):
     _end_with(launcher)
     # torch and torchrec deprecation notices, once per rank, say nothing to a user of dlrm
     warnings.filterwarnings("ignore", category=FutureWarning)
     # the planner warns about how it was built and about sizes it guesses for dense tensors
     logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    backend = "gloo"
+    if device_type == "cuda":  # this rank's GPU, before NCCL makes its context there
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     # the ranks share the machine's cores (a run's --threads, if given, overrides this)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:

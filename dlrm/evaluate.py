@@ -59,7 +59,9 @@ def evaluate_checkpoint(cfg: RunConfig, out_dir: Path, split: str) -> dict:
     device = cfg.torch_device(ranks.rank)  # before any work: a device this machine has
     path = run_dir.require_checkpoint(out_dir)
     if cfg.nproc_per_node > 1 and ranks.world_size == 1:  # start the processes
-        return distributed.launch(evaluate_checkpoint, cfg.nproc_per_node, cfg, out_dir, split)
+        return distributed.launch(
+            evaluate_checkpoint, cfg.nproc_per_node, cfg, out_dir, split, device_type=device.type
+        )
     saved = checkpoint.open_checkpoint(path, ranks)
     try:
         cfg = dataclasses.replace(cfg, **{**cfg.ADDED_FIELDS, **saved["config"]})

@@ -88,7 +88,15 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
             return _train_here(cfg, out_dir, resume, ranks, plan)
         resolve_dataset(cfg, out_dir)  # once, before the processes start
         try:
-            return distributed.launch(_train_rank, cfg.nproc_per_node, cfg, out_dir, resume, plan)
+            return distributed.launch(
+                _train_rank,
+                cfg.nproc_per_node,
+                cfg,
+                out_dir,
+                resume,
+                plan,
+                device_type=cfg.torch_device().type,
+            )
         except Stopped as e:
             path = run_dir.latest_checkpoint(out_dir)
             step = run_dir.read_manifest(path)["step"] if path else None

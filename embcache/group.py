@@ -246,55 +246,25 @@ class TableGroup:
         multi_update call, all or nothing: if any table refuses its update (non-finite or
         unstorable values), no table changes and the :class:`EmbeddingUpdateError` names the
         table and the row. With ``commit=False`` only checks (a dry run: the gradient stays)."""
+        b = self.whole_backward() if table is None or len(self._every) == 1 else None
+        if b is not None:  # the usual step: one backward, the caches as its forward saw them
+            _update_hinted([(self, b)], commit)
+        else:  # each table's parts merged, and no slot hints (the update finds the slots)
+            _update_merged(
+                [(self, self._every if table is None else [self.position(table)])], commit
+            )
+
+    def whole_backward(self) -> _Backward | None:
+        """The stored gradient if it is one backward of every table over the caches as its
+        forward saw them (its slot hints and value bounds still hold), else None."""
         b = self._backward
-        if (
-            (table is None or len(self._every) == 1)  # every table: the group's, or its one
-            and b is not None
+        usable = (
+            b is not None
             and b.feature_tables == self._every
             and b.epoch == self._epoch
             and not any(self._parts)
-        ):  # the usual step: one backward, the caches as its forward saw them
-            bad = _ops.multi_update(
-                self.state(),
-                self.specs,
-                b.rows,
-                b.grads,
-                b.occurrences,
-                b.slots,
-                b.row_starts,
-                b.bounds,
-                self._counters,
-                self.commit_counts(),
-                commit,
-            )
-            self._finish(self._every, bad, commit, b.rows, b.row_starts)
-            return
-        # Otherwise each table's parts merged, and no slot hints (the update finds the slots).
-        self._hand_over()
-        chosen = self._every if table is None else [self.position(table)]
-        chosen = [t for t in chosen if self._parts[t]]
-        if not chosen:
-            return
-        parts = [self._merged(t) for t in chosen]
-        row_starts = [0]
-        for p in parts:
-            row_starts.append(row_starts[-1] + p.rows.numel())
-        every = chosen == self._every
-        rows = torch.cat([p.rows for p in parts])
-        bad = _ops.multi_update(
-            self.state(None if every else chosen),
-            self.specs if every else self.specs[chosen],
-            rows,
-            torch.cat([p.grads.flatten() for p in parts]),
-            torch.cat([p.occurrences for p in parts]),
-            _NO_HINT,
-            row_starts,
-            [-1.0] * len(chosen),
-            self._counters if every else [self._counters[t] for t in chosen],
-            self.commit_counts(None if every else chosen),
-            commit,
         )
-        self._finish(chosen, bad, commit, rows, row_starts)
+        return b if usable else None
 
     def _finish(
         self, chosen: list[int], bad: list[int], commit: bool, rows: torch.Tensor, row_starts
@@ -364,6 +334,103 @@ class TableGroup:
         )
         self._epoch += 1
         return written
+
+
+def update_together(groups: Sequence[TableGroup], commit: bool = True) -> None:
+    """Applies the stored gradient of every table of ``groups`` (their state on one device)
+    in one ``multi_update`` call, all or nothing across all of them: if any table refuses its
+    update, no table of any group changes and the :class:`EmbeddingUpdateError` names it.
+    With the forwards' slot hints and value bounds when every group holds one whole
+    backward (:meth:`TableGroup.whole_backward`), as each group's own update would."""
+    whole = [g.whole_backward() for g in groups]
+    if all(b is not None for b in whole):
+        _update_hinted(list(zip(groups, whole)), commit)
+    else:
+        _update_merged([(g, g._every) for g in groups], commit)
+
+
+def _update_hinted(selections: list[tuple[TableGroup, _Backward]], commit: bool) -> None:
+    """One ``multi_update`` of every table of each group from its whole backward, with the
+    forward's slot hints (if every group has them) and value bounds."""
+    groups = [g for g, _ in selections]
+    backwards = [b for _, b in selections]
+    hinted = all(b.slots.numel() or not b.rows.numel() for b in backwards)
+    starts, row_starts = 0, [0]
+    for b in backwards:
+        row_starts += [starts + r for r in b.row_starts[1:]]
+        starts += b.row_starts[-1]
+    rows = _joined([b.rows for b in backwards])
+    bad = _ops.multi_update(
+        [x for g in groups for x in g.state()],
+        _joined([g.specs for g in groups]),
+        rows,
+        _joined([b.grads for b in backwards]),
+        _joined([b.occurrences for b in backwards]),
+        _joined([b.slots for b in backwards]) if hinted else _NO_HINT,
+        row_starts,
+        [x for b in backwards for x in b.bounds],
+        [c for g in groups for c in g._counters],
+        [c for g in groups for c in g.commit_counts()],
+        commit,
+    )
+    _finish_each([(g, g._every) for g in groups], bad, commit, rows, row_starts)
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated (one alone is passed on, not copied: the per-step path)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _update_merged(selections: list[tuple[TableGroup, list[int]]], commit: bool) -> None:
+    """One ``multi_update`` of the tables chosen in each group (positions), each table's parts
+    merged, without slot hints; then each group's bookkeeping, or the error of the first table
+    that refused (nothing changed)."""
+    chosen, parts = [], []
+    for group, positions in selections:
+        group._hand_over()
+        mine = [t for t in positions if group._parts[t]]
+        chosen.append(mine)
+        parts.append([group._merged(t) for t in mine])
+    flat = [p for ps in parts for p in ps]
+    if not flat:
+        return
+    row_starts = [0]
+    for p in flat:
+        row_starts.append(row_starts[-1] + p.rows.numel())
+    rows = torch.cat([p.rows for p in flat])
+    taken = [(g, c) for (g, _), c in zip(selections, chosen) if c]
+    bad = _ops.multi_update(
+        [x for g, c in taken for x in g.state(c)],
+        torch.cat([g.specs[c] for g, c in taken]),
+        rows,
+        torch.cat([p.grads.flatten() for p in flat]),
+        torch.cat([p.occurrences for p in flat]),
+        _NO_HINT,
+        row_starts,
+        [-1.0] * len(flat),
+        [g._counters[t] for g, c in taken for t in c],
+        [x for g, c in taken for x in g.commit_counts(c)],
+        commit,
+    )
+    _finish_each(taken, bad, commit, rows, row_starts)
+
+
+def _finish_each(
+    taken: list[tuple[TableGroup, list[int]]], bad: list[int], commit: bool, rows, row_starts
+) -> None:
+    """After one ``multi_update`` of the tables ``taken`` (each group's positions, in order:
+    their unique rows ``rows``, the i-th table's from ``row_starts[i]``): each group's
+    :meth:`TableGroup._finish`, a group with a table that refused first (it raises, and
+    nothing was changed)."""
+    shares, at = [], 0
+    for g, c in taken:
+        n = len(c)
+        shares.append((g, c, bad[at : at + n], row_starts[at : at + n + 1]))
+        at += n
+    shares.sort(key=lambda share: max(share[2]) < 0)
+    for g, c, refused, starts in shares:
+        first = starts[0]
+        g._finish(c, refused, commit, rows[first : starts[-1]], [r - first for r in starts])
 
 
 class _Lookup(torch.autograd.Function):

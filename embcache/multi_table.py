@@ -118,6 +118,11 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
     def tables(self) -> list[CachedLowPrecisionEmbedding]:
         return list(self._table_list)
 
+    @property
+    def group(self) -> TableGroup:
+        """The group that drives the tables and holds their pending gradient."""
+        return self._group
+
     def feature_dims(self) -> list[int]:
         """Each feature's width in the output, in feature order."""
         return [self.bag_tables[t].embedding_dim for t in self._feature_tables]

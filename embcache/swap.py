@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from embcache.embedding import CachedLowPrecisionEmbedding
+from embcache.group import update_together
 from embcache.multi_table import CachedLowPrecisionEmbeddingBags
 from embcache.unpooled import CachedLowPrecisionUnpooledEmbedding
 
@@ -109,15 +110,15 @@ def _replacement(name: str, module: nn.Module, per_table: Mapping, options: dict
 
 
 class TableOptimizer:
-    """``step()`` and ``zero_grad()`` for every cached table of ``model``: a collection's as
-    one table-batched call (all or nothing), a table on its own by itself. Call ``step()``
-    after ``backward()``, beside the torch optimizer of the other parameters."""
+    """``step()`` and ``zero_grad()`` for every cached table of ``model``. ``step()`` updates
+    all of them (the collections' and those on their own) in one table-batched call per
+    device, all or nothing: if any table refuses its update, none changes. Call it after
+    ``backward()``, beside the torch optimizer of the other parameters."""
 
     def __init__(self, model: nn.Module):
         self.units = []
         inside = set()
         for module in model.modules():
-            # a collection's tables step together, all or nothing
             if isinstance(module, CachedLowPrecisionEmbeddingBags):
                 self.units.append(module)
                 inside.update(id(t) for t in module.tables())
@@ -127,8 +128,11 @@ class TableOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for unit in self.units:
-            unit.step()
+        by_device: dict[torch.device, list] = {}
+        for group in (unit.group for unit in self.units):
+            by_device.setdefault(group.tables[0].weights.device, []).append(group)
+        for groups in by_device.values():
+            update_together(groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:

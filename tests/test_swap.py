@@ -100,3 +100,70 @@ def test_a_torchrec_collection_is_swapped_with_its_weights():
     assert torch.equal(model["ebc"](kjt).values(), expected)
     tables = embcache.TableOptimizer(model)
     assert tables.units == [model["ebc"]]
+
+
+class ManyTables(nn.Module):
+    """Tables on their own and a collection of ours, as a swapped model has them."""
+
+    def __init__(self):
+        super().__init__()
+        options = dict(cache_ratio=0.1, optimizer="rowwise_adagrad", lr=0.5, mode="sum")
+        self.singles = nn.ModuleList(
+            embcache.CachedLowPrecisionEmbedding(
+                n, 8, precision=p, name=f"s_{i}", table_id=i, **options
+            )
+            for i, (n, p) in enumerate([(2000, "int8"), (1500, "fp16"), (3000, "int4")])
+        )
+        bags = [embcache.BagTable(f"c_{i}", 1200 + i, 8) for i in range(2)]
+        self.bags = embcache.CachedLowPrecisionEmbeddingBags(bags, precision="int8", lr=0.5)
+
+    def forward(self, ids):
+        pooled = [t(ids[:, i : i + 1]) for i, t in enumerate(self.singles)]
+        return torch.cat([*pooled, self.bags(ids[:, 3:])], 1)
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def test_table_optimizer_updates_every_table_in_one_call_all_or_nothing(monkeypatch):
+    """TableOptimizer.step() is one table-batched update for tables on their own and a
+    collection's together, with the same result as stepping each unit by itself; and a step
+    one table refuses changes no table (not only those after it)."""
+    import embcache.group
+
+    gen = torch.Generator().manual_seed(5)
+    model = ManyTables()
+    alone = copy.deepcopy(model)
+    calls = []
+    ops = embcache.group._ops
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "multi_update":
+                calls.append(name)
+            return getattr(ops, name)
+
+    for _ in range(3):
+        ids = (torch.rand(16, 5, generator=gen) ** 2 * 1200).long()
+        grad = torch.randn(16, 40, generator=gen)
+        (model(ids) * grad).sum().backward()
+        (alone(ids) * grad).sum().backward()
+        monkeypatch.setattr(embcache.group, "_ops", Counting())
+        embcache.TableOptimizer(model).step()
+        monkeypatch.setattr(embcache.group, "_ops", ops)
+        for unit in [*alone.singles, alone.bags]:
+            unit.step()
+        theirs = _state(alone)
+        assert all(torch.equal(v, theirs[k]) for k, v in _state(model).items())
+    assert calls == ["multi_update"] * 3
+
+    ids = torch.zeros(4, 5, dtype=torch.long)
+    grad = torch.zeros(4, 40)
+    grad[:, 8:16] = float("inf")  # the second unit's gradient: refused, and so the step
+    (model(ids) * grad).sum().backward()
+    before = _state(model)
+    with pytest.raises(embcache.EmbeddingUpdateError, match="table 's_1': non-finite"):
+        embcache.TableOptimizer(model).step()
+    after = _state(model)
+    assert all(torch.equal(v, after[k]) for k, v in before.items())

@@ -257,13 +257,19 @@ def test_cached_tables_pool_their_rows_as_embedding_bag(case, precision, device)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+# torch 2.13 on the CPU refuses decreasing offsets on two threads and reads them on one
+# (docs/contract.md §8): ours refuses them on every thread count
+PYTORCH_REFUSES_ON_SOME_THREAD_COUNTS = {"decreasing offsets"}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", list(POOLED_REFUSALS))
 def test_what_embedding_bag_refuses_is_refused_changing_nothing(case, precision, device):
     options, args = POOLED_REFUSALS[case]
-    with pytest.raises(REFUSED):  # on the CPU: on a GPU a bad index is a device-side assert
-        nn.EmbeddingBag(ROWS, DIM, **options)(*args)
+    if case not in PYTORCH_REFUSES_ON_SOME_THREAD_COUNTS:
+        with pytest.raises(REFUSED):  # on the CPU: on a GPU a bad index is a device-side assert
+            nn.EmbeddingBag(ROWS, DIM, **options)(*args)
     ids, offsets, psw = _to(device, *args)
     ours = CachedLowPrecisionEmbedding(
         ROWS, DIM, precision=precision, device=device, name="t", **options, **CACHED

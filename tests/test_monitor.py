@@ -6,14 +6,17 @@ skipped steps to the run's."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 from test_train import SMALL
+from torch import nn
 
 from dlrm.cli import main
-from dlrm.monitor import read_history
+from dlrm.distributed import ONE_PROCESS
+from dlrm.monitor import RunMonitor, read_history
 from embcache.telemetry import PROBE_COUNTERS
 
 
@@ -87,9 +90,9 @@ def test_precision_telemetry_adds_up_and_rounds_stochastically(tmp_path):
 def test_a_resumed_run_continues_its_history(tmp_path):
     out = tmp_path / "run"
     assert _train(out, "--steps", "20", "--stop-after", "12", "--checkpoint-every", "6") == 0
-    assert [r["step"] for r in _intervals(out)] == [5, 10]
+    assert [r["step"] for r in _intervals(out)] == [5, 10, 12]  # 12: where it stopped
     assert _train(out, "--steps", "20", "--resume") == 0
-    assert [r["step"] for r in _intervals(out)] == [5, 10, 15, 20]
+    assert [r["step"] for r in _intervals(out)] == [5, 10, 12, 15, 20]
     assert len([r for r in read_history(out) if "tables" in r and "step" not in r]) == 1
 
 
@@ -118,3 +121,31 @@ def test_report_draws_a_run(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1300, 850)  # the four panels, at 100 dpi
+
+
+def test_an_interval_with_a_loss_that_is_not_finite_records_null(tmp_path):
+    """Strict JSON has no Infinity: the interval's mean loss is null, the next one's is
+    its own; the last steps make a last, shorter interval."""
+    model = nn.Module()
+    model.embedding_collection = nn.Module()  # not ours: no tables' figures
+    with RunMonitor(tmp_path, model, ONE_PROCESS, every=2, first_step=0) as monitor:
+        for step, loss in enumerate([0.5, math.inf, 0.25], start=1):
+            monitor.step(step, {"loss": loss, "skipped": math.isinf(loss), "scale": 8.0}, 4)
+    intervals = [(r["step"], r["loss"], r["skipped"]) for r in _intervals(tmp_path)]
+    assert intervals == [(2, None, 1), (3, 0.25, 0)]
+
+
+def test_a_run_shorter_than_the_interval_is_logged_and_drawn(tmp_path, capsys):
+    """3 steps at --log-every 5: the history ends with an interval of all 3, a piped run prints
+    its line, and the report draws it."""
+    out = tmp_path / "run"
+    argv = [a for a in SMALL if a != "--no-progress"]  # stderr is not a terminal: lines
+    assert main(["train", "--out", str(out), *argv, "--steps", "3", "--log-every", "5"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    (interval,) = _intervals(out)
+    assert interval["step"] == report["steps"] == 3
+    assert interval["scale"] == report["loss_scale"]["final"]
+    assert interval["skipped"] == report["skipped_steps"]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 3"]
+    assert main(["report", str(out)]) == 0

@@ -6,18 +6,15 @@ skipped steps to the run's."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
 import pytest
 from matplotlib.colors import to_hex
 from test_train import SMALL
-from torch import nn
 
 from dlrm.cli import main
-from dlrm.distributed import ONE_PROCESS
-from dlrm.monitor import RunMonitor, read_history
+from dlrm.monitor import read_history
 from dlrm.plots import draw
 from embcache.telemetry import PROBE_COUNTERS
 
@@ -125,16 +122,22 @@ def test_report_draws_a_run(tmp_path, capsys):
     assert (width, height) == (1300, 850)  # the four panels, at 100 dpi
 
 
-def test_an_interval_with_a_loss_that_is_not_finite_records_null(tmp_path):
-    """Strict JSON has no Infinity: the interval's mean loss is null, the next one's is
-    its own; the last steps make a last, shorter interval."""
-    model = nn.Module()
-    model.embedding_collection = nn.Module()  # not ours: no tables' figures
-    with RunMonitor(tmp_path, model, ONE_PROCESS, every=2, first_step=0) as monitor:
-        for step, loss in enumerate([0.5, math.inf, 0.25], start=1):
-            monitor.step(step, {"loss": loss, "skipped": math.isinf(loss), "scale": 8.0}, 4)
-    intervals = [(r["step"], r["loss"], r["skipped"]) for r in _intervals(tmp_path)]
-    assert intervals == [(2, None, 1), (3, 0.25, 0)]
+def test_a_diverging_run_records_the_scale_after_each_interval_and_its_last_steps(tmp_path):
+    """Steps overflow (SGD at lr 6) until the run diverges: each interval's loss scale is the
+    one after its last step (the report's trace there), a mean loss that is not finite is
+    null, and the last interval ends at the run's last step; the report draws it."""
+    out = tmp_path / "run"
+    args = ["--steps", "300", "--lr", "6", "--optimizer", "sgd", "--batch-size", "64"]
+    assert _train(out, *args, "--eval-every", "0") == 1
+    report = json.loads((out / "report.json").read_text())
+    trace = report["loss_scale"]["trace"]  # [s, the scale after step s]
+    intervals = _intervals(out)
+    for r in intervals:
+        assert r["scale"] == [scale for s, scale in trace if s <= r["step"]][-1], r["step"]
+    assert len({r["scale"] for r in intervals}) > 1  # the scale fell, a test of the above
+    assert intervals[-1]["step"] == report["steps"] == report["diverged"]["step"]
+    assert intervals[-1]["loss"] is None and intervals[0]["loss"] is not None
+    assert main(["report", str(out)]) == 0
 
 
 def test_a_run_shorter_than_the_interval_is_logged_and_drawn(tmp_path, capsys):

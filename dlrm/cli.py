@@ -121,7 +121,8 @@ def add_data_options(g, *, old_names: bool = False) -> None:
     g.add_argument(
         "--data",
         default=_DEFAULTS.data,
-        help="a preprocessed directory, or 'synthetic' (default: generated once, deterministic)",
+        help="a preprocessed directory, or synthetic: generated once, deterministically, into "
+        "data/ beside the run directory (default: %(default)s)",
     )
     add_synthetic_options(g, old_names=old_names)
 
@@ -148,35 +149,94 @@ def add_synthetic_options(g, *, old_names: bool = False) -> None:
     )
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    d = _DEFAULTS
+def _data_options(p: argparse.ArgumentParser) -> None:
     add_data_options(p.add_argument_group("data"))
-    g = p.add_argument_group("embedding tables")
+
+
+def _format_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("table formats and caches (--memory-budget chooses them per table)")
     g.add_argument(
         "--embeddings",
         choices=EMBEDDINGS,
         default=d.embeddings,
-        help="ours, or TorchRec's FP32 EmbeddingBagCollection (baseline)",
+        help="our tables, or TorchRec's FP32 EmbeddingBagCollection as a baseline "
+        "(default: %(default)s)",
     )
-    g.add_argument("--precision", choices=list(PRECISION_BITS), default=d.precision)
-    g.add_argument("--rounding", choices=ROUNDINGS, default=d.rounding)
-    g.add_argument("--cache-ratio", type=float, default=d.cache_ratio)
-    g.add_argument("--associativity", type=int, default=d.associativity)
-    g.add_argument("--policy", choices=POLICIES, default=d.policy)
+    g.add_argument(
+        "--precision",
+        choices=list(PRECISION_BITS),
+        default=d.precision,
+        help="how each table stores its rows (default: %(default)s)",
+    )
+    g.add_argument(
+        "--cache-ratio",
+        type=float,
+        default=d.cache_ratio,
+        help="fraction of a table's rows its FP32 cache holds, 0 for none (default: %(default)s)",
+    )
+    g.add_argument(
+        "--associativity",
+        type=int,
+        default=d.associativity,
+        help="cache slots per set, 1 (direct-mapped) to 32 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=d.policy,
+        help="which cached row a new one evicts: least recently or least frequently used "
+        "(default: %(default)s)",
+    )
+
+
+def _table_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("embedding tables")
+    g.add_argument(
+        "--rounding",
+        choices=ROUNDINGS,
+        default=d.rounding,
+        help="how an updated row is rounded back to its precision (default: %(default)s)",
+    )
     add_lfu_count_bits_option(g)
-    g.add_argument("--emb-optimizer", choices=TABLE_OPTIMIZERS, default=d.emb_optimizer)
-    g.add_argument("--emb-lr", type=float, default=d.emb_lr)
-    g.add_argument("--qparams", choices=QPARAMS, default=d.qparams)
-    g.add_argument("--min-rows-for-low-precision", type=int, default=d.min_rows_for_low_precision)
+    g.add_argument(
+        "--emb-optimizer",
+        choices=TABLE_OPTIMIZERS,
+        default=d.emb_optimizer,
+        help="the tables' optimizer (default: %(default)s)",
+    )
+    g.add_argument(
+        "--emb-lr",
+        type=float,
+        default=d.emb_lr,
+        help="the tables' learning rate (default: %(default)s)",
+    )
+    g.add_argument(
+        "--qparams",
+        choices=QPARAMS,
+        default=d.qparams,
+        help="precision of each low-precision row's scale and bias (default: %(default)s)",
+    )
+    g.add_argument(
+        "--min-rows-for-low-precision",
+        type=int,
+        default=d.min_rows_for_low_precision,
+        help="tables with fewer rows stay FP32 without a cache (default: %(default)s)",
+    )
     g.add_argument(
         "--table",
         type=_table_override,
         action="append",
-        default=[],
         metavar="NAME:key=value,...",
         help="per-table override, e.g. t_2:precision=int4,cache_ratio=0.1 "
-        f"(tables are {TABLE_NAMES[0]}..{TABLE_NAMES[-1]})",
+        f"(tables are {TABLE_NAMES[0]}..{TABLE_NAMES[-1]}; repeatable; default: none)",
     )
+
+
+def _budget_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("memory budget")
     g.add_argument(
         "--memory-budget",
         type=_size,
@@ -185,7 +245,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="bytes the tables may take in each process (700MiB, 1.5GiB, 800MB, bytes): each "
         "table's precision, cache, associativity and policy are planned to fit it, times "
         "--nproc-per-node, whose processes TorchRec's planner then gives at most this each "
-        "('dlrm plan' shows the plan)",
+        "('dlrm plan' shows the plan; default: none, no planning)",
     )
     g.add_argument(
         "--plan-rows",
@@ -193,75 +253,188 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default=d.plan_rows,
         help="plan from this many training rows, the first the run reads (default: %(default)s)",
     )
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("model and batches")
+    g.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=d.preset,
+        help="the model's sizes: kaggle (embedding dim 16) or paper (dim 128) "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="samples a step, and a batch of evaluation and planning (default: %(default)s)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seeds the synthetic data, the shuffling, the initial weights and the stochastic "
+        "rounding (default: %(default)s)",
+    )
+
+
+def _training_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
     g = p.add_argument_group("training")
-    g.add_argument("--preset", choices=list(PRESETS), default=d.preset)
-    g.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default=d.dense_precision)
-    g.add_argument("--loss-scaler", choices=SCALERS, default=d.loss_scaler)
-    g.add_argument("--static-scale", type=float, default=d.static_scale)
+    g.add_argument(
+        "--dense-precision",
+        choices=DENSE_PRECISIONS,
+        default=d.dense_precision,
+        help="precision of the MLPs' forward and backward, over FP32 master weights "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--loss-scaler",
+        choices=SCALERS,
+        default=d.loss_scaler,
+        help="static (fixed: --static-scale), backoff (halved on overflow, doubled after "
+        "2000 clean steps) or logmax (aimed from the gradients' largest values) "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--static-scale",
+        type=float,
+        default=d.static_scale,
+        help="the loss scale of --loss-scaler static (default: %(default)s)",
+    )
     g.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
         default=d.optimizer,
-        help="dense optimizer",
+        help="the dense optimizer (default: %(default)s)",
     )
-    g.add_argument("--lr", type=float, default=d.lr, help="dense learning rate")
-    g.add_argument("--batch-size", type=int, default=d.batch_size)
-    g.add_argument("--epochs", type=int, default=d.epochs)
-    g.add_argument("--steps", type=int, default=d.steps, help="total steps (default: whole epochs)")
-    g.add_argument("--eval-every", type=int, default=d.eval_every)
-    g.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--threads", type=int, default=d.threads)
-    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     g.add_argument(
-        "--stop-after",
+        "--lr", type=float, default=d.lr, help="the dense learning rate (default: %(default)s)"
+    )
+    g.add_argument(
+        "--epochs",
         type=int,
-        default=d.stop_after,
-        help="stop after this many steps of this invocation, as if interrupted (resume with --resume)",
+        default=d.epochs,
+        help="passes over the train split (default: %(default)s)",
+    )
+    g.add_argument(
+        "--steps", type=int, default=d.steps, help="total steps (default: whole --epochs)"
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="steps between validations, 0 for none (default: %(default)s)",
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=d.eval_batches,
+        help="batches each validation scores (default: %(default)s)",
     )
     g.add_argument(
         "--max-skipped-in-a-row",
         type=int,
         default=d.max_skipped_in_a_row,
-        help="stop the run as diverged after this many skipped steps in a row",
+        help="stop the run as diverged after this many skipped steps in a row "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--compare-fp32",
         action="store_true",
         help="also train the same run with FP32 tables (no cache) in OUT/fp32 and compare",
     )
+
+
+def _output_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("checkpoints, logs and threads")
     g.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (on a terminal) or progress lines (otherwise)",
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        help="steps between checkpoints; one is also kept at the end (default: %(default)s)",
+    )
+    g.add_argument(
+        "--stop-after",
+        type=int,
+        default=d.stop_after,
+        help="stop after this many steps of this invocation, as if interrupted (resume with "
+        "--resume; default: none)",
     )
     g.add_argument(
         "--log-every",
         type=int,
         default=d.log_every,
-        help="steps between the figures written to OUT/history.jsonl (and TensorBoard)",
+        help="steps between the figures written to OUT/history.jsonl, TensorBoard and the "
+        "progress lines; the run's last steps are written at its end (default: %(default)s)",
     )
-    g.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files here")
-    g = p.add_argument_group("device and processes")
     g.add_argument(
-        "--device",
-        default=d.device,
-        help="where to train: auto (a CUDA GPU if torch sees one, else the CPU), cpu, cuda or "
-        "cuda:N; a run may resume on another device (default: %(default)s)",
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard event files here (default: none)",
     )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="torch's threads in each process (default: torch's own choice)",
+    )
+
+
+def _process_options(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("processes and progress")
     g.add_argument(
         "--nproc-per-node",
         type=int,
         default=d.nproc_per_node,
-        help="train in this many processes (gloo): each takes an equal part of every batch, "
-        "the tables are sharded over them by TorchRec's planner",
+        help="run in this many processes (gloo; on GPUs NCCL, one GPU each): each takes an "
+        "equal part of every batch, the tables are sharded over them by TorchRec's planner "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (on a terminal) or progress lines (otherwise)",
     )
 
 
+def _device_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("device")
+    g.add_argument(
+        "--device",
+        default=_DEFAULTS.device,
+        help="where to run: auto (a CUDA GPU if torch sees one, else the CPU), cpu, cuda or "
+        "cuda:N; a run may resume on another device (default: %(default)s)",
+    )
+
+
+# the option groups each command of a run takes: train all; plan what planning reads;
+# evaluate none of a run's configuration, which it reads from the checkpoint
+_TRAIN_OPTIONS = (
+    _data_options,
+    _format_options,
+    _table_options,
+    _budget_options,
+    _model_options,
+    _training_options,
+    _output_options,
+    _device_options,
+    _process_options,
+)
+_PLAN_OPTIONS = (_data_options, _table_options, _budget_options, _model_options, _process_options)
+_EVALUATE_OPTIONS = (_device_options, _process_options)
+
+
 def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of a command's options; the fields it has no option for keep their
+    defaults."""
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    values["tables"] = {name: opts for name, opts in args.table}
+    values["tables"] = dict(getattr(args, "table", None) or ())
     values["progress"] = not args.no_progress
     return RunConfig(**values)
 
@@ -357,7 +530,9 @@ def _plan_text(plan: dict, seconds: float, processes: int = 1) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The ``dlrm`` command's parser: a subparser per command, each option with its help
+    and default."""
     parser = _Parser(
         prog="dlrm", description="DLRM on Criteo with low-precision cached embedding tables"
     )
@@ -367,28 +542,44 @@ def main(argv=None) -> int:
         "train",
         help="train a model (default: INT8 tables + 5%% LFU cache, FP16 dense, synthetic data)",
     )
-    _add_run_options(p)
+    for add in _TRAIN_OPTIONS:
+        add(p)
     p.add_argument(
         "--out",
         type=Path,
         default=_DEFAULT_OUT,
-        help="run directory (checkpoint/, report.json)",
+        help="run directory: checkpoint/, history.jsonl, report.json; synthetic data go to "
+        "data/ beside it (default: %(default)s)",
     )
     p.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its checkpoint"
     )
 
-    p = sub.add_parser("evaluate", help="evaluate a run's checkpoint")
-    _add_run_options(p)
-    p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="run directory")
-    p.add_argument("--split", choices=["val", "test"], default="test")
+    p = sub.add_parser(
+        "evaluate",
+        help="evaluate a run's latest checkpoint with the configuration it was trained with",
+        description="Score the latest checkpoint in --out on a split. The run's data, tables "
+        "and model are those its checkpoint records.",
+    )
+    for add in _EVALUATE_OPTIONS:
+        add(p)
+    p.add_argument(
+        "--out", type=Path, default=_DEFAULT_OUT, help="run directory (default: %(default)s)"
+    )
+    p.add_argument(
+        "--split",
+        choices=["val", "test"],
+        default="test",
+        help="the data split to score (default: %(default)s)",
+    )
 
     p = sub.add_parser(
         "plan",
         help="print each table's precision and cache planned to fit --memory-budget, as "
         "dlrm train --memory-budget with the same options trains them",
     )
-    _add_run_options(p)
+    for add in _PLAN_OPTIONS:
+        add(p)
 
     p = sub.add_parser("report", help="draw a run (finished or running) into a PNG")
     p.add_argument("run", type=Path, help="the run directory (a dlrm train --out)")
@@ -402,16 +593,21 @@ def main(argv=None) -> int:
         type=Path,
         help="train.txt, or a directory of TorchRec day_*.npy files with --torchrec",
     )
-    p.add_argument("out", type=Path)
+    p.add_argument("out", type=Path, help="the preprocessed directory to write (--data)")
     p.add_argument(
         "--torchrec", action="store_true", help="src is TorchRec's preprocessed npy layout"
     )
-    p.add_argument("--min-count", type=_int_at_least(1), default=1)
+    p.add_argument(
+        "--min-count",
+        type=_int_at_least(1),
+        default=1,
+        help="ids seen fewer times share one row per feature (default: %(default)s)",
+    )
     p.add_argument(
         "--max-ind-range",
         type=_int_at_least(0),
         default=0,
-        help="hash ids modulo this (0: no hashing)",
+        help="hash ids modulo this, 0 for no hashing (default: %(default)s)",
     )
 
     p = sub.add_parser(
@@ -419,10 +615,16 @@ def main(argv=None) -> int:
         help="write the synthetic Criteo-like data set to a directory: the data dlrm train "
         "generates with the same options",
     )
-    p.add_argument("out", type=Path)
+    p.add_argument("out", type=Path, help="the directory to write (--data)")
     add_synthetic_options(p, old_names=True)
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    p.add_argument(
+        "--seed", type=int, default=_DEFAULTS.seed, help="the data's seed (default: %(default)s)"
+    )
+    return parser
 
+
+def main(argv=None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:

@@ -1,9 +1,11 @@
 """Watching a run while it trains (``dlrm train --log-every N --tensorboard DIR``).
 
-Every ``N`` steps the interval's figures -- mean loss, the loss scale, skipped steps,
+Every ``N`` steps, and at a run's end (finished, stopped or diverged) for the steps since
+the last such record, the interval's figures -- mean loss (null if a step's loss was not
+finite), the loss scale (after the interval's last step: the next step's), skipped steps,
 samples/s and, per table, the hit rate, insertions, evictions and bypasses of the interval,
-and its precision telemetry (the rounding's mean and largest error, the shares rounded up and
-expected up, the share of rows never updated: :mod:`embcache.telemetry`) -- and every
+and its precision telemetry (the rounding's mean and largest error, the shares rounded up
+and expected up, the share of rows never updated: :mod:`embcache.telemetry`) -- and every
 validation go to:
 
 * ``OUT/history.jsonl``, one JSON object a line (what ``dlrm report`` plots; its first line
@@ -21,6 +23,7 @@ small collective and one line of JSON every ``N`` steps.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -40,7 +43,11 @@ HISTORY = "history.jsonl"
 class RunMonitor:
     """The running record of one run in ``out_dir`` (see the module's docstring), used as a
     context: ``step`` after every training step, ``evaluation`` after every validation;
-    every rank calls them at the same steps."""
+    every rank calls them at the same steps. ``scaler``: the trainer's loss scaler, whose
+    ``scale`` an interval records. Leaving the context without an exception writes the steps
+    since the last interval as a last, shorter one (so the history ends at the run's last
+    step and final loss scale, however few its steps); every rank leaves it at the same
+    step."""
 
     def __init__(
         self,
@@ -49,13 +56,15 @@ class RunMonitor:
         ranks,
         every: int,
         first_step: int,
+        scaler,
         tensorboard: Path | None = None,
         log_lines: bool = False,
     ):
-        self.model, self.ranks, self.every = model, ranks, every
+        self.model, self.ranks, self.every, self.scaler = model, ranks, every, scaler
         self.history = out_dir / HISTORY
         self.log_lines = log_lines and ranks.main
         self._loss_sum, self._steps, self._skipped = 0.0, 0, 0
+        self._last_step = first_step
         self._start = time.perf_counter()
         self._samples = 0
         tables = table_figures(model, ranks)
@@ -84,8 +93,9 @@ class RunMonitor:
         self._steps += 1
         self._skipped += bool(out["skipped"])
         self._samples += samples
+        self._last_step = step
         if step % self.every == 0:
-            self._write_interval(step, out["scale"])
+            self._write_interval(step)
 
     def evaluation(self, step: int, metrics: dict) -> None:
         if not self.ranks.main:
@@ -99,11 +109,15 @@ class RunMonitor:
     def __enter__(self) -> RunMonitor:
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.writer is not None:
-            self.writer.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if exc_type is None and self._steps:  # steps since the last interval
+                self._write_interval(self._last_step)
+        finally:
+            if self.writer is not None:
+                self.writer.close()
 
-    def _write_interval(self, step: int, scale: float) -> None:
+    def _write_interval(self, step: int) -> None:
         seconds = time.perf_counter() - self._start
         sums = torch.tensor([float(self._loss_sum), float(self._steps)], dtype=torch.float64)
         if self.ranks.group is not None:  # the loss of every rank's part of the batches
@@ -111,10 +125,12 @@ class RunMonitor:
         loss_sum, steps = sums.tolist()
         tables = table_figures(self.model, self.ranks)
         counts = _counts(tables)
+        loss = loss_sum / max(steps, 1.0)
         record = {
             "step": step,
-            "loss": loss_sum / max(steps, 1.0),
-            "scale": scale,
+            # null if a step's loss was not finite: strict JSON has no NaN or Infinity
+            "loss": loss if math.isfinite(loss) else None,
+            "scale": self.scaler.scale,
             "skipped": self._skipped,  # the ranks skip together
             "samples_per_second": self._samples / max(seconds, 1e-9),
             "tables": {name: _interval(counts[name], self._counts.get(name)) for name in counts},
@@ -128,7 +144,8 @@ class RunMonitor:
         if self.writer is not None:
             for key in ("loss", "scale", "skipped", "samples_per_second"):
                 tag = "loss_scale" if key == "scale" else key
-                self.writer.add_scalar(f"train/{tag}", record[key], step)
+                if record[key] is not None:
+                    self.writer.add_scalar(f"train/{tag}", record[key], step)
             for name, figures in record["tables"].items():
                 for key, value in figures.items():
                     if key not in PROBE_COUNTERS:  # their figures are there
@@ -136,7 +153,7 @@ class RunMonitor:
             self.writer.flush()
         if self.log_lines:
             print(
-                f"step {step}: loss {record['loss']:.4f} scale {scale:g} "
+                f"step {step}: loss {loss:.4f} scale {record['scale']:g} "
                 f"skipped {record['skipped']} samples/s {record['samples_per_second']:.0f}",
                 file=sys.stderr,
                 flush=True,

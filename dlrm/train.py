@@ -210,6 +210,7 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
         ranks,
         every=cfg.log_every,
         first_step=progress["step"],
+        scaler=trainer.scaler,
         tensorboard=Path(cfg.tensorboard) if cfg.tensorboard else None,
         log_lines=cfg.progress and not on_terminal,
     )

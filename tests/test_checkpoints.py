@@ -47,7 +47,7 @@ def _resume_and_evaluate(out: Path) -> list[list]:
     """The two ways a user reads a run's checkpoint."""
     return [
         ["train", "--out", str(out), *SMALL, "--resume", "--steps", "8"],
-        ["evaluate", "--out", str(out), *SMALL],
+        ["evaluate", "--out", str(out), "--no-progress"],
     ]
 
 
@@ -181,7 +181,7 @@ def test_the_last_checkpoint_of_a_diverged_run_is_usable(tmp_path, capsys):
     kept = report["diverged"]["last_checkpoint_step"]
     assert f"last checkpoint: step {kept} ({out / 'checkpoint'})" in err, err
     assert run_dir.read_manifest(out / "checkpoint")["step"] == kept
-    assert main(["evaluate", "--out", str(out), *SMALL]) == 0
+    assert main(["evaluate", "--out", str(out), "--no-progress"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert math.isfinite(metrics["auc"]) and math.isfinite(metrics["log_loss"])
 
@@ -217,7 +217,7 @@ def test_a_signal_stops_a_run_at_a_step_with_a_checkpoint_there(tmp_path, capsys
     assert f"last checkpoint: step {step} ({out / 'checkpoint'}); continue with --resume" in line
     assert run_dir.read_manifest(out / "checkpoint")["step"] == step
     assert not list(out.glob(".*.tmp"))
-    assert main(["evaluate", "--out", str(out), *SMALL]) == 0  # the checkpoint loads
+    assert main(["evaluate", "--out", str(out), "--no-progress"]) == 0  # the checkpoint loads
     assert _train(out, "--resume", "--steps", str(step + 2)) == 0
     assert json.loads((out / "report.json").read_text())["steps"] == step + 2
     capsys.readouterr()

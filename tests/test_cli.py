@@ -1,13 +1,16 @@
-"""The `dlrm` command under bad options and failing runs: one line naming the option and exit
+"""The `dlrm` command: every option's help shows its default, and each command offers only
+the options it uses; under bad options and failing runs, one line naming the option and exit
 status 2 before any work; a diverging run stops naming the step, writes a strict-JSON report
 marked diverged and keeps its last good checkpoint; undefined metrics are reported as such."""
 
+import argparse
 import json
 import random
+import re
 
 import pytest
 
-from dlrm.cli import main
+from dlrm.cli import main, make_parser
 from dlrm.run_dir import latest_checkpoint
 
 SMALL = [
@@ -30,6 +33,76 @@ def _strict_json(path):
         raise AssertionError(f"{path} holds the non-JSON token {token}")
 
     return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """Each dlrm command's parser, by name."""
+    (commands,) = [a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices
+
+
+@pytest.mark.parametrize("command", list(_commands()))
+def test_every_option_says_what_it_means_and_its_default(command):
+    """Every argument but --help has help; an option that takes a value shows its default
+    (argparse's %(default)s, or in words when it is None)."""
+    parser = _commands()[command]
+    parser.format_help()  # every help string formats
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = f"dlrm {command} {'/'.join(action.option_strings) or action.dest}"
+        assert action.help and action.help.strip(), name
+        if action.option_strings and action.nargs != 0:
+            shown = "%(default)s" if action.default is not None else "default: "
+            assert shown in action.help, name
+
+
+# options that only a training run reads, which dlrm plan does not offer
+TRAINING_ONLY = {
+    "--embeddings",
+    "--precision",
+    "--cache-ratio",
+    "--associativity",
+    "--policy",
+    "--dense-precision",
+    "--loss-scaler",
+    "--static-scale",
+    "--optimizer",
+    "--lr",
+    "--epochs",
+    "--steps",
+    "--eval-every",
+    "--eval-batches",
+    "--max-skipped-in-a-row",
+    "--compare-fp32",
+    "--checkpoint-every",
+    "--stop-after",
+    "--log-every",
+    "--tensorboard",
+    "--threads",
+    "--out",
+    "--resume",
+}
+
+
+def _help_options(capsys, command: str) -> set[str]:
+    """The options ``dlrm COMMAND --help`` names."""
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    return set(re.findall(r"--[a-z0-9-]+", capsys.readouterr().out))
+
+
+def test_plan_and_evaluate_offer_only_what_they_use(capsys):
+    assert TRAINING_ONLY <= _help_options(capsys, "train")
+    plan = _help_options(capsys, "plan")
+    assert not plan & TRAINING_ONLY, sorted(plan & TRAINING_ONLY)
+    planning = {"--data", "--synthetic-rows", "--synthetic-scale", "--table", "--emb-optimizer"}
+    planning |= {"--memory-budget", "--plan-rows", "--batch-size", "--seed", "--nproc-per-node"}
+    assert planning <= plan
+    # the run's configuration comes from its checkpoint
+    evaluate = _help_options(capsys, "evaluate")
+    assert evaluate == {"--help", "--out", "--split", "--nproc-per-node", "--no-progress"}
 
 
 @pytest.mark.parametrize(
@@ -164,8 +237,9 @@ def test_metrics_of_a_split_with_one_class_are_undefined_and_the_report_is_writt
 def test_evaluate_refuses_a_checkpoint_of_other_data_at_the_same_path(tmp_path, capsys):
     data, out = tmp_path / "data", tmp_path / "run"
     assert main(["generate", str(data), "--rows", "5000", "--scale", "0.0005"]) == 0
-    argv = ["--out", str(out), "--data", str(data), "--batch-size", "64", "--no-progress"]
-    assert main(["train", *argv, "--steps", "2", "--eval-every", "0"]) == 0
+    argv = ["--out", str(out), "--no-progress"]
+    train = ["train", *argv, "--data", str(data), "--batch-size", "64", "--eval-every", "0"]
+    assert main([*train, "--steps", "2"]) == 0
     assert main(["evaluate", *argv]) == 0
     assert main(["generate", str(data), "--rows", "5000", "--scale", "0.0005", "--seed", "1"]) == 0
     capsys.readouterr()

@@ -10,10 +10,12 @@ import subprocess
 import sys
 
 import pytest
+from matplotlib.colors import to_hex
 from test_train import SMALL
 
 from dlrm.cli import main
 from dlrm.monitor import read_history
+from dlrm.plots import draw
 from embcache.telemetry import PROBE_COUNTERS
 
 
@@ -87,9 +89,9 @@ def test_precision_telemetry_adds_up_and_rounds_stochastically(tmp_path):
 def test_a_resumed_run_continues_its_history(tmp_path):
     out = tmp_path / "run"
     assert _train(out, "--steps", "20", "--stop-after", "12", "--checkpoint-every", "6") == 0
-    assert [r["step"] for r in _intervals(out)] == [5, 10]
+    assert [r["step"] for r in _intervals(out)] == [5, 10, 12]  # 12: where it stopped
     assert _train(out, "--steps", "20", "--resume") == 0
-    assert [r["step"] for r in _intervals(out)] == [5, 10, 15, 20]
+    assert [r["step"] for r in _intervals(out)] == [5, 10, 12, 15, 20]
     assert len([r for r in read_history(out) if "tables" in r and "step" not in r]) == 1
 
 
@@ -118,3 +120,84 @@ def test_report_draws_a_run(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1300, 850)  # the four panels, at 100 dpi
+
+
+def test_a_diverging_run_records_the_scale_after_each_interval_and_its_last_steps(tmp_path):
+    """Steps overflow (SGD at lr 6) until the run diverges: each interval's loss scale is the
+    one after its last step (the report's trace there), a mean loss that is not finite is
+    null, and the last interval ends at the run's last step; the report draws it."""
+    out = tmp_path / "run"
+    args = ["--steps", "300", "--lr", "6", "--optimizer", "sgd", "--batch-size", "64"]
+    assert _train(out, *args, "--eval-every", "0") == 1
+    report = json.loads((out / "report.json").read_text())
+    trace = report["loss_scale"]["trace"]  # [s, the scale after step s]
+    intervals = _intervals(out)
+    for r in intervals:
+        assert r["scale"] == [scale for s, scale in trace if s <= r["step"]][-1], r["step"]
+    assert len({r["scale"] for r in intervals}) > 1  # the scale fell, a test of the above
+    assert intervals[-1]["step"] == report["steps"] == report["diverged"]["step"]
+    assert intervals[-1]["loss"] is None and intervals[0]["loss"] is not None
+    assert main(["report", str(out)]) == 0
+
+
+def test_a_run_shorter_than_the_interval_is_logged_and_drawn(tmp_path, capsys):
+    """3 steps at --log-every 5: the history ends with an interval of all 3, a piped run prints
+    its line, and the report draws it, with markers, to that step and the run's final loss
+    scale."""
+    out = tmp_path / "run"
+    argv = [a for a in SMALL if a != "--no-progress"]  # stderr is not a terminal: lines
+    assert main(["train", "--out", str(out), *argv, "--steps", "3", "--log-every", "5"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    (interval,) = _intervals(out)
+    assert interval["step"] == report["steps"] == 3
+    assert interval["scale"] == report["loss_scale"]["final"]
+    assert interval["skipped"] == report["skipped_steps"]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 3"]
+    assert main(["report", str(out)]) == 0
+
+    fig = draw(read_history(out), "run")
+    assert fig.get_suptitle() == "dlrm run run: 3 steps"
+    (scale,) = _panel(fig, "loss scale").get_lines()
+    assert (scale.get_xdata()[-1], scale.get_ydata()[-1]) == (3, report["loss_scale"]["final"])
+    lines = [line for ax in fig.axes for line in ax.get_lines()]
+    assert lines and all(line.get_marker() == "o" for line in lines)  # a lone point shows
+
+
+def _history(tables: int, steps: list[int]) -> list[dict]:
+    """A history (as read_history gives it) of ``tables`` cached tables, an interval at each
+    of ``steps``, the loss scale doubling at each, and a validation at the last."""
+    names = [f"t_{i}" for i in range(tables)]
+    described = {"precision": "int8", "cache_slots": 8, "memory_bytes": 100, "fp32_bytes": 400}
+    records = [{"tables": {n: described for n in names}}]
+    for k, step in enumerate(steps):
+        figures = {n: {"hit_rate": (i + k) / (tables + len(steps))} for i, n in enumerate(names)}
+        records.append(
+            {"step": step, "loss": 0.5, "scale": 2.0**k, "skipped": k % 2, "tables": figures}
+        )
+    return [*records, {"step": steps[-1], "val": {"auc": 0.7}}]
+
+
+def _panel(fig, title: str):
+    (ax,) = [ax for ax in fig.axes if ax.get_title(loc="left") == title]
+    return ax
+
+
+def test_report_draws_every_interval_and_tells_26_tables_apart(tmp_path):
+    """The traces reach the last interval (a short one after 10000); the 26 tables' hit-rate
+    lines each have their own colour; no legend covers a panel."""
+    steps = [*range(1000, 10001, 1000), 10044]
+    fig = draw(_history(26, steps), "run")
+    fig.draw_without_rendering()  # lays the figure out
+    assert fig.get_suptitle() == "dlrm run run: 10044 steps"
+    (scale,) = _panel(fig, "loss scale").get_lines()
+    assert list(scale.get_xdata()) == steps and scale.get_ydata()[-1] == 2.0**10
+    lines = _panel(fig, "cache hit rate per table").get_lines()
+    assert [line.get_label() for line in lines] == [f"t_{i}" for i in range(26)]
+    assert all(list(line.get_xdata()) == steps for line in lines)
+    assert len({to_hex(line.get_color()) for line in lines}) == 26
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 4  # loss and AUC, skipped steps, hit rates, memory
+    for legend in legends:
+        box = legend.get_window_extent()
+        assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes), legend

@@ -36,7 +36,8 @@ TABLES = [
     TableConfig(3_000, 32, name="t_3", optimizer="adagrad"),
 ]
 POWERS = (1, 4, 1, 8)  # ids rand ** power * rows: 1 uniform, larger more skewed
-SMALL = ["--synthetic-scale", "0.001", "--batch-size", "256", "--no-progress", "--threads", "1"]
+# what dlrm plan and dlrm train share; a training run adds "--threads", "1"
+SMALL = ["--synthetic-scale", "0.001", "--batch-size", "256", "--no-progress"]
 
 
 def _ids(tables, powers, steps=40, seed=0):
@@ -258,7 +259,7 @@ def test_dlrm_plan_needs_a_budget(tmp_path, capsys, monkeypatch):
 
 def test_dlrm_train_with_a_budget_trains_the_plan_and_reports_it(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["train", "--data", str(tiny_data), "--out", str(out), *SMALL[2:]]
+    argv = ["train", "--data", str(tiny_data), "--out", str(out), *SMALL[2:], "--threads", "1"]
     argv += ["--memory-budget", "1MiB", "--plan-rows", "5000", "--steps", "3", "--eval-every", "0"]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
@@ -304,7 +305,19 @@ def test_a_budget_per_process_plans_every_process_and_each_holds_at_most_its_own
     out = tmp_path / "run"
     argv = ["--data", str(tiny_data), *SMALL[2:], "--memory-budget", str(budget)]
     argv += ["--nproc-per-node", "2", "--plan-rows", "5000"]
-    assert main(["train", *argv, "--out", str(out), "--steps", "2", "--eval-every", "0"]) == 0
+    train = [
+        "train",
+        *argv,
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--threads",
+        "1",
+    ]
+    assert main(train) == 0
     report = json.loads((out / "report.json").read_text())
     p, emb = report["plan"], report["embeddings"]
     assert p["budget"] == 2 * budget and least < p["total_bytes"] <= 2 * budget

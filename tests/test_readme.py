@@ -1,5 +1,5 @@
 """Every ```python block of README.md runs as written, in a fresh interpreter in an empty
-directory: what a newcomer copies must work."""
+directory: what a newcomer copies must work. The README stays short enough to read whole."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def python_blocks(text: str) -> list[str]:
 
 def test_readme_has_python_blocks():
     assert python_blocks(README.read_text()), "README.md has no ```python block"
+
+
+def test_readme_is_under_1500_words():
+    words = len(README.read_text().split())
+    assert words < 1500, f"README.md has {words} words: move detail to docs/"
 
 
 def test_block_extraction():

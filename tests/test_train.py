@@ -99,7 +99,7 @@ def _saved_model(out):
 def test_evaluate_checkpoint(workdir, capsys):
     assert _train(workdir / "e", "--steps", "3") == 0
     capsys.readouterr()
-    assert main(["evaluate", "--out", str(workdir / "e"), *SMALL]) == 0
+    assert main(["evaluate", "--out", str(workdir / "e"), "--no-progress"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     report = json.loads((workdir / "e" / "report.json").read_text())
     metrics = ("auc", "accuracy", "log_loss", "normalized_entropy")

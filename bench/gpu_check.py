@@ -325,7 +325,7 @@ def _training(steps: _Steps, python: str, runs: Path) -> None:
     train = [*dlrm, "train", "--device", "cuda", "--out", str(run), "--steps", "300", *TRAIN]
     if steps.run("train", train, LIMITS["train"]):
         shutil.copy(run / "report.json", steps.out / "train_report.json")
-        evaluate = [*dlrm, "evaluate", "--device", "cuda", "--out", str(run), *TRAIN]
+        evaluate = [*dlrm, "evaluate", "--device", "cuda", "--out", str(run), "--no-progress"]
         steps.run("evaluate", evaluate, LIMITS["evaluate"])
     run = runs / "cpu-then-cuda"
     begin = [*dlrm, "train", "--device", "cpu", "--out", str(run), "--steps", RESUME_STEPS]

@@ -39,19 +39,9 @@ _HIDDEN = textwrap.dedent(
     """
 )
 
-SMALL = [
-    "--synthetic-scale",
-    "0.001",
-    "--synthetic-rows",
-    "20000",
-    "--batch-size",
-    "256",
-    "--eval-every",
-    "0",
-    "--no-progress",
-    "--threads",
-    "1",
-]
+# the data, also what planning reads; then a short run's options
+DATA = ["--synthetic-scale", "0.001", "--synthetic-rows", "20000", "--batch-size", "256"]
+SMALL = [*DATA, "--eval-every", "0", "--no-progress", "--threads", "1"]
 
 
 def _dlrm(*args: str) -> subprocess.CompletedProcess:
@@ -88,9 +78,11 @@ def test_help_train_evaluate_and_resume_need_only_torch(tmp_path):
     assert report["status"] == "completed" and report["steps"] == 6
     assert [d["step"] for d in report["devices"]] == [0, 3]  # the run and its resumption
 
-    out = _dlrm("evaluate", "--out", str(run), "--split", "val", *SMALL)
+    out = _dlrm("report", str(run))
+    assert out.returncode == 0 and (run / "report.png").exists(), out.stderr
+    out = _dlrm("evaluate", "--out", str(run), "--split", "val", "--no-progress")
     assert out.returncode == 0, out.stderr
     assert 0.0 <= json.loads(out.stdout)["log_loss"]
 
-    out = _dlrm("plan", "--memory-budget", "1MiB", "--plan-rows", "2000", *SMALL)
+    out = _dlrm("plan", "--memory-budget", "1MiB", "--plan-rows", "2000", *DATA)
     assert out.returncode == 0, out.stderr

@@ -100,9 +100,17 @@ def test_plan_and_evaluate_offer_only_what_they_use(capsys):
     planning = {"--data", "--synthetic-rows", "--synthetic-scale", "--table", "--emb-optimizer"}
     planning |= {"--memory-budget", "--plan-rows", "--batch-size", "--seed", "--nproc-per-node"}
     assert planning <= plan
-    # the run's configuration comes from its checkpoint
+    assert "--device" not in plan  # planning runs on the CPU
+    # the run's configuration comes from its checkpoint; where it runs does not
     evaluate = _help_options(capsys, "evaluate")
-    assert evaluate == {"--help", "--out", "--split", "--nproc-per-node", "--no-progress"}
+    assert evaluate == {
+        "--help",
+        "--out",
+        "--split",
+        "--device",
+        "--nproc-per-node",
+        "--no-progress",
+    }
 
 
 @pytest.mark.parametrize(

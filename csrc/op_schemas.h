@@ -25,16 +25,21 @@ inline void define_cache_ops(torch::Library& m) {
   m.def("dequantize_rows(Tensor weights, Tensor spec) -> Tensor");
   // Bags come as lengths (int32 or int64), feature after feature; returns (pooled
   // [batch, sum of the features' dims], the bags' int64 offsets with the end appended, each
-  // lookup's slot, each feature's value bound) and adds each feature's lookups and hits to its
-  // table's counters (none if the list is empty).
+  // lookup's slot, each feature's value bound, argmax) and adds each feature's lookups and
+  // hits to its table's counters (none if the list is empty). argmax: int32 [batch, sum of
+  // the max-pooled features' dims] (csrc/tables.h, argmax_columns), the position in indices
+  // of the lookup each max-pooled element came from, -1 for an empty bag (no columns, no
+  // memory, without such features).
   m.def("multi_lookup_forward(Tensor[] state, Tensor specs, Tensor indices, Tensor lengths, "
         "Tensor? per_sample_weights, int[] feature_table, int batch, Tensor(a!)[] counters) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
-  // Every feature's deduplicated gradient, features in the role of multi_update's tables:
-  // (unique_rows, grads, occurrences, slots (empty without lookup_slots), row_starts).
-  m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
-        "Tensor grad_output, Tensor specs, int[] feature_table, Tensor? lookup_slots=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Every feature's deduplicated gradient, features in the role of multi_update's tables:
+  // (unique_rows, grads, occurrences, slots (empty without lookup_slots), row_starts). A
+  // max-pooled feature's element goes to the lookup the forward's argmax names (required
+  // with such features).
+  m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
+        "Tensor grad_output, Tensor specs, int[] feature_table, Tensor? lookup_slots=None, "
+        "Tensor? argmax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Checks every table's update, then commits all of them only if every table can take its
   // update: returns per table the smallest row it cannot store or -1; if any table has such a
   // row, no state is changed. Table t's update is step counters[t][kSteps] + 1; a commit adds

@@ -275,25 +275,54 @@ inline std::vector<int64_t> feature_columns(at::IntArrayRef feature_table,
   return column_offsets(feature_dims(feature_table, specs));
 }
 
+/// The column offsets of the max-pooled features in the forward's argmax (docs/design.md,
+/// "Max pooling"), an int32 [batch, sum of those features' dims]: feature f's columns start at
+/// col[f]; a feature pooled otherwise has none (col[f + 1] == col[f]). Refuses per-sample
+/// weights (`weighted`) with a max-pooled feature, as nn.EmbeddingBag does.
+inline std::vector<int64_t> argmax_columns(at::IntArrayRef feature_table,
+                                           const std::vector<TableSpec>& specs, bool weighted) {
+  std::vector<int64_t> dims = feature_dims(feature_table, specs);
+  for (size_t f = 0; f < dims.size(); ++f)
+    if (specs[feature_table[f]].pooling != kMax) dims[f] = 0;
+  std::vector<int64_t> col = column_offsets(dims);
+  TORCH_CHECK(!weighted || col.back() == 0,
+              "embcache: per_sample_weights are only supported with mode='sum', not with max");
+  return col;
+}
+
 /// multi_dedup_backward's tables and gradient, checked: grad_output is float32 [batch, sum of
-/// the features' dims] on `device`.
+/// the features' dims] on `device`; with max-pooled features, `argmax` is the forward's
+/// (int32 [batch, argmax_col.back()] on `device`), else it is not read.
 struct DedupArgs {
   std::vector<TableSpec> spec;
-  std::vector<int64_t> dims;  // of each feature
-  std::vector<int64_t> col;   // column_offsets(dims)
+  std::vector<int64_t> dims;        // of each feature
+  std::vector<int64_t> col;         // column_offsets(dims)
+  std::vector<int64_t> argmax_col;  // argmax_columns
+  const int32_t* argmax;            // nullptr without max-pooled features
   int64_t batch;
 };
 
 inline DedupArgs dedup_args(const at::Tensor& grad_output, const at::Tensor& specs,
-                            at::IntArrayRef feature_table, const DeviceKind& device) {
-  DedupArgs a{decode_specs(specs), {}, {}, 0};
+                            at::IntArrayRef feature_table, const c10::optional<at::Tensor>& psw,
+                            const c10::optional<at::Tensor>& argmax, const DeviceKind& device) {
+  DedupArgs a{decode_specs(specs), {}, {}, {}, nullptr, 0};
   a.dims = feature_dims(feature_table, a.spec);
   a.col = column_offsets(a.dims);
+  a.argmax_col = argmax_columns(feature_table, a.spec, psw.has_value());
   device.check(grad_output, at::kFloat, "grad_output");
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(1) == a.col.back(),
               "embcache: grad_output must be [batch, sum of the features' dims] = [batch, ",
               a.col.back(), "], got ", grad_output.sizes());
   a.batch = grad_output.size(0);
+  if (a.argmax_col.back() > 0) {
+    TORCH_CHECK(argmax.has_value(), "embcache: max-pooled features need the forward's argmax");
+    device.check(*argmax, at::kInt, "argmax");
+    TORCH_CHECK(argmax->dim() == 2 && argmax->size(0) == a.batch &&
+                    argmax->size(1) == a.argmax_col.back(),
+                "embcache: argmax must be [batch, sum of the max-pooled features' dims] = [",
+                a.batch, ", ", a.argmax_col.back(), "], got ", argmax->sizes());
+    a.argmax = argmax->data_ptr<int32_t>();
+  }
   return a;
 }
 

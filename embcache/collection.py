@@ -21,7 +21,8 @@ class CachedLowPrecisionEmbeddingBagCollection(CachedLowPrecisionEmbeddingBags):
     in, ``KeyedTensor`` out, so it can be passed as the ``embedding_bag_collection`` of
     ``torchrec.models.dlrm.DLRM``. Options, update, state dict and statistics are those of
     the module it adapts (``defaults`` and ``per_table`` as there; each table's pooling is its
-    config's, SUM or MEAN).
+    config's, SUM or MEAN: TorchRec's ``PoolingType`` has no MAX, so a ``BagTable`` pooled by
+    max has no collection).
 
     ``device="meta"`` builds the tables without memory or rows (as TorchRec's own collection
     does), for ``DistributedModelParallel`` to shard: each rank then allocates and draws
@@ -50,8 +51,15 @@ class CachedLowPrecisionEmbeddingBagCollection(CachedLowPrecisionEmbeddingBags):
 
     @classmethod
     def from_bag_tables(cls, tables: Sequence[BagTable], **kwargs):
-        """The collection of ``tables``, as TorchRec's ``EmbeddingBagConfig``s."""
+        """The collection of ``tables``, as TorchRec's ``EmbeddingBagConfig``s; ValueError
+        for a table pooled by a mode that TorchRec's ``PoolingType`` lacks (max)."""
         pooling = {mode: p for p, mode in _MODES.items()}
+        for t in tables:
+            if t.mode not in pooling:
+                raise ValueError(
+                    f"table '{t.name}': mode {t.mode!r} has no TorchRec PoolingType "
+                    f"(it has {', '.join(p.name for p in PoolingType)})"
+                )
         configs = [
             EmbeddingBagConfig(
                 name=t.name,

@@ -29,7 +29,8 @@ LFU_COUNT_BITS = (16, 32, 8)
 # TableConfig fields newer than some checkpoints, with the value those checkpoints' tables had
 ADDED_FIELDS = {"lfu_count_bits": 32}
 QPARAMS = ("fp32", "fp16")
-MODES = ("sum", "mean")
+# as csrc/include/embcache/table_spec.h: EMBCACHE_POOLINGS, a bag's pooling by its code
+MODES = ("sum", "mean", "max")
 
 # as csrc/include/embcache/table_spec.h: EMBCACHE_COUNTERS, a table's statistics counters
 COUNTERS = (
@@ -79,7 +80,7 @@ SPEC_FIELDS = (
     "ways",
     "seed",
     "table",
-    "mean",
+    "pooling",
 )
 
 
@@ -92,7 +93,7 @@ class TableConfig:
     ``seed`` keys the stochastic rounding stream together with ``table_id``; tables with
     fewer than ``min_rows_for_low_precision`` rows are stored FP32 without cache. An LFU
     table counts each row's occurrences in ``lfu_count_bits`` (16, 32 or 8) bits, saturating
-    at the largest count they hold. ``mode`` pools a bag by sum or mean; its default here is
+    at the largest count they hold. ``mode`` pools a bag by sum, mean or max; its default here is
     TorchRec's, SUM, while :class:`~embcache.CachedLowPrecisionEmbedding` defaults to
     ``nn.EmbeddingBag``'s, mean.
     """
@@ -246,7 +247,7 @@ class TableConfig:
             "ways": self.ways,
             "seed": self.seed,
             "table": self.table_id,
-            "mean": int(self.mode == "mean"),
+            "pooling": MODES.index(self.mode),
         }
         return torch.tensor([fields[f] for f in SPEC_FIELDS], dtype=torch.int64)
 

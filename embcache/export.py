@@ -38,7 +38,7 @@ class ExportedTable:
     precision: str
     weight: Tensor
     scale_bias: Tensor | None
-    mode: str  # pooling: "sum" or "mean"
+    mode: str  # pooling: "sum", "mean" or "max"
     dim: int  # not the codes' width: INT4 dim 5 fills 3 bytes, room for 6 codes
 
     @property
@@ -89,9 +89,15 @@ def inference_tbe(tables: dict[str, ExportedTable]):
     """FBGEMM's inference TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``, CPU, FP32 output)
     holding ``tables`` in order, one feature per table; its forward takes
     ``(indices, offsets)`` over the features one after another, as TBE does. The tables must
-    pool alike (all sum or all mean), and an INT4 / INT2 table's row must fill whole bytes
-    (dim a multiple of 2 / 4: FBGEMM's rule)."""
+    pool alike (all sum or all mean: FBGEMM's ``PoolingMode`` has SUM, MEAN and NONE, no
+    MAX, so a table pooled by max is refused), and an INT4 / INT2 table's row must fill whole
+    bytes (dim a multiple of 2 / 4: FBGEMM's rule)."""
     for name, t in tables.items():
+        if t.mode not in ("sum", "mean"):
+            raise ValueError(
+                f"table '{name}': FBGEMM's inference TBE cannot pool by {t.mode} (its "
+                "PoolingMode has SUM, MEAN and NONE)"
+            )
         codes_per_byte = 8 // PRECISION_BITS[t.precision]
         if t.scale_bias is not None and t.dim % codes_per_byte:
             raise ValueError(

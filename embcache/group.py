@@ -155,7 +155,7 @@ class TableGroup:
         stores the deduplicated gradient here. ``psw_input`` is the caller's tensor of which
         ``psw`` is the float32 value: the output's gradient reaches it if it requires one.
         Raises RuntimeError (from C++) on bad input, having changed nothing."""
-        pooled, offsets, slots, bounds = _ops.multi_lookup_forward(
+        pooled, offsets, slots, bounds, argmax = _ops.multi_lookup_forward(
             self.state(),
             self.specs,
             indices,
@@ -166,7 +166,8 @@ class TableGroup:
             self._counters if training else [],
         )
         anchor = self._anchor if training else self._anchor.detach()
-        lookup = (self, feature_tables, pooled, indices, offsets, psw, slots, bounds, self._epoch)
+        lookup = (self, feature_tables, pooled, indices, offsets, psw, slots, bounds, argmax)
+        lookup += (self._epoch,)
         return _Lookup.apply(anchor, psw_input, lookup)
 
     def _store(self, backward: _Backward) -> None:
@@ -439,14 +440,15 @@ class _Lookup(torch.autograd.Function):
     stores it in the group, with each row's cache slot as the forward found it, and returns
     the gradient of the per-sample weights if they require one. ``lookup`` is what the
     forward made and saw: (group, feature tables, pooled, ids, offsets, float32 per-sample
-    weights or None, every lookup's slot, each feature's value bound, the cache epoch). The
-    ids and weights may be the caller's tensors, so they are saved (autograd refuses a
-    backward after they change in place); the rest are the forward's own, kept on ``ctx``."""
+    weights or None, every lookup's slot, each feature's value bound, the max-pooled
+    features' argmax (no columns without them), the cache epoch). The ids and weights may be
+    the caller's tensors, so they are saved (autograd refuses a backward after they change in
+    place); the rest are the forward's own, kept on ``ctx``."""
 
     @staticmethod
     def forward(ctx, anchor, psw_input, lookup):
         (ctx.group, ctx.feature_tables, pooled, indices, ctx.offsets, psw) = lookup[:6]
-        ctx.slots, ctx.bounds, ctx.epoch = lookup[6:]
+        ctx.slots, ctx.bounds, ctx.argmax, ctx.epoch = lookup[6:]
         ctx.psw_dtype = None if psw_input is None else psw_input.dtype
         ctx.save_for_backward(indices, *(() if psw is None else (psw,)))
         return pooled
@@ -461,7 +463,7 @@ class _Lookup(torch.autograd.Function):
             # The CUDA forward gives neither slots nor value bounds.
             slots = ctx.slots if ctx.slots.numel() else None
             rows, grads, occ, row_slots, row_starts = _ops.multi_dedup_backward(
-                indices, ctx.offsets, psw, grad, group.specs, feature_tables, slots
+                indices, ctx.offsets, psw, grad, group.specs, feature_tables, slots, ctx.argmax
             )
             bounds = ctx.bounds.tolist() or [-1.0] * len(feature_tables)
             starts = row_starts.tolist()

@@ -21,7 +21,8 @@ from embcache.memory import fp32_bytes, memory_breakdown
 class BagTable:
     """A table of a :class:`CachedLowPrecisionEmbeddingBags`: ``num_embeddings`` rows of
     ``embedding_dim``, looked up by the features ``feature_names`` (default: one feature named
-    as the table), each bag pooled by ``mode`` (``"sum"`` or ``"mean"``)."""
+    as the table), each bag pooled by ``mode`` (``"sum"``, ``"mean"`` or ``"max"``, as
+    ``nn.EmbeddingBag`` pools; per-sample weights only with sum)."""
 
     name: str
     num_embeddings: int
@@ -104,6 +105,7 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
         self._table_list = list(self.embedding_bags.values())
         self.feature_names = [f for t in tables for f in t.feature_names]
         self._feature_tables = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        self._max_tables = [t.name for t in tables if t.mode == "max"]  # take no weights
         self._group = TableGroup(self._table_list)
         self._one_id_bags: torch.Tensor | None = None  # lengths of [batch, features] input
 
@@ -169,6 +171,11 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
                 )
             batch = lengths.numel() // features
         values = ids.reshape(-1).long()
+        if per_sample_weights is not None and self._max_tables:
+            raise ValueError(
+                f"table '{self._max_tables[0]}': per_sample_weights are only supported with "
+                "mode='sum' (got mode='max')"
+            )
         psw = None if per_sample_weights is None else per_sample_weights.detach().float()
         if psw is not None and psw.numel() != values.numel():
             raise ValueError(f"{psw.numel()} per-sample weights for {values.numel()} ids")

@@ -544,45 +544,57 @@ class ReferenceTable:
         per_sample_weights: torch.Tensor | None = None,
         training: bool = True,
     ) -> tuple[torch.Tensor, int]:
-        """Pooled bags [B, dim] and the number of lookups that found their row cached."""
+        """Pooled bags [B, dim] and the number of lookups that found their row cached.
+
+        Max: element-wise, the bag's first row, each element replaced by a later row's where
+        that is greater (``>``: the first of equal values stays, a NaN only when it is first),
+        and the lookup each element came from remembered for the backward; an empty bag is 0."""
         idx = indices.reshape(-1).tolist()
         starts = offsets.reshape(-1).tolist() + [len(idx)]
         psw = (
             None if per_sample_weights is None else per_sample_weights.detach().to(F32).reshape(-1)
         )
-        mean = self.config.mode == "mean"
-        if psw is not None and mean:
+        mode = self.config.mode
+        if psw is not None and mode != "sum":
             raise ValueError("per_sample_weights are only supported with mode='sum'")
         unique = sorted(set(idx))
         values, resident = self.fetch_rows(unique)
         value_of = {row: (values[u], resident[u]) for u, row in enumerate(unique)}
         nbags = len(starts) - 1
         out = torch.zeros(nbags, self.dim, dtype=F32)
+        argmax = torch.full((nbags, self.dim), -1, dtype=torch.int64)  # max: each one's lookup
         hits = 0
         for b in range(nbags):
             acc = torch.zeros(self.dim, dtype=F32)  # 0.0, then each lookup added in order
             for j in range(starts[b], starts[b + 1]):
                 v, hit = value_of[idx[j]]
                 hits += hit
-                acc = acc + (psw[j] * v if psw is not None else v)
+                if mode == "max":
+                    take = (v > acc) | (j == starts[b])
+                    acc = torch.where(take, v, acc)
+                    argmax[b] = torch.where(take, j, argmax[b])
+                else:
+                    acc = acc + (psw[j] * v if psw is not None else v)
             n = starts[b + 1] - starts[b]
-            if mean and n > 0:
+            if mode == "mean" and n > 0:
                 acc = acc / f32(float(n))
             out[b] = acc
         if training:
             self._stats["lookups"] += len(idx)
             self._stats["hits"] += hits
-            self._saved = (idx, starts, psw)
+            self._saved = (idx, starts, psw, argmax)
         return out, hits
 
     def backward(self, grad_out: torch.Tensor) -> None:
         """Deduplicated gradient of the last training forward (docs/contract.md §4 step 2): unique rows
-        ascending; each row's gradient summed from 0.0 in increasing lookup position."""
+        ascending; each row's gradient summed from 0.0 in increasing lookup position. Max: a
+        lookup's contribution is its bag's gradient where the forward took the element from
+        it, 0 elsewhere."""
         if self.pending is not None:
             raise RuntimeError("the reference supports one backward per step")
-        idx, starts, psw = self._saved
+        idx, starts, psw, argmax = self._saved
         grad_out = grad_out.detach().to(F32)
-        mean = self.config.mode == "mean"
+        mode = self.config.mode
         bag_of = []
         for b in range(len(starts) - 1):
             bag_of.extend([b] * (starts[b + 1] - starts[b]))
@@ -594,7 +606,9 @@ class ReferenceTable:
             b = bag_of[j]
             if psw is not None:
                 contrib = grad_out[b] * psw[j]
-            elif mean:
+            elif mode == "max":
+                contrib = torch.where(argmax[b] == j, grad_out[b], f32(0.0))
+            elif mode == "mean":
                 contrib = grad_out[b] / f32(float(starts[b + 1] - starts[b]))
             else:
                 contrib = grad_out[b]

@@ -15,8 +15,8 @@ leave the model's ``parameters()``; :class:`TableOptimizer` gives the training l
     tables = embcache.TableOptimizer(model)
     loss.backward(); dense.step(); tables.step(); dense.zero_grad(); tables.zero_grad()
 
-``mode="max"``, ``max_norm`` and ``scale_grad_by_freq`` are not swapped yet: :func:`swap`
-refuses them, naming the module, rather than leave them.
+``max_norm`` and ``scale_grad_by_freq`` are not swapped yet: :func:`swap` refuses them,
+naming the module, rather than leave them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def swap(model: nn.Module, per_table: Mapping[str, Mapping] | None = None, **opt
     to every table and ``per_table`` (by a module's name, or a collection's table name)
     overrides them. Returns ``{table: {"rows", "precision", "cache_slots", "bytes_before",
     "bytes_after"}}``. Refuses (``ValueError`` naming the module, before anything is replaced)
-    what it cannot swap: ``mode="max"``, ``max_norm``, ``scale_grad_by_freq``."""
+    what it cannot swap: ``max_norm``, ``scale_grad_by_freq``."""
     per_table = dict(per_table or {})
     plans = []
     for name, module in model.named_modules():
@@ -73,7 +73,6 @@ def _replacement(name: str, module: nn.Module, per_table: Mapping, options: dict
         unsupported = [
             what
             for what, present in (
-                ("mode='max'", getattr(module, "mode", None) == "max"),
                 ("max_norm", module.max_norm is not None),
                 ("scale_grad_by_freq", module.scale_grad_by_freq),
             )

@@ -585,3 +585,16 @@ def test_swap_replaces_a_torchrec_embedding_collection_with_its_weights():
     after = model["seq"](kjt)
     for k in "abc":
         assert torch.equal(after[k].values(), before[k].values().detach())
+
+
+def test_a_max_pooled_bag_table_has_no_torchrec_collection():
+    """TorchRec's PoolingType has SUM, MEAN and NONE: a BagTable pooled by max is refused by
+    name (rather than pooled another way)."""
+    from torchrec.modules.embedding_configs import PoolingType
+
+    from embcache import BagTable
+
+    assert "MAX" not in PoolingType.__members__
+    tables = [BagTable("a", 100, 4), BagTable("m", 100, 4, mode="max")]
+    with pytest.raises(ValueError, match="^table 'm': mode 'max' has no TorchRec PoolingType"):
+        CachedLowPrecisionEmbeddingBagCollection.from_bag_tables(tables)

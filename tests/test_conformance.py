@@ -42,10 +42,20 @@ def _ids(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randint(0, ROWS, shape, generator=gen)
 
 
+def _weight(gen: torch.Generator, ties: bool) -> torch.Tensor:
+    """Random rows; with ``ties``, of a few values (halves in [-1, 1], zeros of either sign),
+    so that a bag's maximum is often held by several rows."""
+    if not ties:
+        return torch.randn(ROWS, DIM, generator=gen)
+    sign = torch.randint(0, 2, (ROWS, DIM), generator=gen) * 2.0 - 1.0
+    return torch.randint(-2, 3, (ROWS, DIM), generator=gen) * 0.5 * sign
+
+
 def _pooled_cases() -> dict:
     """name: (nn.EmbeddingBag's options, forward(input, offsets, per_sample_weights) as a
     function of a generator), every input fresh and random. PyTorch's mode default is not
-    named here: the cases without ``mode`` test that it is ours."""
+    named here: the cases without ``mode`` test that it is ours. Cases named with "ties" are
+    looked up in rows of a few values (:func:`_weight`)."""
     psw = lambda gen, *shape: torch.rand(shape, generator=gen)  # noqa: E731
 
     def bags(gen, most=4):
@@ -107,6 +117,18 @@ def _pooled_cases() -> dict:
             {"mode": "sum", "padding_idx": PAD},
             lambda g: (lambda i, o: (i, o, psw(g, i.numel())))(*padded(g)),
         ),
+        "max, bags with empty ones": ({"mode": "max"}, lambda g: (*bags(g), None)),
+        "max, ties, bags with empty ones": ({"mode": "max"}, lambda g: (*bags(g, most=8), None)),
+        "max, ties, 2-D input": ({"mode": "max"}, lambda g: (_ids(g, 6, 5), None, None)),
+        "max, no bags": ({"mode": "max"}, lambda g: (_ids(g, 0), torch.tensor([]).long(), None)),
+        "max, include_last_offset, ids past the last": (
+            {"mode": "max", "include_last_offset": True},
+            lambda g: ended(g, past=3),
+        ),
+        "max, ties, padding_idx": (
+            {"mode": "max", "padding_idx": PAD},
+            lambda g: (*padded(g), None),
+        ),
     }
 
 
@@ -146,6 +168,7 @@ def _pooled_refusals() -> dict:
             (torch.tensor([PAD, ROWS]), torch.tensor([0]), None),
         ),
         "per_sample_weights with mean": ({"mode": "mean"}, (ids, off, torch.ones(4))),
+        "per_sample_weights with max": ({"mode": "max"}, (ids, off, torch.ones(4))),
         "per_sample_weights float64": ({"mode": "sum"}, (ids, off, f64)),
         "per_sample_weights float16": ({"mode": "sum"}, (ids, off, f64.half())),
         "per_sample_weights shorter": ({"mode": "sum"}, (ids, off, torch.ones(3))),
@@ -157,6 +180,17 @@ def _pooled_refusals() -> dict:
 
 
 POOLED_REFUSALS = _pooled_refusals()
+
+
+def _in_bags(options: dict, ids, offsets, psw) -> tuple:
+    """The input without the ids past the last offset (with ``include_last_offset``), which
+    are in no bag: PyTorch's backward gives them uninitialised gradients, and its max forward
+    pools them into the last bag (docs/contract.md §8), so PyTorch's result from the ids in
+    bags alone is the oracle there."""
+    if not options.get("include_last_offset") or offsets is None:
+        return ids, offsets, psw
+    end = int(offsets[-1])
+    return ids[:end], offsets, None if psw is None else psw[:end]
 
 
 def _to(device, *tensors):
@@ -192,7 +226,7 @@ def _train_once(table, gen, device):
 def test_fp32_values_and_step_are_embedding_bags(case, index_dtype, device):
     options, make = POOLED[case]
     gen = torch.Generator().manual_seed(list(POOLED).index(case))
-    weight = torch.randn(ROWS, DIM, generator=gen)
+    weight = _weight(gen, "ties" in case)
     ref = nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, **options).to(device)
     ours = CachedLowPrecisionEmbedding.from_pretrained(weight, device=device, **options, **EXACT)
     ids, offsets, psw = make(gen)
@@ -203,16 +237,13 @@ def test_fp32_values_and_step_are_embedding_bags(case, index_dtype, device):
     if grad_psw:
         psw, psw_ref = psw.clone().requires_grad_(), psw_ref.clone().requires_grad_()
 
-    want = ref(ids, offsets, per_sample_weights=psw_ref)
+    in_bags = _in_bags(options, ids, offsets, psw_ref)
+    want = ref(*(in_bags if options.get("mode") == "max" else (ids, offsets, psw_ref)))
     got = ours(ids, offsets, per_sample_weights=psw)
     assert got.shape == want.shape and got.dtype == want.dtype and got.device == want.device
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
-    if options.get("include_last_offset") and offsets is not None:
-        # PyTorch's backward gives the ids past the last offset uninitialised gradients: its
-        # gradient of the same bags, from the ids in them alone, is the oracle
-        end = int(offsets[-1])
-        want = ref(ids[:end], offsets, None if psw_ref is None else psw_ref[:end])
+    want = ref(*in_bags)  # the gradient's oracle
     grad = torch.randn(want.shape, generator=gen).to(device)
     got.backward(grad)
     ours.step()
@@ -243,12 +274,16 @@ def test_cached_tables_pool_their_rows_as_embedding_bag(case, precision, device)
     assert bool((ours.cache_tags >= 0).any())
     ids, offsets, psw = _to(device, *make(gen))
     rows = ours.weight
+    mode = options.get("mode", "mean")
+    ref_ids, ref_offsets, ref_psw = _in_bags(options, ids, offsets, psw)
+    if mode != "max":  # else PyTorch pools the ids past the last offset too (_in_bags)
+        ref_ids, ref_psw = ids, psw
     want = F.embedding_bag(
-        ids,
+        ref_ids,
         rows,
-        offsets,
-        mode=options.get("mode", "mean"),
-        per_sample_weights=psw,
+        ref_offsets,
+        mode=mode,
+        per_sample_weights=ref_psw,
         include_last_offset=options.get("include_last_offset", False),
         padding_idx=options.get("padding_idx"),
     )
@@ -282,10 +317,12 @@ def test_what_embedding_bag_refuses_is_refused_changing_nothing(case, precision,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_where_pytorch_is_defective_ours_follows_its_forward(device):
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_where_pytorch_is_defective_ours_follows_its_forward(mode, device):
     """docs/contract.md §8: a 2-D input of bags of no ids gives empty bags (PyTorch raises);
-    ids in no bag (no offsets) get no gradient (PyTorch's backward crashes)."""
-    ours = CachedLowPrecisionEmbedding(ROWS, DIM, device=device, mode="sum", **EXACT)
+    ids in no bag (no offsets) give no bags (PyTorch's max forward crashes) and get no
+    gradient (PyTorch's backward crashes)."""
+    ours = CachedLowPrecisionEmbedding(ROWS, DIM, device=device, mode=mode, **EXACT)
     out = ours(torch.zeros(4, 0, dtype=torch.int64, device=device))
     assert torch.equal(out, torch.zeros(4, DIM, device=device))
     ids, offsets = _to(device, _ids(torch.Generator(), 5), torch.zeros(0, dtype=torch.int64))

@@ -137,17 +137,22 @@ class Twin:
     the kernels), as a batch of one table, stepped with the same batches; every output, state
     and counter compared each step."""
 
-    def __init__(self, backend: Backend, rows: int, dim: int, seed: int, *, mean=False, **options):
+    def __init__(self, backend: Backend, rows: int, dim: int, seed: int, *, ties=False, **options):
+        """``ties``: rows of a few values (halves in [-1, 1], zeros of either sign), so that
+        bags pooled by max hold equal maxima in different rows."""
         options.setdefault("min_rows_for_low_precision", 0)
+        options.setdefault("mode", "sum")
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(rows, dim, generator=gen) * 0.5
+        if ties:
+            sign = torch.randint(0, 2, (rows, dim), generator=gen) * 2.0 - 1.0
+            weight = torch.randint(-2, 3, (rows, dim), generator=gen) * 0.5 * sign
         m = CachedLowPrecisionEmbedding(
             rows,
             dim,
             weight=weight,
             seed=seed * 7919 + 2**33,
             table_id=seed % 5 + 1,
-            mode="mean" if mean else "sum",
             **options,
         )
         self.cfg, self.specs, self.b, self.dim = m.config, m.spec[None], backend, dim
@@ -204,7 +209,7 @@ def _states(twins, which):
 def group_forward(twins, feature_table, indices, offsets, psw, when, training=False):
     """Both forwards of features `feature_table` over the twins' tables, compared (lookups and
     hits counted apart and compared too); in training the counts join the twins'. Returns
-    the CPU's slots and value bounds."""
+    the CPU's slots and value bounds, and both sides' argmax (CPU, backend)."""
     b = twins[0].b
     specs = torch.cat([t.specs for t in twins])
     lengths = offsets[1:] - offsets[:-1]
@@ -223,13 +228,16 @@ def group_forward(twins, feature_table, indices, offsets, psw, when, training=Fa
         )
         counted.append((out, counters))
     (want, want_counts), (got, got_counts) = counted
-    assert_same(got[:2], want[:2], f"{when}: multi_lookup_forward")  # hints: CPU only
+    compared = (0, 1, 4)  # all but the slot hints and value bounds, which only the CPU gives
+    assert_same(
+        [got[k] for k in compared], [want[k] for k in compared], f"{when}: multi_lookup_forward"
+    )
     assert_same(got_counts, want_counts, f"{when}: lookups and hits")
     if training:
         for t, w, g in zip(twins, want_counts, got_counts):
             t.cpu_counters += w
             t.dev_counters += g
-    return want[2], want[3]
+    return want[2], want[3], want[4], got[4]
 
 
 def group_train_step(twins, feature_table, indices, offsets, psw, grad_out, when):
@@ -238,14 +246,21 @@ def group_train_step(twins, feature_table, indices, offsets, psw, grad_out, when
     both sides, every output and state compared. Returns whether the update was refused."""
     b = twins[0].b
     specs = torch.cat([t.specs for t in twins])
-    lookup_slots, bounds = group_forward(
+    lookup_slots, bounds, want_argmax, got_argmax = group_forward(
         twins, feature_table, indices, offsets, psw, when, training=True
     )
     want = CPU.multi_dedup_backward(
-        indices, offsets, psw, grad_out, specs, feature_table, lookup_slots
+        indices, offsets, psw, grad_out, specs, feature_table, lookup_slots, want_argmax
     )
     got = b.ops.multi_dedup_backward(
-        b.to(indices), b.to(offsets), b.to(psw), b.to(grad_out), specs, feature_table
+        b.to(indices),
+        b.to(offsets),
+        b.to(psw),
+        b.to(grad_out),
+        specs,
+        feature_table,
+        None,
+        got_argmax,
     )
     keep = (0, 1, 2, 4)  # all but the slots, which only the CPU forward gives
     assert_same([got[k] for k in keep], [want[k] for k in keep], f"{when}: multi_dedup_backward")
@@ -307,15 +322,12 @@ def run_training(
     steps,
     seed,
     psw=False,
-    mean=False,
     bags=24,
     max_len=6,
     **options,
 ):
     cache_ratio = (sets * ways + 0.5) / rows
-    twin = Twin(
-        backend, rows, dim, seed, mean=mean, associativity=ways, cache_ratio=cache_ratio, **options
-    )
+    twin = Twin(backend, rows, dim, seed, associativity=ways, cache_ratio=cache_ratio, **options)
     twin.compare_state("initial")
     gen = torch.Generator().manual_seed(seed + 1)
     perm = torch.randperm(rows, generator=gen)
@@ -381,7 +393,7 @@ def test_training_matches_cpu(backend, precision, rounding, policy, ways):
         steps=4,
         seed=1000 + i,
         psw=(i % 3 == 0),
-        mean=(i % 3 == 1),
+        mode=("sum", "mean", "max" if i % 2 == 0 else "sum")[i % 3],
         precision=precision,
         rounding=rounding,
         policy=policy,
@@ -449,8 +461,10 @@ def test_more_candidates_than_ways_and_lanes(backend, policy, ways):
     assert evict > 0 or policy == "lfu"  # LFU residents rarely lose to a newcomer here
 
 
-@pytest.mark.parametrize("psw,mean", [(False, False), (True, False), (False, True)])
-def test_rows_wider_than_a_register_tile(backend, psw, mean):
+@pytest.mark.parametrize(
+    "psw,mode", [(False, "sum"), (True, "sum"), (False, "mean"), (False, "max")]
+)
+def test_rows_wider_than_a_register_tile(backend, psw, mode):
     """dim 300: more elements than a warp sums in registers at once (8 x 32), so the forward's
     and the backward's sums run in two tiles, the second one partial."""
     twin = run_training(
@@ -462,7 +476,7 @@ def test_rows_wider_than_a_register_tile(backend, psw, mean):
         steps=3,
         seed=11,
         psw=psw,
-        mean=mean,
+        mode=mode,
         precision="int8",
         rounding="stochastic",
         policy="lfu",
@@ -513,6 +527,52 @@ def test_all_duplicate_batches_and_empty_bags(backend, policy):
     twin.flush("flush")
 
 
+@pytest.mark.parametrize(
+    "precision,dim", [("fp32", 5), ("int8", 5), ("int2", 7), ("fp16", 70)], ids=str
+)
+def test_max_pooling_ties_nans_and_empty_bags(backend, precision, dim):
+    """Max pooling over rows of a few values (equal maxima in different rows and in repeats
+    of one row, zeros of either sign), with empty bags and bags of one row repeated: the
+    kernels take the CPU's maxima, argmax and gradients bit for bit; then a NaN in a cached
+    row and one in a table row, read in an evaluation forward."""
+    rows = 80
+    twin = Twin(
+        backend,
+        rows,
+        dim,
+        31 + dim,
+        ties=True,
+        mode="max",
+        precision=precision,
+        associativity=4,
+        cache_ratio=(3 * 4 + 0.5) / rows,
+        optimizer="adagrad",
+        lr=0.5,
+    )
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    perm = torch.randperm(rows, generator=gen)
+    for s in range(4):
+        indices, offsets, _ = make_batch(gen, rows, perm, 24, 6, False)
+        indices[: indices.numel() // 4] = indices[0]  # one row, repeated in bags
+        twin.train_step(indices, offsets, None, torch.randn(24, dim, generator=gen), f"step {s}")
+    twin.flush("flush")
+    indices, offsets, _ = make_batch(gen, rows, perm, 24, 6, False)
+    twin.train_step(indices, offsets, None, torch.randn(24, dim, generator=gen), "after flush")
+    hits, misses, ins, evict, bypass = twin.totals.tolist()
+    assert hits > 0 and ins > 0 and twin.lookup_hits > 0
+    resident = int(twin.cpu["cache_tags"][twin.cpu["cache_tags"] >= 0][0])
+    slot = int(torch.nonzero(twin.cpu["cache_tags"] == resident)[0])
+    stored = next(r for r in range(rows) if r not in twin.cpu["cache_tags"].tolist())
+    for state in (twin.cpu, twin.dev):
+        state["cache_rows"][slot, 0] = float("nan")
+    if precision == "fp32":
+        for state in (twin.cpu, twin.dev):
+            state["weights"][stored].view(torch.float32)[1] = float("nan")
+    indices = torch.tensor([resident, stored, stored, resident, 1, resident, 2, stored])
+    offsets = torch.tensor([0, 2, 4, 4, 5, 8])  # NaN first, NaN later, empty, one, three
+    twin.forward(indices, offsets, None, "NaN rows")
+
+
 def test_a_row_thousands_of_times_in_a_batch(backend):
     """Criteo's small columns and missing ids: one row in 4,000 of a batch's 4,200 lookups,
     its gradient a sum of 4,000 terms in lookup order (as the CPU sums it), with mean bags."""
@@ -521,7 +581,7 @@ def test_a_row_thousands_of_times_in_a_batch(backend):
         500,
         40,
         5,
-        mean=True,
+        mode="mean",
         associativity=8,
         cache_ratio=0.05,
         precision="int4",
@@ -723,7 +783,8 @@ def test_quantize_dequantize_rows(backend, qparams):
 
 
 def test_table_batched_ops(backend):
-    """The ops over several tables, several features per table, give the CPU's results."""
+    """The ops over several tables, several features per table, pooled by sum, mean and max
+    side by side, give the CPU's results."""
     b = backend
     twins = [
         Twin(b, 90, 4, 20, associativity=4, cache_ratio=0.2, precision="int8"),
@@ -732,21 +793,23 @@ def test_table_batched_ops(backend):
             60,
             6,
             21,
-            mean=True,
+            mode="mean",
             associativity=1,
             cache_ratio=0.1,
             precision="fp16",
             policy="lfu",
         ),
+        Twin(b, 70, 3, 22, ties=True, mode="max", associativity=2, cache_ratio=0.2),
     ]
     gen = torch.Generator().manual_seed(20)
-    batch, feature_table = 5, [0, 1, 0]
-    lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
+    batch, feature_table = 5, [0, 2, 1, 0, 2]
+    rows = [(90, 60, 70)[t] for t in feature_table]
+    lengths = torch.randint(0, 4, (len(feature_table) * batch,), generator=gen)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     indices = torch.cat(
         [
-            torch.randint(0, (90, 60, 90)[i // batch], (int(lengths[i]),), generator=gen)
-            for i in range(3 * batch)
+            torch.randint(0, rows[i // batch], (int(lengths[i]),), generator=gen)
+            for i in range(len(feature_table) * batch)
         ]
     )
     specs = torch.cat([t.specs for t in twins])
@@ -767,16 +830,24 @@ def test_table_batched_ops(backend):
     got_counters = [torch.zeros(len(COUNTERS), dtype=torch.int64) for _ in twins]
     want = lookup(CPU, [t.cpu for t in twins], lambda t: t, want_counters)
     got = lookup(b.ops, [t.dev for t in twins], b.to, got_counters)
-    assert_same(got[:2], want[:2], "multi_lookup_forward")  # only the CPU op gives slot hints
+    compared = (0, 1, 4)  # only the CPU op gives slot hints and value bounds
+    assert_same([got[k] for k in compared], [want[k] for k in compared], "multi_lookup_forward")
     assert want[1].tolist() == offsets.tolist()
-    per_feature = lengths.view(3, batch).sum(1).tolist()
-    assert [c[0].item() for c in want_counters] == [per_feature[0] + per_feature[2], per_feature[1]]
+    assert want[4].shape == (batch, 2 * 3)  # the two max-pooled features' columns
+    per_feature = lengths.view(len(feature_table), batch).sum(1).tolist()
+    assert [c[0].item() for c in want_counters] == [
+        per_feature[0] + per_feature[3],
+        per_feature[2],
+        per_feature[1] + per_feature[4],
+    ]
     assert_same(got_counters, want_counters, "multi_lookup_forward counters")
     dims = [twins[t].dim for t in feature_table]
     grad = torch.randn(batch, sum(dims), generator=gen)
-    want = CPU.multi_dedup_backward(indices, offsets, None, grad, specs, feature_table)
+    want = CPU.multi_dedup_backward(
+        indices, offsets, None, grad, specs, feature_table, None, want[4]
+    )
     got = b.ops.multi_dedup_backward(
-        b.to(indices), b.to(offsets), None, b.to(grad), specs, feature_table
+        b.to(indices), b.to(offsets), None, b.to(grad), specs, feature_table, None, got[4]
     )
     assert_same(got, want, "multi_dedup_backward")
 
@@ -789,7 +860,7 @@ def test_tables_trained_together(backend):
     # rows, dim, sets, ways, options
     tables = [
         (90, 4, 3, 4, dict(precision="int8", optimizer="rowwise_adagrad")),
-        (60, 6, 6, 1, dict(precision="fp16", policy="lru", mean=True)),
+        (60, 6, 6, 1, dict(precision="fp16", policy="lru", mode="mean")),
         (50, 3, 0, 1, dict(precision="fp32", optimizer="adagrad")),
         (300, 5, 2, 32, dict(precision="int4", rounding="nearest")),
         (70, 33, 0, 1, dict(precision="int8")),

@@ -362,9 +362,12 @@ def test_python_mirrors_the_kernels_table_spec():
     counters, state tensors (the table's buffers, in order) and the fields of a spec."""
     from embcache import config
 
-    formats, bits, optimizers, counters, state, fields, max_ways = torch.ops.embcache.layout()
+    formats, bits, optimizers, poolings, counters, state, fields, max_ways = (
+        torch.ops.embcache.layout()
+    )
     assert list(zip(formats, bits)) == list(config.PRECISION_BITS.items())
     assert tuple(optimizers) == config.OPTIMIZERS
+    assert tuple(poolings) == config.MODES
     assert max_ways == config.MAX_ASSOCIATIVITY
     assert tuple(counters) == config.COUNTERS
     assert tuple(state) == config.STATE_TENSORS
@@ -375,7 +378,8 @@ def test_python_mirrors_the_kernels_table_spec():
 
 
 @pytest.mark.parametrize(
-    "field,value", [("ways", 3), ("bits", 5), ("optimizer", 3), ("num_sets", 10**6), ("dim", 0)]
+    "field,value",
+    [("ways", 3), ("bits", 5), ("optimizer", 3), ("num_sets", 10**6), ("dim", 0), ("pooling", 3)],
 )
 def test_the_ops_refuse_a_bad_spec(field, value):
     """A caller that bypasses Python (and TableConfig's checks) gets its spec checked in C++,

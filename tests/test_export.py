@@ -141,3 +141,17 @@ def test_a_bias_beyond_fp16_is_refused_naming_the_table():
     table.weights.copy_(weights)
     with pytest.raises(ValueError, match="table 'huge': row 7"):
         export(table)
+
+
+def test_a_max_pooled_table_is_exported_and_refused_by_fbgemm_by_name():
+    """FBGEMM's PoolingMode has SUM, MEAN and NONE: a table pooled by max is exported with its
+    mode, and loading it into the inference TBE is refused naming the table and the reason
+    (not served by another pooling)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+
+    assert "MAX" not in PoolingMode.__members__
+    table, _ = _trained("int8", "fp16", seed=6, mode="max")
+    exported = export(table)
+    assert exported["t"].mode == "max"
+    with pytest.raises(ValueError, match="^table 't': FBGEMM's inference TBE cannot pool by max"):
+        inference_tbe(exported)

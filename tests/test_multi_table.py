@@ -58,14 +58,16 @@ def _reference(tables, weights, ids, lengths, psw, batch):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("input", ["one_hot", "multi_hot", "weighted"])
+@pytest.mark.parametrize("input", ["one_hot", "multi_hot", "weighted", "max"])
 def test_pooled_rows_and_the_update_are_embedding_bags(input):
-    gen = torch.Generator().manual_seed({"one_hot": 0, "multi_hot": 1, "weighted": 2}[input])
+    gen = torch.Generator().manual_seed(["one_hot", "multi_hot", "weighted", "max"].index(input))
     tables = TABLES
     if input == "weighted":  # per-sample weights need sum pooling
         tables = [
             BagTable(t.name, t.num_embeddings, t.embedding_dim, t.feature_names) for t in TABLES
         ]
+    if input == "max":  # multi-hot, t_c pooled by max beside sum and mean
+        tables = [*TABLES[:2], BagTable("t_c", 3000, 4, mode="max")]
     ours, weights = _ours(gen, tables)
     leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
     batch, features = 6, _features(tables)
@@ -141,3 +143,12 @@ def test_bad_input_names_the_table_or_feature_and_changes_nothing(case, message)
     after = _state(ours)
     assert all(torch.equal(v, after[k]) for k, v in before.items())
     assert ours.stats() == stats and ours.pending_grads() == []
+
+
+def test_per_sample_weights_are_refused_with_a_max_pooled_table():
+    tables = [BagTable("t_a", 100, 4), BagTable("t_m", 100, 4, mode="max")]
+    ours, _ = _ours(torch.Generator().manual_seed(3), tables)
+    before = _state(ours)
+    with pytest.raises(ValueError, match="^table 't_m': per_sample_weights are only supported"):
+        ours(torch.zeros(5, 2, dtype=torch.int64), per_sample_weights=torch.ones(5, 2))
+    assert all(torch.equal(v, before[k]) for k, v in _state(ours).items())

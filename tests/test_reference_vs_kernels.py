@@ -125,17 +125,23 @@ def run_training(
     flush_at_end: bool = True,
     bags: int = 32,
     max_len: int = 8,
+    ties: bool = False,
     **options,
 ) -> tuple:
+    """``ties``: rows of a few values (halves in [-1, 1], zeros of either sign), so that bags
+    pooled by max hold equal maxima in different rows."""
     ways = options.setdefault("associativity", 4)
     if "cache_ratio" not in options:
         options["cache_ratio"] = cache_ratio_for(rows, ways, sets)
     options.setdefault("min_rows_for_low_precision", 0)
-    options.setdefault("mode", "sum")  # the cases name mean where they test it
+    options.setdefault("mode", "sum")  # the cases name mean and max where they test them
     options.setdefault("seed", (seed * 2654435761 + 12345) % 2**62 + 2**33)  # both key words
     options.setdefault("table_id", seed % 5 + 1)
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(rows, dim, generator=gen) * 0.5
+    if ties:
+        sign = torch.randint(0, 2, (rows, dim), generator=gen) * 2.0 - 1.0
+        weight = torch.randint(-2, 3, (rows, dim), generator=gen) * 0.5 * sign
     module = CachedLowPrecisionEmbedding(rows, dim, weight=weight, lr=lr, **options)
     table = ref.ReferenceTable(module.config, module.weights.clone())
     # the initial rows are rounded to nearest, as the reference would
@@ -323,6 +329,27 @@ EXTRA = [
         mode="mean",
         qparams="fp16",
     ),
+    # mode max
+    dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, mode="max"),
+    dict(precision="fp16", rounding="nearest", policy="lru", associativity=2, mode="max"),
+    dict(
+        precision="int4",
+        rounding="stochastic",
+        policy="lru",
+        associativity=8,
+        mode="max",
+        optimizer="rowwise_adagrad",
+        qparams="fp16",
+    ),
+    dict(
+        precision="int2",
+        rounding="nearest",
+        policy="lfu",
+        associativity=16,
+        mode="max",
+        optimizer="adagrad",
+    ),
+    dict(precision="fp32", rounding="nearest", policy="lfu", associativity=4, mode="max"),
     # no cache at all (every row bypasses), and a table small enough to stay FP32 uncached
     dict(precision="int8", rounding="stochastic", policy="lfu", associativity=4, cache_ratio=0.0),
     dict(precision="fp16", rounding="nearest", policy="lru", associativity=32, cache_ratio=0.0),
@@ -340,7 +367,7 @@ EXTRA = [
 def test_training_matches_reference_options(options):
     i = EXTRA.index(options)
     options = dict(options)
-    mean = options.get("mode") == "mean"
+    mode = options.get("mode", "sum")
     ways = options["associativity"]
     run_training(
         steps=10,
@@ -348,7 +375,8 @@ def test_training_matches_reference_options(options):
         dim=(3, 8, 5, 6)[i % 4],
         seed=5000 + i,
         sets=max(2, 24 // ways),
-        psw=not mean and i % 2 == 0,
+        psw=mode == "sum" and i % 2 == 0,
+        ties=mode == "max" and i % 2 == 0,
         **options,
     )
 
@@ -358,11 +386,14 @@ DIM_16 = [
     dict(precision="fp32", rounding="nearest", policy="lru", associativity=4, cache_ratio=0.0),
     dict(precision="fp16", rounding="stochastic", policy="lfu", associativity=2, mode="mean"),
     dict(precision="int4", rounding="nearest", policy="lru", associativity=16, qparams="fp16"),
+    dict(precision="int8", rounding="stochastic", policy="lru", associativity=4, mode="max"),
 ]
 
 
 @pytest.mark.parametrize("max_len", [None, 3], ids=("one-id-per-bag", "multi-hot"))
-@pytest.mark.parametrize("options", DIM_16, ids=("int8", "fp32-uncached", "fp16-mean", "int4"))
+@pytest.mark.parametrize(
+    "options", DIM_16, ids=("int8", "fp32-uncached", "fp16-mean", "int4", "int8-max")
+)
 def test_dim_16_and_one_id_per_bag(options, max_len):
     """The row length and bag shape that the forward kernel has loops of its own for."""
     seed = 7000 + 10 * DIM_16.index(options) + (max_len or 0)
@@ -373,7 +404,7 @@ def test_dim_16_and_one_id_per_bag(options, max_len):
         seed=seed,
         sets=max(2, 24 // options["associativity"]),
         max_len=max_len,
-        psw=options.get("mode") != "mean",
+        psw=options.get("mode", "sum") == "sum",
         **options,
     )
 
@@ -412,8 +443,14 @@ def test_large_batches_parallel_paths(options):
 
 @pytest.mark.parametrize(
     "max_len,psw,mode",
-    [(None, False, "sum"), (None, True, "sum"), (3, True, "sum"), (3, False, "mean")],
-    ids=("one-id", "one-id-weighted", "multi-hot-weighted", "multi-hot-mean"),
+    [
+        (None, False, "sum"),
+        (None, True, "sum"),
+        (3, True, "sum"),
+        (3, False, "mean"),
+        (3, False, "max"),
+    ],
+    ids=("one-id", "one-id-weighted", "multi-hot-weighted", "multi-hot-mean", "multi-hot-max"),
 )
 def test_an_output_past_the_caches_is_the_same(max_len, psw, mode):
     """A forward output over 4 MiB is written with streaming stores (kStreamOutputBytes in

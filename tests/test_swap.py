@@ -59,6 +59,28 @@ def test_fp32_swap_trains_like_the_original_with_sgd():
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+def test_a_max_pooled_bag_is_swapped_and_trains_like_the_original():
+    """nn.EmbeddingBag(mode="max"), with padding_idx: the swapped table pools and trains as
+    the original does (FP32, no cache, SGD)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    original = nn.ModuleDict({"bag": nn.EmbeddingBag(40, 6, mode="max", padding_idx=3)})
+    swapped = copy.deepcopy(original)
+    embcache.swap(swapped, precision="fp32", cache_ratio=0, lr=0.5)
+    assert swapped["bag"].mode == "max"
+    opt, tables = torch.optim.SGD(original.parameters(), lr=0.5), embcache.TableOptimizer(swapped)
+    for _ in range(3):
+        ids = torch.randint(0, 40, (16, 4), generator=gen)
+        a, b = original["bag"](ids), swapped["bag"](ids)
+        assert torch.equal(a, b)
+        grad = torch.randn(a.shape, generator=gen)
+        a.backward(grad)
+        b.backward(grad)
+        opt.step()
+        opt.zero_grad()
+        tables.step()
+    assert torch.equal(swapped["bag"].weight, original["bag"].weight.detach())
+
+
 def test_a_low_precision_swap_reports_what_it_saved():
     model = TwoTower()
     users_weight = model.users.weight.detach().clone()

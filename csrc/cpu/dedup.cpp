@@ -61,10 +61,13 @@ RowRuns group_by_row(const Bags& bags) {
 /// The deduplicated gradient of the runs from grad_output[b * g_stride + j]: per unique row
 /// (ascending) its id into rows, how often it occurs in the bags into occ, its contributions
 /// summed in lookup order into grads (dim floats a row) and, given the forward's slot of
-/// every lookup (lookup_slot, or nullptr), its slot into slots.
+/// every lookup (lookup_slot, or nullptr), its slot into slots. Bags pooled by `pooling`; for
+/// max, lookup l of bag b contributes element j where argmax[b * argmax_stride + j] == l, and
+/// 0 elsewhere (which leaves a sum from +0 as it is).
 void sum_runs(const RowRuns& runs, const Bags& bags, const float* g, int64_t g_stride,
-              int64_t dim, bool mean, const int32_t* lookup_slot, int64_t* rows, float* grads,
-              int64_t* occ, int64_t* slots) {
+              int64_t dim, int pooling, const int32_t* argmax, int64_t argmax_stride,
+              const int32_t* lookup_slot, int64_t* rows, float* grads, int64_t* occ,
+              int64_t* slots) {
   const int64_t* off = bags.off;
   const int64_t base = bags.first(), n = bags.end() - base;
   const std::vector<uint64_t>& keys = runs.keys;
@@ -86,7 +89,10 @@ void sum_runs(const RowRuns& runs, const Bags& bags, const float* g, int64_t g_s
         const float* gb = g + b * g_stride;
         if (bags.psw) {
           for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] * bags.psw[l];
-        } else if (mean) {
+        } else if (pooling == kMax) {
+          const int32_t* ab = argmax + b * argmax_stride;
+          for (int64_t j = 0; j < dim; ++j) acc[j] += ab[j] == l ? gb[j] : 0.f;
+        } else if (pooling == kMean) {
           const float len = (float)(off[b + 1] - off[b]);
           for (int64_t j = 0; j < dim; ++j) acc[j] += gb[j] / len;
         } else {
@@ -107,8 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_ded
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
     const at::Tensor& specs, at::IntArrayRef feature_table,
-    const c10::optional<at::Tensor>& lookup_slots) {
-  const DedupArgs a = dedup_args(grad_output, specs, feature_table, kCpu);
+    const c10::optional<at::Tensor>& lookup_slots, const c10::optional<at::Tensor>& argmax) {
+  const DedupArgs a =
+      dedup_args(grad_output, specs, feature_table, per_sample_weights, argmax, kCpu);
   const std::vector<int64_t>& dims = a.dims;
   const std::vector<int64_t>& col = a.col;
   const int64_t nf = (int64_t)dims.size(), batch = a.batch;
@@ -146,7 +153,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_ded
   at::Tensor slots = new_cpu_tensor({lookup_slot ? rs[nf] : 0}, at::kLong);
   for_each_by_cost(cost, [&](int64_t f) {
     sum_runs(runs[f], bags(f), grad_output.data_ptr<float>() + col[f], col[nf], dims[f],
-             a.spec[feature_table[f]].mean, lookup_slot, rows.data_ptr<int64_t>() + rs[f],
+             a.spec[feature_table[f]].pooling, a.argmax + a.argmax_col[f], a.argmax_col[nf],
+             lookup_slot, rows.data_ptr<int64_t>() + rs[f],
              grads.data_ptr<float>() + block[f], occ.data_ptr<int64_t>() + rs[f],
              lookup_slot ? slots.data_ptr<int64_t>() + rs[f] : nullptr);
   });

@@ -27,14 +27,16 @@ std::vector<std::string> names(const char* const (&list)[N]) {
 }
 
 /// csrc/include/embcache/table_spec.h's lists, which embcache/config.py mirrors: (format
-/// names, their bits, optimizer names, counter names, state tensor names, spec field names,
-/// the most ways a set may have).
+/// names, their bits, optimizer names, pooling names, counter names, state tensor names, spec
+/// field names, the most ways a set may have).
 std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<std::string>,
-           std::vector<std::string>, std::vector<std::string>, std::vector<std::string>, int64_t>
+           std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<std::string>, int64_t>
 layout() {
   return {names(kFormatNames),
           std::vector<int64_t>(std::begin(kFormatBits), std::end(kFormatBits)),
           names(kOptimizerNames),
+          names(kPoolingNames),
           names(kCounterNames),
           names(kStateTensorNames),
           names(kSpecFieldNames),
@@ -78,7 +80,7 @@ void fold_commit_counts(at::TensorList counters, at::TensorList commit_counts) {
 TORCH_LIBRARY(embcache, m) {
   define_cache_ops(m);
   define_cpu_only_ops(m);
-  m.def("layout() -> (str[], int[], str[], str[], str[], str[], int)", &layout);
+  m.def("layout() -> (str[], int[], str[], str[], str[], str[], str[], int)", &layout);
   m.def("advise_huge_pages(Tensor t) -> bool");
 }
 

@@ -155,14 +155,57 @@ int64_t pool_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const C
   return hits;
 }
 
-/// Pooled lookups (docs/contract.md §4 step 1) into out[b * out_stride + j], the slot of every
-/// lookup's row (-1 if not cached) into slot[l] for the bags' lookups l, and the largest
-/// |value| the lookups read into *max_abs (0 if none); returns the number of lookups that
-/// found their row cached. Throws before writing if an index is out of range. With `stream`
-/// (every out row 16-byte aligned, dim a multiple of 4), out is written past the caches.
+/// lookup_core's pooling pass for max-pooled bags [b0, b1) (docs/design.md, "Max pooling"):
+/// out[b * out_stride + j] the element-wise maximum of the bag's rows and
+/// argmax[b * argmax_stride + j] the position of the lookup it came from, by nn.EmbeddingBag's
+/// rule: the bag's first value, replaced by each later one that is greater (so the first of
+/// equal values stays, and a NaN only if it comes first); an empty bag gives 0, position -1.
+/// Returns the number of cached lookups.
+template <typename StoredValues>
+int64_t max_bags(const Bags& bags, int64_t b0, int64_t b1, int64_t dim, const Cache& cache,
+                 const uint8_t* w, int64_t row_bytes, const int32_t* slot, float* out,
+                 int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
+                 const StoredValues& stored_values, MaxAbs& max_abs) {
+  int64_t hits = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    float* acc = out + b * out_stride;
+    int32_t* arg = argmax + b * argmax_stride;
+    const int64_t l0 = bags.off[b], l1 = bags.off[b + 1];
+    std::fill_n(acc, dim, 0.f);
+    std::fill_n(arg, dim, -1);
+    for (int64_t l = l0; l < l1; ++l) {
+      auto take = [&](const auto& v) {
+        for (int j = 0; j < (int)dim; ++j) {
+          const float x = v.at(j);
+          max_abs.add(x);
+          if (l == l0 || x > acc[j]) {
+            acc[j] = x;
+            arg[j] = (int32_t)l;
+          }
+        }
+      };
+      if (slot[l] >= 0) {
+        take(RowValues<32>{(const uint8_t*)(cache.rows + slot[l] * dim)});
+        ++hits;
+      } else {
+        take(stored_values(w + bags.idx[l] * row_bytes));
+      }
+    }
+  }
+  return hits;
+}
+
+/// Pooled lookups (docs/contract.md §4 step 1) into out[b * out_stride + j], pooled by
+/// `pooling` (max: each element's lookup into argmax[b * argmax_stride + j], max_bags), the
+/// slot of every lookup's row (-1 if not cached) into slot[l] for the bags' lookups l, and the
+/// largest |value| the lookups read into *max_abs (0 if none); returns the number of lookups
+/// that found their row cached. Throws before writing if an index is out of range. With
+/// `stream` (every out row 16-byte aligned, dim a multiple of 4), sums and means are written
+/// past the caches.
 int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, int64_t num_rows,
-                    const Bags& bags, bool mean, float* out, int64_t out_stride, int32_t* slot,
-                    float* max_abs, bool stream) {
+                    const Bags& bags, int pooling, float* out, int64_t out_stride,
+                    int32_t* argmax, int64_t argmax_stride, int32_t* slot, float* max_abs,
+                    bool stream) {
   const int64_t dim = f.dim;
   const int64_t* first_idx = bags.idx + bags.first();
   const int64_t n = bags.end() - bags.first();
@@ -204,11 +247,16 @@ int64_t lookup_core(const RowFormat& f, const Cache& cache, const uint8_t* w, in
       const bool one_lookup_per_bag =
           first_where(nb, [&](int64_t i) { return off[b0 + i + 1] - off[b0 + i] != 1; }) == nb;
       with_row_values(f, [&](const auto& stored_values) {
+        if (pooling == kMax) {
+          local_hits += max_bags(bags, b0, b1, dim, cache, w, row_bytes, slot, out, out_stride,
+                                 argmax, argmax_stride, stored_values, chunk_max);
+          return;
+        }
         auto pool = [&](auto k_dim, auto k_one, auto k_stream) {
           local_hits +=
               pool_bags<decltype(k_dim)::value, decltype(k_one)::value, decltype(k_stream)::value>(
-                  bags, b0, b1, dim, cache, w, row_bytes, slot, mean, out, out_stride,
-                  stored_values, chunk_max);
+                  bags, b0, b1, dim, cache, w, row_bytes, slot, pooling == kMean, out,
+                  out_stride, stored_values, chunk_max);
         };
         auto pool_dim = [&](auto k_dim) {
           const std::true_type yes;
@@ -284,10 +332,11 @@ class FeatureOffsets {
 };
 
 /// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, the
-/// bags' offsets, every lookup's slot (int32, -1 if not cached), and per feature the largest
-/// |value| its lookups read (float32; multi_update's value bound). Adds each feature's lookups
-/// and hits to its table's counters. Features run in parallel, costliest first.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
+/// bags' offsets, every lookup's slot (int32, -1 if not cached), per feature the largest
+/// |value| its lookups read (float32; multi_update's value bound), and the max-pooled
+/// features' argmax (csrc/op_schemas.h). Adds each feature's lookups and hits to its table's
+/// counters. Features run in parallel, costliest first.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
     const at::Tensor& lengths, const c10::optional<at::Tensor>& per_sample_weights,
     at::IntArrayRef feature_table, int64_t batch, at::TensorList counters) {
@@ -295,7 +344,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nf = (int64_t)feature_table.size();
   const std::vector<int64_t> col = feature_columns(feature_table, spec);
+  const std::vector<int64_t> argmax_col =
+      argmax_columns(feature_table, spec, per_sample_weights.has_value());
   check_lookups(indices, per_sample_weights, kCpu);
+  TORCH_CHECK(argmax_col[nf] == 0 || indices.numel() <= INT32_MAX,
+              "embcache: at most 2^31 - 1 lookups per call with max pooling");
   const FeatureOffsets bags_of_feature(lengths, nf, batch, indices.numel());  // valid bags
   const at::Tensor& offsets = bags_of_feature.offsets;
   at::Tensor out = new_cpu_tensor({batch, col[nf]}, at::kFloat);
@@ -307,6 +360,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
   std::vector<int64_t> hits(nf);
   at::Tensor slots = new_cpu_tensor({indices.numel()}, at::kInt);
   at::Tensor max_abs = new_cpu_tensor({nf}, at::kFloat);
+  at::Tensor argmax = new_cpu_tensor({batch, argmax_col[nf]}, at::kInt);
   const Bags all{indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), nf * batch,
                  per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr};
   std::vector<int64_t> lookups(nf), cost(nf);
@@ -320,15 +374,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     const Bags bags{all.idx, all.off + f * batch, batch, all.psw};
     const TableState& table = tables.state[t];
     hits[f] = lookup_core(spec[t].f, table_cache(spec[t], table), table.weights,
-                          spec[t].rows, bags, spec[t].mean, out.data_ptr<float>() + col[f],
-                          col[nf], slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f,
-                          stream);
+                          spec[t].rows, bags, spec[t].pooling, out.data_ptr<float>() + col[f],
+                          col[nf], argmax.data_ptr<int32_t>() + argmax_col[f], argmax_col[nf],
+                          slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f, stream);
   });
   for (int64_t f = 0; f < nf && !tables.counters.empty(); ++f) {
     tables.counters[feature_table[f]][kLookups] += lookups[f];
     tables.counters[feature_table[f]][kHits] += hits[f];
   }
-  return {out, offsets, slots, max_abs};
+  return {out, offsets, slots, max_abs, argmax};
 }
 
 }  // namespace

@@ -83,12 +83,13 @@ struct Bags {
   const float* psw;
 };
 
-/// The forward: the bags pooled from table `t` (sum, or mean if t.mean) into
-/// out[b * out_stride + j]. *errors |= error bits; *hits += the lookups that found their row
-/// cached.
+/// The forward: the bags pooled from table `t` (by t.pooling) into out[b * out_stride + j];
+/// for max, the position in idx of each element's lookup into argmax[b * argmax_stride + j]
+/// (-1 for an empty bag; argmax is not read otherwise). *errors |= error bits; *hits += the
+/// lookups that found their row cached.
 void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
-               int64_t out_stride, unsigned long long* errors, unsigned long long* hits,
-               Stream stream);
+               int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
+               unsigned long long* errors, unsigned long long* hits, Stream stream);
 
 /// Where dedup_features writes its outputs once it knows their sizes: nu unique rows in all,
 /// and grad_floats gradient values (each feature's unique rows times its dim, summed).
@@ -103,12 +104,15 @@ using DedupAlloc = DedupOutputs (*)(void* ctx, int64_t nu, int64_t grad_floats);
 /// of `bags` (which holds them all: first 0, nb = total), looked up in table feature_table[f]
 /// (its spec gives the dim and the pooling mode); the gradient of the feature's bag b is
 /// g[b * g_stride + (the feature's column) + j], the features' columns side by side in their
-/// order. Writes, feature after feature, the unique rows ascending, their occurrences and
-/// their gradient rows (contributions summed in lookup order), and row_starts (host, nf + 1
-/// entries): where each feature's unique rows start. One sort and one summing launch for
-/// every feature; the one read-back learns the errors and the sizes.
+/// order; a max-pooled feature's element goes to the lookup that the forward's argmax
+/// (argmax_col: host, nf + 1 column offsets, csrc/tables.h argmax_columns) names. Writes,
+/// feature after feature, the unique rows ascending, their occurrences and their gradient
+/// rows (contributions summed in lookup order), and row_starts (host, nf + 1 entries): where
+/// each feature's unique rows start. One sort and one summing launch for every feature; the
+/// one read-back learns the errors and the sizes.
 void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* feature_table,
-                    const TableSpec* specs, const float* g, int64_t g_stride, DedupAlloc alloc,
+                    const TableSpec* specs, const float* g, int64_t g_stride,
+                    const int32_t* argmax, const int64_t* argmax_col, DedupAlloc alloc,
                     void* alloc_ctx, int64_t* row_starts, Stream stream);
 
 /// One table of a batched update (the update of every table of an op in a few launches):

@@ -106,7 +106,7 @@ inline Bags op_bags(const at::Tensor& indices, const at::Tensor& offsets,
 
 /// The forward: every feature's bags launched on the stream, then one read-back of the error
 /// bits, each feature's hits and where each feature's lookups start.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
     at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
     const at::Tensor& lengths, const c10::optional<at::Tensor>& per_sample_weights,
     at::IntArrayRef feature_table, int64_t batch, at::TensorList counters) {
@@ -115,6 +115,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nf = (int64_t)feature_table.size();
   const std::vector<int64_t> col = feature_columns(feature_table, spec);
+  const std::vector<int64_t> argmax_col =
+      argmax_columns(feature_table, spec, per_sample_weights.has_value());
+  TORCH_CHECK(argmax_col[nf] == 0 || indices.numel() <= INT32_MAX,
+              "embcache: at most 2^31 - 1 lookups per call with max pooling");
   TORCH_CHECK(lengths.dim() == 1 && on_device(lengths) &&
                   (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
               "embcache: lengths must be a 1-D int32 or int64 ", kDeviceName, " tensor");
@@ -123,6 +127,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
       at::cat({at::zeros({1}, lengths.options().dtype(at::kLong)), lengths.cumsum(0, at::kLong)});
   Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
   at::Tensor out = at::empty({batch, col[nf]}, indices.options().dtype(at::kFloat));
+  at::Tensor argmax = at::empty({batch, argmax_col[nf]}, indices.options().dtype(at::kInt));
   // flags: [error bits, then feature f's hits at 1 + f]
   const at::Tensor flags = flag_words(indices, 1 + nf);
   for (int64_t f = 0; f < nf && batch > 0; ++f) {
@@ -130,6 +135,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
     bags.first = f * batch;
     bags.nb = batch;
     pool_bags(spec[t], tables.state[t], bags, out.data_ptr<float>() + col[f], col[nf],
+              argmax.data_ptr<int32_t>() + argmax_col[f], argmax_col[nf],
               words(flags) + kErrorFlag, words(flags) + 1 + f, current_stream());
   }
   const at::Tensor feature_offsets = offsets.slice(0, 0, nf * batch + 1, std::max<int64_t>(batch, 1));
@@ -142,7 +148,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_f
     tables.counters[feature_table[f]][kHits] += h[1 + f];
   }
   return {out, offsets, at::empty({0}, indices.options().dtype(at::kInt)),
-          at::empty({0}, at::kFloat)};
+          at::empty({0}, at::kFloat), argmax};
 }
 
 /// Where dedup_features puts its outputs: tensors made once their sizes are known.
@@ -164,18 +170,21 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mu
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
     const at::Tensor& specs, at::IntArrayRef feature_table,
-    const c10::optional<at::Tensor>& /*lookup_slots*/) {
+    const c10::optional<at::Tensor>& /*lookup_slots*/, const c10::optional<at::Tensor>& argmax) {
   EMBCACHE_DEVICE_GUARD(indices);
-  const DedupArgs a = dedup_args(grad_output, specs, feature_table, kDevice);
+  const DedupArgs a =
+      dedup_args(grad_output, specs, feature_table, per_sample_weights, argmax, kDevice);
   const int64_t nf = (int64_t)a.dims.size(), batch = a.batch;
   TORCH_CHECK(grad_output.device() == indices.device(),
               "embcache: grad_output must be on the device of indices");
   const Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
   at::Tensor row_starts = at::empty({nf + 1}, at::kLong);
   DedupTensors t{indices.options(), grad_output.options(), {}, {}, {}};
+  TORCH_CHECK(!a.argmax || argmax->device() == indices.device(),
+              "embcache: argmax must be on the device of indices");
   dedup_features(bags, batch, nf, feature_table.data(), a.spec.data(),
-                 grad_output.data_ptr<float>(), a.col[nf], &dedup_alloc, &t,
-                 row_starts.data_ptr<int64_t>(), current_stream());
+                 grad_output.data_ptr<float>(), a.col[nf], a.argmax, a.argmax_col.data(),
+                 &dedup_alloc, &t, row_starts.data_ptr<int64_t>(), current_stream());
   return {t.rows, t.grads, t.occ, at::empty({0}, indices.options()), row_starts};
 }
 

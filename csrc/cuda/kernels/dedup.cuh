@@ -74,12 +74,11 @@ __global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* start
 }
 
 /// One feature's part of the backward's sums: its unique rows [u_start, u_end) of the op's,
-/// its bags from `first`, its gradient's column in g, its rows' dim, pooling mode, and where
-/// its gradient rows start in the output.
+/// its bags from `first`, its gradient's column in g, its argmax's column (max pooling), where
+/// its gradient rows start in the output, its rows' dim and its pooling (a Pooling).
 struct DedupFeature {
-  int64_t u_start, u_end, first, col, block;
-  int dim;
-  bool mean;
+  int64_t u_start, u_end, first, col, argmax_col, block;
+  int dim, pooling;
 };
 
 /// The gradient rows whose loads a lane has in flight before adding them in dedup_sum_kernel
@@ -95,18 +94,24 @@ constexpr int kRowsInFlight = Chunks >= 8 ? 1 : Chunks >= 4 ? 2 : 4;
 /// the i-th one's bag and factor (one round of loads), then the warp loads
 /// kRowsInFlight<Chunks> rows of g before adding them. One launch for every feature: a
 /// feature's hot row (its warp walks thousands of contributions) overlaps the other
-/// features' work.
-template <int Chunks>
-__global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
-                                 const DedupFeature* features, int64_t nf, int64_t nu,
-                                 const int64_t* bag_of, const int64_t* off, const float* psw,
-                                 const float* g, int64_t g_stride, int64_t* rows, float* grads,
-                                 int64_t* occ) {
+/// features' work. AnyMax (launched only when a feature is max-pooled): a max-pooled
+/// feature's lookup l contributes element j of its bag b's gradient where
+/// argmax[F.argmax_col + (b - F.first) * argmax_stride + j] == l, and 0 elsewhere.
+template <int Chunks, bool AnyMax>
+__device__ __forceinline__ void dedup_sum_warp(const uint64_t* keys, const int64_t* pos,
+                                               const int64_t* starts,
+                                               const DedupFeature* features, int64_t nf,
+                                               int64_t nu, const int64_t* bag_of,
+                                               const int64_t* off, const float* psw,
+                                               const float* g, int64_t g_stride,
+                                               const int32_t* argmax, int64_t argmax_stride,
+                                               int64_t* rows, float* grads, int64_t* occ) {
   const int lane = (int)lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
     const DedupFeature& F = features[last_at<DedupFeature, &DedupFeature::u_start>(features, nf, u)];
     const int dim = F.dim;
-    const bool mean = F.mean;
+    const bool mean = F.pooling == kMean;
+    const bool by_max = AnyMax && F.pooling == kMax;
     const float* gf = g + F.col;  // bag b's gradient at (b - F.first) * g_stride
     float* out = grads + F.block + (u - F.u_start) * dim;
     const int64_t s = starts[u], e = starts[u + 1];
@@ -122,13 +127,17 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
         const int n = e - c0 < 32 ? (int)(e - c0) : 32;
         // Lane i: contribution c0 + i's row of g and its factor (its weight, 1 / its bag's
         // length for mean, or none).
-        int64_t row_at = 0;
+        int64_t row_at = 0, lookup = 0, argmax_at = 0;
         float weight = 0.f, len = 0.f;
         if (lane < n) {
           const int64_t l = pos[c0 + lane], bag = bag_of[l];
           row_at = (bag - F.first) * g_stride;
           if (psw) weight = psw[l];
           if (mean) len = (float)(off[bag + 1] - off[bag]);
+          if constexpr (AnyMax) {
+            lookup = l;
+            argmax_at = F.argmax_col + (bag - F.first) * argmax_stride;
+          }
         }
         constexpr int kInFlight = kRowsInFlight<Chunks>;
         for (int i0 = 0; i0 < n; i0 += kInFlight) {
@@ -140,6 +149,15 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
             for (int k = 0; k < Chunks; ++k) {
               const int j = tile + lane + 32 * k;
               v[i][k] = i0 + i < n && j < dim ? gf[at + j] : 0.f;
+            }
+            if constexpr (AnyMax) {
+              const int64_t li = __shfl_sync(kFullMask, lookup, (i0 + i) & 31);
+              const int64_t ai = __shfl_sync(kFullMask, argmax_at, (i0 + i) & 31);
+#pragma unroll
+              for (int k = 0; k < Chunks; ++k) {
+                const int j = tile + lane + 32 * k;
+                if (by_max && i0 + i < n && j < dim && argmax[ai + j] != li) v[i][k] = 0.f;
+              }
             }
           }
 #pragma unroll
@@ -163,6 +181,30 @@ __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const
   }
 }
 
+/// dedup_sum_warp without max-pooled features.
+template <int Chunks>
+__global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
+                                 const DedupFeature* features, int64_t nf, int64_t nu,
+                                 const int64_t* bag_of, const int64_t* off, const float* psw,
+                                 const float* g, int64_t g_stride, int64_t* rows, float* grads,
+                                 int64_t* occ) {
+  dedup_sum_warp<Chunks, false>(keys, pos, starts, features, nf, nu, bag_of, off, psw, g,
+                                g_stride, nullptr, 0, rows, grads, occ);
+}
+
+/// dedup_sum_warp with max-pooled features.
+template <int Chunks>
+__global__ void dedup_max_sum_kernel(const uint64_t* keys, const int64_t* pos,
+                                     const int64_t* starts, const DedupFeature* features,
+                                     int64_t nf, int64_t nu, const int64_t* bag_of,
+                                     const int64_t* off, const float* psw, const float* g,
+                                     int64_t g_stride, const int32_t* argmax,
+                                     int64_t argmax_stride, int64_t* rows, float* grads,
+                                     int64_t* occ) {
+  dedup_sum_warp<Chunks, true>(keys, pos, starts, features, nf, nu, bag_of, off, psw, g,
+                               g_stride, argmax, argmax_stride, rows, grads, occ);
+}
+
 /// The number of low key bits the sort must order: the row's and the feature's.
 inline int key_bits(int64_t nf) {
   int bits = kRowBits;
@@ -171,7 +213,8 @@ inline int key_bits(int64_t nf) {
 }
 
 void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* feature_table,
-                    const TableSpec* specs, const float* g, int64_t g_stride, DedupAlloc alloc,
+                    const TableSpec* specs, const float* g, int64_t g_stride,
+                    const int32_t* argmax, const int64_t* argmax_col, DedupAlloc alloc,
                     void* alloc_ctx, int64_t* row_starts, Stream stream) {
   const int64_t n = bags.n;
   // Read back: [error bits, nu, the features' first unique rows (nf + 1)].
@@ -211,7 +254,7 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
     const TableSpec& t = specs[feature_table[f]];
     const int64_t u0 = row_starts[f], u1 = row_starts[f + 1];
     if (u1 > u0) {
-      features.push_back({u0, u1, f * batch, col, block, t.f.dim, t.mean});
+      features.push_back({u0, u1, f * batch, col, argmax_col[f], block, t.f.dim, t.pooling});
       max_dim = std::max(max_dim, t.f.dim);
     }
     block += (u1 - u0) * t.f.dim;
@@ -220,11 +263,18 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
   if (features.empty()) return;
   const DeviceArray<DedupFeature> d(features.data(), (int64_t)features.size(), stream);
   const int64_t nu = row_starts[nf];
-  EC_LAUNCH_TILED(dedup_sum_kernel, max_dim, grid_warps(nu), block_dim(), stream,
-                  (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
-                  (const int64_t*)starts.as<int64_t>(), d.get(), (int64_t)features.size(), nu,
-                  (const int64_t*)bag_of.as<int64_t>(), bags.off, bags.psw, g, g_stride,
-                  out.rows, out.grads, out.occ);
+  if (argmax_col[nf] > 0)
+    EC_LAUNCH_TILED(dedup_max_sum_kernel, max_dim, grid_warps(nu), block_dim(), stream,
+                    (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
+                    (const int64_t*)starts.as<int64_t>(), d.get(), (int64_t)features.size(), nu,
+                    (const int64_t*)bag_of.as<int64_t>(), bags.off, bags.psw, g, g_stride,
+                    argmax, argmax_col[nf], out.rows, out.grads, out.occ);
+  else
+    EC_LAUNCH_TILED(dedup_sum_kernel, max_dim, grid_warps(nu), block_dim(), stream,
+                    (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
+                    (const int64_t*)starts.as<int64_t>(), d.get(), (int64_t)features.size(), nu,
+                    (const int64_t*)bag_of.as<int64_t>(), bags.off, bags.psw, g, g_stride,
+                    out.rows, out.grads, out.occ);
 }
 
 }  // namespace EMBCACHE_GPU_NS

@@ -6,15 +6,19 @@
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
-/// Pooled lookups: one warp per bag, lookups in order, the sums in registers (a tile of
-/// Chunks * 32 elements at a time); bag b is written to out[b * out_stride + j].
-/// *errors |= error bits, *hits += cache hits.
-template <int Chunks>
-__global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
-                                 const float* cache_rows, Bags bags, RowFormat f,
-                                 SetDivisor sets, int64_t ways, bool mean, float* out,
-                                 int64_t out_stride, unsigned long long* errors,
-                                 unsigned long long* hits) {
+/// Pooled lookups: one warp per bag, lookups in order, the sums (or maxima) in registers (a
+/// tile of Chunks * 32 elements at a time); bag b is written to out[b * out_stride + j].
+/// Max: each element the maximum by csrc/cpu/lookup.cpp's rule (max_bags), the position of
+/// its lookup written to argmax[b * argmax_stride + j] (-1 for an empty bag); else the sum,
+/// the mean if `mean`. *errors |= error bits, *hits += cache hits.
+template <int Chunks, bool Max>
+__device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_rows,
+                                               const int32_t* tags, const float* cache_rows,
+                                               const Bags& bags, const RowFormat& f,
+                                               const SetDivisor& sets, int64_t ways, bool mean,
+                                               float* out, int64_t out_stride, int32_t* argmax,
+                                               int64_t argmax_stride, unsigned long long* errors,
+                                               unsigned long long* hits) {
   const int lane = (int)lane_id();
   const int dim = f.dim;
   const int64_t* idx = bags.idx;
@@ -30,9 +34,23 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
     unsigned long long bag_hits = 0;
     for (int tile = 0; tile < dim; tile += Chunks * 32) {
       float acc[Chunks];
+      int32_t arg[Max ? Chunks : 1];  // the lookup of each maximum
 #pragma unroll
       for (int k = 0; k < Chunks; ++k) acc[k] = 0.f;
+#pragma unroll
+      for (int k = 0; k < (Max ? Chunks : 0); ++k) arg[k] = -1;
       for (int64_t l = start; l < end; ++l) {
+        // element k of this lookup's row, of value v, pooled
+        auto add = [&](int k, float v, float s) {
+          if constexpr (Max) {
+            if (l == start || v > acc[k]) {
+              acc[k] = v;
+              arg[k] = (int32_t)l;
+            }
+          } else {
+            acc[k] = psw ? acc[k] + s * v : acc[k] + v;
+          }
+        };
         const int64_t row = idx[l];
         if (row < 0 || row >= num_rows) {
           if (lane == 0) atomicOr(errors, (unsigned long long)kBadIndex);
@@ -46,7 +64,7 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
 #pragma unroll
           for (int k = 0; k < Chunks; ++k) {
             const int j = tile + lane + 32 * k;
-            if (j < dim) acc[k] = psw ? acc[k] + s * v[j] : acc[k] + v[j];
+            if (j < dim) add(k, v[j], s);
           }
         } else {
           const uint8_t* r = w + row * f.row_bytes();
@@ -56,8 +74,7 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
           for (int k = 0; k < Chunks; ++k) {
             const int j = tile + lane + 32 * k;
             if (j < dim) {
-              const float v = dequantize_element(f, r, j, scale, bias);
-              acc[k] = psw ? acc[k] + s * v : acc[k] + v;
+              add(k, dequantize_element(f, r, j, scale, bias), s);
             }
           }
         }
@@ -67,19 +84,48 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
       for (int k = 0; k < Chunks; ++k) {
         const int j = tile + lane + 32 * k;
         if (j < dim) row_out[j] = mean && len > 0 ? acc[k] / (float)len : acc[k];
+        if constexpr (Max)
+          if (j < dim) argmax[b * argmax_stride + j] = arg[k];
       }
     }
     if (lane == 0 && bag_hits) atomicAdd(hits, bag_hits);
   }
 }
 
+/// pool_bags_warp of sums or means.
+template <int Chunks>
+__global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
+                                 const float* cache_rows, Bags bags, RowFormat f,
+                                 SetDivisor sets, int64_t ways, bool mean, float* out,
+                                 int64_t out_stride, unsigned long long* errors,
+                                 unsigned long long* hits) {
+  pool_bags_warp<Chunks, false>(w, num_rows, tags, cache_rows, bags, f, sets, ways, mean, out,
+                                out_stride, nullptr, 0, errors, hits);
+}
+
+/// pool_bags_warp of maxima.
+template <int Chunks>
+__global__ void max_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
+                                const float* cache_rows, Bags bags, RowFormat f,
+                                SetDivisor sets, int64_t ways, float* out, int64_t out_stride,
+                                int32_t* argmax, int64_t argmax_stride,
+                                unsigned long long* errors, unsigned long long* hits) {
+  pool_bags_warp<Chunks, true>(w, num_rows, tags, cache_rows, bags, f, sets, ways, false, out,
+                               out_stride, argmax, argmax_stride, errors, hits);
+}
+
 void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
-               int64_t out_stride, unsigned long long* errors, unsigned long long* hits,
-               Stream stream) {
+               int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
+               unsigned long long* errors, unsigned long long* hits, Stream stream) {
   if (bags.nb == 0) return;
-  EC_LAUNCH_TILED(pool_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
-                  state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
-                  t.set_divisor, t.ways, t.mean, out, out_stride, errors, hits);
+  if (t.pooling == kMax)
+    EC_LAUNCH_TILED(max_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
+                    state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
+                    t.set_divisor, t.ways, out, out_stride, argmax, argmax_stride, errors, hits);
+  else
+    EC_LAUNCH_TILED(pool_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
+                    state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
+                    t.set_divisor, t.ways, t.pooling == kMean, out, out_stride, errors, hits);
 }
 
 }  // namespace EMBCACHE_GPU_NS

@@ -24,6 +24,10 @@ namespace embcache {
 /// The fused optimizers (docs/contract.md §4.5), by their codes 0, 1, 2.
 #define EMBCACHE_OPTIMIZERS(X) X(kSGD, sgd) X(kRowwiseAdagrad, rowwise_adagrad) X(kAdagrad, adagrad)
 
+/// How a bag is pooled (nn.EmbeddingBag's modes), by their codes 0, 1, 2: the sum of its rows,
+/// their mean, or their element-wise maximum (docs/design.md, "Max pooling").
+#define EMBCACHE_POOLINGS(X) X(kSum, sum) X(kMean, mean) X(kMax, max)
+
 /// A table's statistics: an int64 CPU tensor of kNumCounters that the ops add to in place.
 /// kProbedRows .. kProbedExpectedUpE6: the precision telemetry (embcache/rounding_probe.h),
 /// measured by the CPU ops (the CUDA kernels leave them 0).
@@ -54,15 +58,15 @@ enum CommitCount { kCommitHits, kCommitInsertions, kCommitEvictions, kNumCommitC
 ///   counts (32, 16 or 8) if it keeps them (an LFU policy and a cache), so that its priorities
 ///   are counts, else 0 (its priorities are update steps);
 ///   num_sets, ways: the cache's geometry (num_sets * ways slots; 0 sets: no cache);
-///   seed, table: the key and table number of the rounding stream; mean: 1 to pool bags
-///   by their mean, 0 by their sum.
+///   seed, table: the key and table number of the rounding stream; pooling: a Pooling.
 #define EMBCACHE_SPEC_FIELDS(X)                                                                \
   X(kRows, rows) X(kDim, dim) X(kBits, bits) X(kQparamsFp16, qparams_fp16)                    \
   X(kStochastic, stochastic) X(kOptimizer, optimizer) X(kLr, lr) X(kEps, eps) X(kLfu, lfu)    \
-  X(kNumSets, num_sets) X(kWays, ways) X(kSeed, seed) X(kTable, table) X(kMean, mean)
+  X(kNumSets, num_sets) X(kWays, ways) X(kSeed, seed) X(kTable, table) X(kPooling, pooling)
 
 #define EMBCACHE_ENUMERATOR(e, name) e,
 enum Optimizer : int { EMBCACHE_OPTIMIZERS(EMBCACHE_ENUMERATOR) kNumOptimizers };
+enum Pooling : int { EMBCACHE_POOLINGS(EMBCACHE_ENUMERATOR) kNumPoolings };
 enum Counter : int { EMBCACHE_COUNTERS(EMBCACHE_ENUMERATOR) kNumCounters };
 enum StateTensor : int { EMBCACHE_STATE_TENSORS(EMBCACHE_ENUMERATOR) kNumStateTensors };
 enum SpecField : int { EMBCACHE_SPEC_FIELDS(EMBCACHE_ENUMERATOR) kNumSpecFields };
@@ -70,6 +74,7 @@ enum SpecField : int { EMBCACHE_SPEC_FIELDS(EMBCACHE_ENUMERATOR) kNumSpecFields 
 
 #define EMBCACHE_NAME(e, name) #name,
 constexpr const char* kOptimizerNames[] = {EMBCACHE_OPTIMIZERS(EMBCACHE_NAME)};
+constexpr const char* kPoolingNames[] = {EMBCACHE_POOLINGS(EMBCACHE_NAME)};
 constexpr const char* kCounterNames[] = {EMBCACHE_COUNTERS(EMBCACHE_NAME)};
 constexpr const char* kStateTensorNames[] = {EMBCACHE_STATE_TENSORS(EMBCACHE_NAME)};
 constexpr const char* kSpecFieldNames[] = {EMBCACHE_SPEC_FIELDS(EMBCACHE_NAME)};
@@ -114,7 +119,7 @@ struct TableSpec {
   int64_t num_sets, ways;
   uint64_t seed;
   uint32_t table;
-  bool mean;
+  int pooling;  // a Pooling
   SetDivisor set_divisor;  // num_sets as a divisor (set_of_row)
 
   /// Whether it keeps LFU counts (an LFU policy and a cache): its priorities are counts,
@@ -193,7 +198,7 @@ inline int decode_spec(const int64_t* s, TableSpec* out) {
   if (!(sets >= 0 && sets <= rows && sets * ways <= rows)) return kNumSets;
   if (!(s[kSeed] >= 0)) return kSeed;
   if (!(s[kTable] >= 0 && s[kTable] < (int64_t(1) << 32))) return kTable;
-  if (!flag(s[kMean])) return kMean;
+  if (!(s[kPooling] >= 0 && s[kPooling] < kNumPoolings)) return kPooling;
   *out = TableSpec{rows,
                    RowFormat{(int)s[kBits], (int)dim, s[kQparamsFp16] != 0},
                    s[kStochastic] != 0,
@@ -205,7 +210,7 @@ inline int decode_spec(const int64_t* s, TableSpec* out) {
                    ways,
                    (uint64_t)s[kSeed],
                    (uint32_t)s[kTable],
-                   s[kMean] != 0,
+                   (int)s[kPooling],
                    SetDivisor::of((uint64_t)sets)};
   return -1;
 }

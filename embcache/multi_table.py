@@ -105,7 +105,8 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
         self._table_list = list(self.embedding_bags.values())
         self.feature_names = [f for t in tables for f in t.feature_names]
         self._feature_tables = [i for i, t in enumerate(tables) for _ in t.feature_names]
-        self._max_tables = [t.name for t in tables if t.mode == "max"]  # take no weights
+        # per-sample weights only with sum, as nn.EmbeddingBag (mean's backward would not divide)
+        self._unweighted = [t for t in tables if t.mode != "sum"]
         self._group = TableGroup(self._table_list)
         self._one_id_bags: torch.Tensor | None = None  # lengths of [batch, features] input
 
@@ -171,10 +172,11 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
                 )
             batch = lengths.numel() // features
         values = ids.reshape(-1).long()
-        if per_sample_weights is not None and self._max_tables:
+        if per_sample_weights is not None and self._unweighted:
+            t = self._unweighted[0]
             raise ValueError(
-                f"table '{self._max_tables[0]}': per_sample_weights are only supported with "
-                "mode='sum' (got mode='max')"
+                f"table '{t.name}': per_sample_weights are only supported with mode='sum' "
+                f"(got mode='{t.mode}')"
             )
         psw = None if per_sample_weights is None else per_sample_weights.detach().float()
         if psw is not None and psw.numel() != values.numel():

@@ -145,10 +145,14 @@ def test_bad_input_names_the_table_or_feature_and_changes_nothing(case, message)
     assert ours.stats() == stats and ours.pending_grads() == []
 
 
-def test_per_sample_weights_are_refused_with_a_max_pooled_table():
-    tables = [BagTable("t_a", 100, 4), BagTable("t_m", 100, 4, mode="max")]
+@pytest.mark.parametrize("mode", ["mean", "max"])
+def test_per_sample_weights_are_refused_unless_the_table_sums(mode):
+    """As nn.EmbeddingBag: per-sample weights with mean or max pooling are refused, naming the
+    table, and nothing changes."""
+    tables = [BagTable("t_a", 100, 4), BagTable("t_m", 100, 4, mode=mode)]
     ours, _ = _ours(torch.Generator().manual_seed(3), tables)
     before = _state(ours)
-    with pytest.raises(ValueError, match="^table 't_m': per_sample_weights are only supported"):
+    message = f"^table 't_m': per_sample_weights are only supported with mode='sum' \\(got mode='{mode}'\\)"
+    with pytest.raises(ValueError, match=message):
         ours(torch.zeros(5, 2, dtype=torch.int64), per_sample_weights=torch.ones(5, 2))
     assert all(torch.equal(v, before[k]) for k, v in _state(ours).items())

@@ -13,9 +13,10 @@ with no time left is skipped, so that the most important come first):
    the kernels against the CPU ops bit for bit; ``tests/test_device.py``: a GPU run's
    checkpoint loaded, evaluated and resumed on the CPU);
 4. ``train``, ``evaluate``: a short ``dlrm train --device cuda`` (``TRAIN``: scale 0.01) and
-   ``dlrm evaluate --device cuda`` of it; ``resume_cpu``, ``resume_cuda``: a run begun on the
-   CPU and resumed on the GPU. Their ``report.json``s are copied into OUT
-   (``train_report.json``, ``resume_report.json``);
+   ``dlrm evaluate --device cuda`` of it; ``begin_on_cpu``, ``resume_on_cuda``: a run begun
+   on the CPU and resumed on the GPU. Their ``report.json``s are copied into OUT
+   (``train_report.json``, ``resume_report.json``). ``--rehearse`` runs steps 4 and 5 on the
+   CPU, smaller, where there is no GPU (``tests/test_gpu_check.py`` does);
 5. ``train_gpu``: ``bench/train_gpu.py`` (ours against a plain PyTorch loop at Kaggle size)
    into ``OUT/train_gpu/``;
 6. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
@@ -55,18 +56,24 @@ LIMITS = {
     "tests": 120,
     "train": 90,
     "evaluate": 45,
-    "resume_cpu": 60,
-    "resume_cuda": 60,
+    "begin_on_cpu": 60,
+    "resume": 60,
     "train_gpu": 150,
     "profile": 90,
     "bandwidth": 180,
 }
 SANITIZER_LIMIT = 40
 DEADLINE = 510
-# the short runs of step 4: a run's options, and the steps of the CPU-begun run on each device
+# the short runs of step 4: a run's options, and per device the steps of the run on it, of
+# the CPU-begun run, and of its part on the CPU; the rehearsal (--rehearse) is on the CPU
 TRAIN = ["--synthetic-scale", "0.01", "--synthetic-rows", "400000", "--batch-size", "2048"]
 TRAIN += ["--eval-every", "100", "--eval-batches", "5", "--no-progress"]
-RESUME_STEPS, CPU_STEPS = "120", "60"
+RUN_STEPS = {"cuda": (300, 120, 60), "cpu": (12, 8, 4)}
+# bench/train_gpu.py's options: Kaggle size on a GPU; tiny in the rehearsal
+TRAIN_GPU = {
+    "cuda": [],
+    "cpu": ["--scale", "0.001", "--batch-sizes", "256", "--rounds", "2", "--steps", "2"],
+}
 # setup.py's refusal of a compiler whose shared libraries carry their own libstdc++
 STATIC_LIBSTDCXX = "links libstdc++ statically"
 SYSTEM_COMPILERS = {"CXX": "/usr/bin/g++", "CC": "/usr/bin/gcc"}
@@ -318,23 +325,38 @@ class _Steps:
         return status == "passed"
 
 
-def _training(steps: _Steps, python: str, runs: Path) -> None:
-    """Step 4 (module docstring): short runs of ``dlrm`` on the GPU, in ``runs``."""
+def _training(steps: _Steps, python: str, runs: Path, device: str) -> None:
+    """Steps 4 and 5 (module docstring): short runs of ``dlrm`` on ``device`` (a CPU-begun one
+    resumed there), in ``runs``, then ``bench/train_gpu.py``."""
     dlrm = [python, "-m", "dlrm.cli"]
-    run = runs / "cuda"
-    train = [*dlrm, "train", "--device", "cuda", "--out", str(run), "--steps", "300", *TRAIN]
+    total, resumed, on_cpu = (str(n) for n in RUN_STEPS[device])
+    run = runs / device
+    train = [*dlrm, "train", "--device", device, "--out", str(run), "--steps", total, *TRAIN]
     if steps.run("train", train, LIMITS["train"]):
         shutil.copy(run / "report.json", steps.out / "train_report.json")
-        evaluate = [*dlrm, "evaluate", "--device", "cuda", "--out", str(run), "--no-progress"]
+        evaluate = [*dlrm, "evaluate", "--device", device, "--out", str(run), "--no-progress"]
         steps.run("evaluate", evaluate, LIMITS["evaluate"])
-    run = runs / "cpu-then-cuda"
-    begin = [*dlrm, "train", "--device", "cpu", "--out", str(run), "--steps", RESUME_STEPS]
-    begin += ["--stop-after", CPU_STEPS, *TRAIN]
-    if steps.run("resume_cpu", begin, LIMITS["resume_cpu"]):
-        resume = [*dlrm, "train", "--device", "cuda", "--out", str(run), "--resume"]
-        resume += ["--steps", RESUME_STEPS, *TRAIN]
-        if steps.run("resume_cuda", resume, LIMITS["resume_cuda"]):
+    run = runs / f"cpu-then-{device}"
+    begin = [*dlrm, "train", "--device", "cpu", "--out", str(run), "--steps", resumed]
+    begin += ["--stop-after", on_cpu, *TRAIN]
+    if steps.run("begin_on_cpu", begin, LIMITS["begin_on_cpu"]):
+        resume = [*dlrm, "train", "--device", device, "--out", str(run), "--resume"]
+        resume += ["--steps", resumed, *TRAIN]
+        if steps.run(f"resume_on_{device}", resume, LIMITS["resume"]):
             shutil.copy(run / "report.json", steps.out / "resume_report.json")
+    train_gpu = [python, "bench/train_gpu.py", "--device", device, *TRAIN_GPU[device]]
+    steps.run("train_gpu", [*train_gpu, "--out", str(steps.out / "train_gpu")], LIMITS["train_gpu"])
+
+
+def rehearse(out: Path) -> int:
+    """Steps 4 and 5 on the CPU, smaller (``--rehearse``): what a GPU check will run, tried
+    where there is no GPU, so that a GPU's time is not spent on a command line's mistake.
+    Writes ``out/gpu_check.json``; exit status 1 if a step failed."""
+    steps = _Steps(out, {**os.environ, "PYTHONPATH": str(ROOT)})
+    with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as runs:
+        _training(steps, sys.executable, Path(runs), "cpu")
+    (out / "gpu_check.json").write_text(json.dumps({"rehearsal": steps.results}, indent=2))
+    return 1 if any(not s["status"].startswith("passed") for s in steps.results.values()) else 0
 
 
 def main(argv: list[str]) -> int:
@@ -354,6 +376,11 @@ def main(argv: list[str]) -> int:
         metavar="PATH",
         help="only profile the training steps into PATH (JSON)",
     )
+    mode.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="run the training steps (4, 5) on the CPU, smaller, into OUT: no GPU needed",
+    )
     parser.add_argument("--device", default="cuda", help="the device --profile runs on")
     args = parser.parse_args(argv)
     if args.driver:
@@ -366,6 +393,8 @@ def main(argv: list[str]) -> int:
         parser.error("the output folder OUT is required")
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.rehearse:
+        return rehearse(out)
     import torch
 
     report: dict = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
@@ -399,9 +428,7 @@ def main(argv: list[str]) -> int:
         ]
         steps.run("tests", tests, LIMITS["tests"])
         with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as runs:
-            _training(steps, python, Path(runs))
-        train_gpu = [python, "bench/train_gpu.py", "--out", str(out / "train_gpu")]
-        steps.run("train_gpu", train_gpu, LIMITS["train_gpu"])
+            _training(steps, python, Path(runs), "cuda")
         sanitizer = shutil.which("compute-sanitizer")
         for tool in SANITIZER_TOOLS:
             cmd = [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]

@@ -63,7 +63,7 @@ def sample_ids(cfg: RunConfig, dataset: data_batches.Dataset) -> dict[str, torch
         dataset, "train", cfg.batch_size, shuffle=True, seed=cfg.seed, drop_last=True
     )
     first = itertools.islice(batches, max(1, cfg.plan_rows // cfg.batch_size))
-    parts = [b.ids.t() for b in first]  # [26, B]: a row per table
+    parts = [b.ids.t().long() for b in first]  # [26, B]: a row per table
     if not parts:
         raise RunError(f"the train split has fewer rows than one batch of {cfg.batch_size}")
     return dict(zip(TABLE_NAMES, torch.cat(parts, dim=1)))

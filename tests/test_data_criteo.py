@@ -233,7 +233,7 @@ def test_batches(prepared):
     plain = list(batches.iterate_batches(ds, "val", 32))
     assert [len(b.labels) for b in plain] == [32, 32, 7]  # val = rows 929..999
     b = plain[1]
-    assert b.ids.shape == (32, 26) and b.ids.dtype == torch.int64
+    assert b.ids.shape == (32, 26) and b.ids.dtype == torch.int32
     np.testing.assert_array_equal(b.ids.numpy(), sparse[961:993])
     np.testing.assert_array_equal(b.dense.numpy(), dense[961:993])
     np.testing.assert_array_equal(b.labels.numpy(), labels[961:993])

@@ -8,8 +8,9 @@ files, which are read once for that (the same value a fresh preprocessing of the
 would store; it is not written back, so a read-only directory works). Re-running the
 preprocessing (or the generator) stores it and makes later loads instant.
 
-A batch is ``Batch(dense, ids, labels)`` of plain tensors: dense float32 [B, 13], ids int64
-[B, 26] (one id of each categorical feature ``cat_0`` .. ``cat_25`` per sample), labels
+A batch is ``Batch(dense, ids, labels)`` of plain tensors: dense float32 [B, 13], ids int32
+[B, 26] (one id of each categorical feature ``cat_0`` .. ``cat_25`` per sample, as the data
+store them: half the bytes of int64 to copy to a device, which widens them there), labels
 float32 [B]. Batch b of an epoch holds the rows
 ``order[b * B:(b + 1) * B]`` of the split, where ``order`` is the split's rows in file order,
 or, with ``shuffle``, a permutation drawn from ``numpy.random.default_rng([seed, epoch])``
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 class Batch(NamedTuple):
     dense: torch.Tensor  # float32 [B, 13]
-    ids: torch.Tensor  # int64 [B, 26]: sample b's id of feature cat_k is ids[b, k]
+    ids: torch.Tensor  # int32 [B, 26]: sample b's id of feature cat_k is ids[b, k]
     labels: torch.Tensor  # float32 [B]
 
     def pin_memory(self) -> Batch:
@@ -126,7 +127,7 @@ def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Bat
     """A ``Batch`` (copies) from numpy rows: dense [B, 13], sparse ids [B, 26], labels [B]."""
     return Batch(
         torch.from_numpy(np.array(dense, dtype=np.float32)),
-        torch.from_numpy(np.array(sparse, dtype=np.int64)),
+        torch.from_numpy(np.array(sparse, dtype=np.int32)),
         torch.from_numpy(np.array(labels, dtype=np.float32)),
     )
 

@@ -206,12 +206,12 @@ def _abs_range(tensors: list[Tensor]) -> Tensor:
     elsewhere torch's reductions."""
     if tensors and _on_cpu(tensors):
         return torch.tensor(torch.ops.embcache.abs_range(tensors), dtype=torch.float64)
-    tensors = [t for t in tensors if t.numel()]  # (torch's reductions refuse empty ones)
-    if not tensors:
+    if not any(t.numel() for t in tensors):  # (torch's reductions refuse empty tensors)
         return torch.tensor([0.0, math.inf], dtype=torch.float64)
-    max_abs = torch.stack([t.abs().amax() for t in tensors]).amax()
-    min_abs = torch.stack([torch.where(t != 0, t.abs(), math.inf).amin() for t in tensors]).amin()
-    return torch.stack([max_abs, min_abs]).double()
+    # one flat copy, then a few kernels whatever the number of tensors (a GPU step's launches)
+    flat = torch.cat([t.reshape(-1).float() for t in tensors]).abs_()
+    min_abs = torch.where(flat != 0, flat, math.inf).amin()
+    return torch.stack([flat.amax(), min_abs]).double()
 
 
 def _unscale_abs_range(grads: list[Tensor], inv_scale: float) -> Tensor:

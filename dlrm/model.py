@@ -175,7 +175,7 @@ class DLRM(nn.Module):
 
     def forward(self, dense: Tensor, sparse) -> Tensor:
         """Logits ``[B]`` of the dense features ``[B, 13]`` and ``sparse``: the ids ``[B, n]``
-        (int64, one per feature), or, for a collection with TorchRec's interface, also any
+        (int32 or int64, one per feature), or, for a collection with TorchRec's interface, also any
         ``KeyedJaggedTensor`` of its features (multi-hot bags)."""
         dtype = self.dense_dtype
         x = self.bottom_mlp(dense.to(dtype))

@@ -166,8 +166,18 @@ class TableGroup:
             self._counters if training else [],
         )
         anchor = self._anchor if training else self._anchor.detach()
-        lookup = (self, feature_tables, pooled, indices, offsets, psw, slots, bounds, argmax)
-        lookup += (self._epoch,)
+        lookup = (
+            self,
+            feature_tables,
+            pooled,
+            indices,
+            offsets,
+            psw,
+            slots,
+            bounds,
+            argmax,
+            self._epoch,
+        )
         return _Lookup.apply(anchor, psw_input, lookup)
 
     def _store(self, backward: _Backward) -> None:
@@ -247,7 +257,7 @@ class TableGroup:
         multi_update call, all or nothing: if any table refuses its update (non-finite or
         unstorable values), no table changes and the :class:`EmbeddingUpdateError` names the
         table and the row. With ``commit=False`` only checks (a dry run: the gradient stays)."""
-        b = self.whole_backward() if table is None or len(self._every) == 1 else None
+        b = self._whole_backward() if table is None or len(self._every) == 1 else None
         if b is not None:  # the usual step: one backward, the caches as its forward saw them
             _update_hinted([(self, b)], commit)
         else:  # each table's parts merged, and no slot hints (the update finds the slots)
@@ -255,7 +265,7 @@ class TableGroup:
                 [(self, self._every if table is None else [self.position(table)])], commit
             )
 
-    def whole_backward(self) -> _Backward | None:
+    def _whole_backward(self) -> _Backward | None:
         """The stored gradient if it is one backward of every table over the caches as its
         forward saw them (its slot hints and value bounds still hold), else None."""
         b = self._backward
@@ -342,8 +352,8 @@ def update_together(groups: Sequence[TableGroup], commit: bool = True) -> None:
     in one ``multi_update`` call, all or nothing across all of them: if any table refuses its
     update, no table of any group changes and the :class:`EmbeddingUpdateError` names it.
     With the forwards' slot hints and value bounds when every group holds one whole
-    backward (:meth:`TableGroup.whole_backward`), as each group's own update would."""
-    whole = [g.whole_backward() for g in groups]
+    backward (:meth:`TableGroup._whole_backward`), as each group's own update would."""
+    whole = [g._whole_backward() for g in groups]
     if all(b is not None for b in whole):
         _update_hinted(list(zip(groups, whole)), commit)
     else:

@@ -5,8 +5,9 @@
 //
 // Table-batched ops take their tables as `state` (kNumStateTensors tensors per table, in the
 // order of EMBCACHE_STATE_TENSORS, table after table), `specs` (one spec row per table,
-// csrc/include/embcache/table_spec.h) and `counters` (one int64 CPU tensor per table, which
-// the op adds to). Feature f of a KeyedJaggedTensor is bags [f * batch, (f + 1) * batch) of the
+// csrc/include/embcache/table_spec.h), `counters` (one int64 CPU tensor per table, which
+// the op adds to) and `device_counts` (one int64 tensor of DeviceCount per table, on the
+// device of its state, which the op adds to without reading them back). Feature f of a KeyedJaggedTensor is bags [f * batch, (f + 1) * batch) of the
 // lookups and is looked up in table feature_table[f]. A single table is such a batch of one.
 #pragma once
 
@@ -25,14 +26,17 @@ inline void define_cache_ops(torch::Library& m) {
   m.def("dequantize_rows(Tensor weights, Tensor spec) -> Tensor");
   // Bags come as lengths (int32 or int64), feature after feature; returns (pooled
   // [batch, sum of the features' dims], the bags' int64 offsets with the end appended, each
-  // lookup's slot, each feature's value bound, argmax) and adds each feature's lookups and
-  // hits to its table's counters (none if the list is empty). argmax: int32 [batch, sum of
-  // the max-pooled features' dims] (csrc/tables.h, argmax_columns), the position in indices
-  // of the lookup each max-pooled element came from, -1 for an empty bag (no columns, no
-  // memory, without such features).
+  // lookup's slot, each feature's value bound, argmax, errors) and adds each feature's lookups
+  // and hits to its table's device_counts (none if the list is empty). argmax: int32 [batch,
+  // sum of the max-pooled features' dims] (csrc/tables.h, argmax_columns), the position in
+  // indices of the lookup each max-pooled element came from, -1 for an empty bag (no columns,
+  // no memory, without such features). Bad indices or offsets: the CPU op raises; the CUDA
+  // op, which does not wait for its kernels, writes nothing out of bounds and returns their
+  // error bits (cache_api.h ErrorBits) in `errors`, int64 [1] on the device (empty from the
+  // CPU op), for the caller to read when it next waits for the device.
   m.def("multi_lookup_forward(Tensor[] state, Tensor specs, Tensor indices, Tensor lengths, "
-        "Tensor? per_sample_weights, int[] feature_table, int batch, Tensor(a!)[] counters) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? per_sample_weights, int[] feature_table, int batch, "
+        "Tensor(a!)[] device_counts) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Every feature's deduplicated gradient, features in the role of multi_update's tables:
   // (unique_rows, grads, occurrences, slots (empty without lookup_slots), row_starts). A
   // max-pooled feature's element goes to the lookup the forward's argmax names (required
@@ -41,27 +45,33 @@ inline void define_cache_ops(torch::Library& m) {
         "Tensor grad_output, Tensor specs, int[] feature_table, Tensor? lookup_slots=None, "
         "Tensor? argmax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Checks every table's update, then commits all of them only if every table can take its
-  // update: returns per table the smallest row it cannot store or -1; if any table has such a
-  // row, no state is changed. Table t's update is step counters[t][kSteps] + 1; a commit adds
-  // its steps and unique rows to its counters, and its unique hits, insertions and evictions
-  // to commit_counts[t] (int64 [3] on the table's device), which fold_commit_counts moves
-  // into the counters (csrc/tables.h, classify_rows). With commit=false it only checks (a dry
-  // run: nothing is changed either way).
+  // update and every word of `gate` (int64 on the tables' device, e.g. the caller's own
+  // decision and the forwards' errors) is 0. Returns the verdict, int64 [tables, 2] on the
+  // tables' device: per table its error bits (cache_api.h ErrorBits; the CPU op raises
+  // instead) and the smallest row it cannot store or -1. The CUDA op does not wait for its
+  // kernels (the gate is applied on the device): the update committed iff `commit`, every
+  // verdict row is (0, -1) and the gate is all 0, which the caller learns when it reads them.
+  // Table t's update is step counters[t][kSteps] + 1; the caller counts an applied update
+  // (count_updates). A commit adds its unique hits, insertions and evictions to
+  // device_counts[t]. With commit=false it only checks (a dry run: nothing is changed).
   m.def("multi_update(Tensor(a!)[] state, Tensor specs, Tensor unique_rows, Tensor grads, "
         "Tensor occurrences, Tensor slot_hints, int[] row_starts, float[] value_bounds, "
-        "Tensor(b!)[] counters, Tensor(c!)[] commit_counts, bool commit=True) -> int[]");
+        "Tensor(b!)[] counters, Tensor(c!)[] device_counts, Tensor? gate=None, "
+        "bool commit=True) -> Tensor");
   // Writes every cached row back into its table (rounded with the stream of step
   // counters[t][kSteps]) and empties the caches; returns the rows written per table, which
   // it adds to their counters.
   m.def("cache_flush(Tensor(a!)[] state, Tensor specs, Tensor(b!)[] counters) -> int[]");
 }
 
-/// The ops of the CPU library only (torch.ops.embcache): no CUDA kernel, or (fold_commit_counts)
+/// The ops of the CPU library only (torch.ops.embcache): no CUDA kernel, or (fold_device_counts)
 /// one implementation for every device.
 inline void define_cpu_only_ops(torch::Library& m) {
-  // Moves each table's commit counts (multi_update) into its counters: reads them back from
-  // their device, adds them (csrc/tables.h, classify_rows) and zeroes them.
-  m.def("fold_commit_counts(Tensor(a!)[] counters, Tensor(b!)[] commit_counts) -> ()");
+  // Moves each table's device counts into its counters: reads them back from their device
+  // (one read for all), adds them (csrc/tables.h, fold_counts) and zeroes them.
+  m.def("fold_device_counts(Tensor(a!)[] counters, Tensor(b!)[] device_counts) -> ()");
+  // Counts one applied update (multi_update) of each table: its steps, and its unique rows.
+  m.def("count_updates(Tensor(a!)[] counters, int[] unique_rows) -> ()");
   // The hit-rate replay of bench/hit_rate.py: a stream of training steps of one table (its
   // spec, as quantize_rows takes it) through its cache alone, with the rule of the update's
   // commit and no row values. Step s looks up indices[step_offsets[s] .. step_offsets[s+1]);

@@ -141,25 +141,19 @@ inline Tables op_tables(at::TensorList state, const at::Tensor& specs, at::Tenso
   return t;
 }
 
-/// Counts one applied update of `unique_rows` rows (kSteps, kUniqueRows). Its commit's counts
-/// go to the table's commit_counts, on the table's device, and classify_rows adds them when
-/// the counters are read: on a GPU the update then reads nothing back after its commit.
-inline void count_update(int64_t* counter, int64_t unique_rows) {
-  counter[kSteps] += 1;
-  counter[kUniqueRows] += unique_rows;
-}
-
-/// Adds commit counts (kNumCommitCounts, summed over any number of commits) to the counters:
-/// of the unique rows counted but not yet classified (kUniqueRows less kUniqueHits and
-/// kUniqueMisses), those are the hits, the others misses, and the misses not inserted were
-/// bypassed (kBypasses).
-inline void classify_rows(int64_t* counter, const int64_t* commit_counts) {
+/// Adds a table's device counts (kNumDeviceCounts, summed over any number of forwards and
+/// commits) to its counters: the lookups and hits; of the unique rows counted but not yet
+/// classified (kUniqueRows less kUniqueHits and kUniqueMisses), the commits' unique hits are
+/// the hits, the others misses, and the misses not inserted were bypassed (kBypasses).
+inline void fold_counts(int64_t* counter, const int64_t* device_counts) {
+  counter[kLookups] += device_counts[kDeviceLookups];
+  counter[kHits] += device_counts[kDeviceHits];
   const int64_t unclassified = counter[kUniqueRows] - counter[kUniqueHits] - counter[kUniqueMisses];
-  const int64_t hits = commit_counts[kCommitHits], inserted = commit_counts[kCommitInsertions];
+  const int64_t hits = device_counts[kCommitHits], inserted = device_counts[kCommitInsertions];
   counter[kUniqueHits] += hits;
   counter[kUniqueMisses] += unclassified - hits;
   counter[kInsertions] += inserted;
-  counter[kEvictions] += commit_counts[kCommitEvictions];
+  counter[kEvictions] += device_counts[kCommitEvictions];
   counter[kBypasses] += unclassified - hits - inserted;
 }
 
@@ -206,46 +200,59 @@ inline std::vector<int64_t> gradient_blocks(const at::Tensor& unique_rows, const
   return block;
 }
 
-/// multi_update's tables and gradient, checked: op_tables, one value bound per table, and
-/// where each table's block of gradients starts (gradient_blocks).
-struct UpdateArgs {
-  Tables tables;
-  std::vector<int64_t> block;
-  std::vector<int64_t*> commit_counts;  // table t's, on its device (tables_commit_counts)
-};
-
-/// Every table's commit counts: a contiguous int64 tensor of kNumCommitCounts on the device of
-/// its weights, which the op adds to.
-inline std::vector<int64_t*> tables_commit_counts(at::TensorList commit_counts,
+/// Every table's device counts (DeviceCount): a contiguous int64 tensor of kNumDeviceCounts on
+/// the device of its weights, which the op adds to; none if the list is empty and `optional`
+/// (an evaluation forward counts nothing).
+inline std::vector<int64_t*> tables_device_counts(at::TensorList device_counts,
                                                   at::TensorList state, size_t tables,
-                                                  const DeviceKind& device) {
-  TORCH_CHECK(commit_counts.size() == tables, "embcache: commit_counts must be one tensor per table");
+                                                  bool optional, const DeviceKind& device) {
+  TORCH_CHECK(device_counts.size() == tables || (optional && device_counts.empty()),
+              "embcache: device_counts must be one tensor per table", optional ? ", or none" : "");
   std::vector<int64_t*> out;
-  for (size_t t = 0; t < tables; ++t) {
-    const at::Tensor& c = commit_counts[t];
+  for (size_t t = 0; t < device_counts.size(); ++t) {
+    const at::Tensor& c = device_counts[t];
     const at::Device where = state[t * kNumStateTensors + kWeights].device();
     TORCH_CHECK(c.scalar_type() == at::kLong && c.is_contiguous() &&
-                    c.numel() == kNumCommitCounts && device.holds(c) && c.device() == where,
-                "embcache: table ", t, ": commit_counts must be a contiguous int64 ", device.name,
-                " tensor of ", kNumCommitCounts, " on the device of weights, got ",
+                    c.numel() == kNumDeviceCounts && device.holds(c) && c.device() == where,
+                "embcache: table ", t, ": device_counts must be a contiguous int64 ", device.name,
+                " tensor of ", kNumDeviceCounts, " on the device of weights, got ",
                 c.scalar_type(), " ", c.sizes(), " on ", c.device());
     out.push_back(c.data_ptr<int64_t>());
   }
   return out;
 }
 
+/// A gate (multi_update): int64 words on `device` of which any non-zero one stops the commit,
+/// or none.
+inline void check_gate(const c10::optional<at::Tensor>& gate, const at::Tensor& like,
+                       const DeviceKind& device) {
+  if (!gate.has_value()) return;
+  device.check(*gate, at::kLong, "gate");
+  TORCH_CHECK(gate->dim() == 1 && gate->device() == like.device(),
+              "embcache: gate must be 1-D, on the device of unique_rows");
+}
+
+/// multi_update's tables and gradient, checked: op_tables, one value bound per table, where
+/// each table's block of gradients starts (gradient_blocks), its device counts and the gate.
+struct UpdateArgs {
+  Tables tables;
+  std::vector<int64_t> block;
+  std::vector<int64_t*> device_counts;  // table t's, on its device (tables_device_counts)
+};
+
 inline UpdateArgs update_args(at::TensorList state, const at::Tensor& specs,
                               const at::Tensor& unique_rows, const at::Tensor& grads,
                               const at::Tensor& occurrences, const at::Tensor& slot_hints,
                               at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
-                              at::TensorList counters, at::TensorList commit_counts,
-                              const DeviceKind& device) {
+                              at::TensorList counters, at::TensorList device_counts,
+                              const c10::optional<at::Tensor>& gate, const DeviceKind& device) {
   UpdateArgs a{op_tables(state, specs, counters, false, device), {}, {}};
   const size_t nt = a.tables.spec.size();
   TORCH_CHECK(value_bounds.size() == nt, "embcache: one value bound per table");
-  a.commit_counts = tables_commit_counts(commit_counts, state, nt, device);
+  a.device_counts = tables_device_counts(device_counts, state, nt, false, device);
   a.block = gradient_blocks(unique_rows, grads, occurrences, slot_hints, row_starts,
                             a.tables.spec, device);
+  check_gate(gate, unique_rows, device);
   return a;
 }
 

@@ -51,9 +51,10 @@ COUNTERS = (
     "probed_down",
     "probed_expected_up_e6",
 )
-# as csrc/include/embcache/table_spec.h: CommitCount, what a table's commit counts hold (the
-# update adds to them on the table's device; they are folded into COUNTERS when read)
-COMMIT_COUNTS = ("unique_hits", "insertions", "evictions")
+# as csrc/include/embcache/table_spec.h: DeviceCount, what a table's device counts hold (the
+# forward and the update add to them on the table's device; they are folded into COUNTERS
+# when read)
+DEVICE_COUNTS = ("lookups", "hits", "unique_hits", "insertions", "evictions")
 # as csrc/include/embcache/table_spec.h: EMBCACHE_STATE_TENSORS, a table's state tensors (the
 # table module's buffers) in the order the ops take them
 STATE_TENSORS = (

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
-from embcache.config import ADDED_FIELDS, COMMIT_COUNTS, COUNTERS, STATE_TENSORS, TableConfig
+from embcache.config import ADDED_FIELDS, COUNTERS, DEVICE_COUNTS, STATE_TENSORS, TableConfig
 from embcache.group import TableGroup
 from embcache.memory import compression_factor, memory_breakdown
 from embcache.telemetry import PROBE_COUNTERS, TouchedSample, rounding_figures
@@ -58,7 +58,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     The kernels see a table through ``spec`` (its configuration packed once,
     :meth:`TableConfig.spec`), ``counters`` (int64 CPU, the statistics in the order of
-    :data:`embcache.config.COUNTERS`, which the ops add to), :meth:`commit_counts` and
+    :data:`embcache.config.COUNTERS`, which the ops add to), :meth:`device_counts` and
     :meth:`state_tensors`. Its ops
     run through ``group`` (:class:`embcache.group.TableGroup`): its own group of one, or that
     of the collection it belongs to, which holds its pending gradient.
@@ -129,7 +129,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             self._write_rows(0, _weight_blocks(weight) if weight is not None else None)
             self._reset_state()
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)  # CPU, wherever the table is
-        self._commit_counts = torch.zeros(len(COMMIT_COUNTS), dtype=torch.int64)
+        self._device_counts = torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64)
         self.touched = TouchedSample(num_embeddings, (cfg.seed * 1_000_003 + cfg.table_id) % 2**63)
         self.group = TableGroup([self])
         if device.type not in ("cpu", "meta"):
@@ -165,22 +165,22 @@ class CachedLowPrecisionEmbedding(nn.Module):
         """The number of updates applied so far."""
         return int(self.counters[_STEPS])
 
-    def commit_counts(self) -> torch.Tensor:
-        """The commits' counts that ``counters`` does not hold yet (int64, in the order of
-        :data:`embcache.config.COMMIT_COUNTS`), on the device of the table's state: the update
-        adds to them there, so that on a GPU it reads nothing back after its commit, and
-        :meth:`fold_counts` moves them into ``counters``. Made anew (after a fold) where the
-        state has moved to another device."""
+    def device_counts(self) -> torch.Tensor:
+        """The counts that ``counters`` does not hold yet (int64, in the order of
+        :data:`embcache.config.DEVICE_COUNTS`), on the device of the table's state: the
+        training forward and the update add to them there, so that on a GPU they read nothing
+        back, and :meth:`fold_counts` moves them into ``counters``. Made anew (after a fold)
+        where the state has moved to another device."""
         where = self._buffers["weights"].device  # not nn.Module.__getattr__: a per-step path
-        if self._commit_counts.device != where:
+        if self._device_counts.device != where:
             self.fold_counts()
-            self._commit_counts = torch.zeros(len(COMMIT_COUNTS), dtype=torch.int64, device=where)
-        return self._commit_counts
+            self._device_counts = torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64, device=where)
+        return self._device_counts
 
     def fold_counts(self) -> None:
-        """Moves the commit counts into ``counters`` (from a GPU: one read-back)."""
-        if self._commit_counts.device.type != "meta":
-            _ops.fold_commit_counts([self.counters], [self._commit_counts])
+        """Moves the device counts into ``counters`` (from a GPU: one read-back)."""
+        if self._device_counts.device.type != "meta":
+            _ops.fold_device_counts([self.counters], [self._device_counts])
 
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
         """The state tensors in the order the ops take them (:data:`embcache.config.STATE_TENSORS`)."""
@@ -297,7 +297,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             offsets = offsets.long()
             if not self.include_last_offset:
                 end = input.numel() if offsets.numel() else 0  # no offsets: no bags
-                offsets = torch.cat([offsets, offsets.new_tensor([end])])
+                offsets = torch.cat([offsets, offsets.new_full((1,), end)])  # (no copy: no wait)
             elif offsets.numel() == 0:
                 raise bad("with include_last_offset, offsets must hold at least one offset")
             else:
@@ -343,6 +343,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
                 offs.numel() - 1,
                 self.training,
                 psw,
+                check=lambda: self._check_values(indices, offs),
             )
         except RuntimeError:
             self._check_values(indices, offs)  # raises the error that names the table
@@ -597,7 +598,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         stats = {**dict.fromkeys(PROBE_COUNTERS, 0), **state["stats"]}
         stats["steps"] = int(state["step_count"])
         self.counters.copy_(torch.tensor([stats[name] for name in COUNTERS]))
-        self._commit_counts.zero_()  # the counts of commits before the load are not its own
+        self._device_counts.zero_()  # the counts of steps before the load are not its own
         self.touched.load(state.get("touched", []))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

@@ -10,7 +10,7 @@ tables, which then holds their gradients. A table's own methods (``step``, ``zer
 of them run the same ops and the same code.
 
 The group reads its tables through their public door: ``spec`` (their packed configuration),
-``counters`` (their statistics, which the ops add to), ``commit_counts()``, ``state_tensors()``
+``counters`` (their statistics, which the ops add to), ``device_counts()``, ``state_tensors()``
 and ``config``.
 
 A table holds its group and the group refers to its tables weakly, so that no reference cycle
@@ -20,9 +20,10 @@ collector happens to run: ``del table`` frees it at once.
 
 from __future__ import annotations
 
+import collections
 import copy
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,14 @@ from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
 
 _ops = torch.ops.embcache
 _NO_HINT = torch.empty(0, dtype=torch.int64)
+# The forwards whose input errors a group may leave unread before it waits for the oldest.
+MAX_UNCHECKED_FORWARDS = 64
+# as csrc/cuda/cache_api.h: ErrorBits, the first that is set named
+_ERROR_BITS = (
+    (2, "offsets must start at 0, not decrease and end at len(indices)"),
+    (1, "an index is out of range"),
+    (4, "unique rows must be ascending and in range"),
+)
 
 
 class EmbeddingUpdateError(ValueError):
@@ -44,6 +53,46 @@ class PendingGradient(NamedTuple):
     rows: torch.Tensor
     grads: torch.Tensor
     occurrences: torch.Tensor
+
+
+class InputCheck(NamedTuple):
+    """A forward's input, to be checked once its kernels have run: ``errors`` (int64 [1] on
+    the device, the kernels' error bits), ``host`` (their copy in host memory, or ``errors``
+    itself on the CPU), ``done`` (a CUDA event after the copy, or None) and ``check`` (raises
+    the ValueError that names the table and the value, or does nothing)."""
+
+    errors: torch.Tensor
+    host: torch.Tensor
+    done: object
+    check: Callable[[], None]
+
+    @classmethod
+    def of(cls, errors: torch.Tensor, check: Callable[[], None] | None) -> InputCheck:
+        """Starts the copy of a forward's error bits to host memory (no wait on a GPU)."""
+        check = check or (lambda: None)
+        if errors.device.type != "cuda":
+            return cls(errors, errors, None, check)
+        host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=True)
+        host.copy_(errors, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(errors, host, done, check)
+
+    def raise_if_bad(self, bits: int | None = None) -> None:
+        """Raises the forward's input error (its check's ValueError, else a RuntimeError with
+        the first error bit), if the kernels found one; waits for them if they have not
+        run. ``bits``: the error bits if already read."""
+        if bits is None:
+            if self.done is not None:
+                self.done.synchronize()
+            bits = int(self.host[0])
+        if bits:
+            self.check()
+            raise RuntimeError(f"embcache (cuda): {_error_text(bits)}")
+
+
+def _error_text(bits: int) -> str:
+    return next(text for bit, text in _ERROR_BITS if bits & bit)
 
 
 class _Backward(NamedTuple):
@@ -85,6 +134,10 @@ class TableGroup:
         self._parts: list[list[PendingGradient]] = [[] for _ in self.tables]
         self._epoch = 0
         self._touch: tuple[torch.Tensor, torch.Tensor] | None = None  # _touch_index
+        # forwards whose input the device has not confirmed yet: those of the pending
+        # gradient (which its update's gate includes), and recent ones (checked as they finish)
+        self._inputs: list[InputCheck] = []
+        self._unchecked: collections.deque[InputCheck] = collections.deque()
         for t in self.tables:
             t.group = self
 
@@ -100,6 +153,7 @@ class TableGroup:
         state = self.__dict__.copy()
         state["_table_refs"] = self.tables
         state["_touch"] = None  # rebuilt from the tables' samples
+        state["_inputs"], state["_unchecked"] = [], collections.deque()  # (events do not pickle)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -120,11 +174,11 @@ class TableGroup:
         tables = self.tables if chosen is None else [self.tables[i] for i in chosen]
         return [x for t in tables for x in t.state_tensors()]
 
-    def commit_counts(self, chosen: list[int] | None = None) -> list[torch.Tensor]:
-        """The commit counts of the tables (all, or those at the positions ``chosen``), which
-        the update adds to."""
+    def device_counts(self, chosen: list[int] | None = None) -> list[torch.Tensor]:
+        """The device counts of the tables (all, or those at the positions ``chosen``), which
+        the forward and the update add to."""
         tables = self.tables if chosen is None else [self.tables[i] for i in chosen]
-        return [t.commit_counts() for t in tables]
+        return [t.device_counts() for t in tables]
 
     def position(self, table) -> int:
         """``table``'s position in the group (by identity: a group may be copied or pickled
@@ -147,6 +201,7 @@ class TableGroup:
         batch: int,
         training: bool,
         psw_input: torch.Tensor | None = None,
+        check: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Pooled embeddings ``[batch, sum of the features' dims]``: feature f is bags
         ``[f * batch, (f + 1) * batch)`` of ``lengths`` over ``indices`` (int64), with
@@ -154,8 +209,15 @@ class TableGroup:
         ``feature_tables[f]``. In training the tables count lookups and hits, and the backward
         stores the deduplicated gradient here. ``psw_input`` is the caller's tensor of which
         ``psw`` is the float32 value: the output's gradient reaches it if it requires one.
-        Raises RuntimeError (from C++) on bad input, having changed nothing."""
-        pooled, offsets, slots, bounds, argmax = _ops.multi_lookup_forward(
+
+        Bad input changes nothing. On the CPU it raises RuntimeError (from C++) here. On a GPU
+        the forward does not wait for its kernels: it raises at a later call, once they have
+        run (docs/contract.md §7): a later forward of the group that finds them done, the
+        update of the gradient it led to (before anything changes), or
+        :meth:`check_inputs`. ``check`` then raises the ValueError that names the table and
+        the value."""
+        self._check_finished_inputs()
+        pooled, offsets, slots, bounds, argmax, errors = _ops.multi_lookup_forward(
             self.state(),
             self.specs,
             indices,
@@ -163,8 +225,13 @@ class TableGroup:
             psw,
             feature_tables,
             batch,
-            self._counters if training else [],
+            self.device_counts() if training else [],
         )
+        pending = None
+        if errors.numel():
+            pending = InputCheck.of(errors, check)
+            self._unchecked.append(pending)
+            self._check_finished_inputs()
         anchor = self._anchor if training else self._anchor.detach()
         lookup = (
             self,
@@ -177,13 +244,39 @@ class TableGroup:
             bounds,
             argmax,
             self._epoch,
+            pending,
         )
         return _Lookup.apply(anchor, psw_input, lookup)
 
-    def _store(self, backward: _Backward) -> None:
-        """Keeps a backward's gradient; one kept before it goes to the tables' parts first."""
+    def _check_finished_inputs(self) -> None:
+        """Raises the input error of the oldest forward whose kernels found one, among those
+        done (and, past MAX_UNCHECKED_FORWARDS of them, the oldest waited for)."""
+        unchecked = self._unchecked
+        while unchecked:
+            first = unchecked[0]
+            if (
+                first.done is not None
+                and len(unchecked) <= MAX_UNCHECKED_FORWARDS
+                and not first.done.query()
+            ):
+                return
+            unchecked.popleft()
+            first.raise_if_bad()
+
+    def check_inputs(self) -> None:
+        """Waits for every forward whose input is not confirmed yet and raises the first
+        input error (the ValueError naming the table and value); nothing on the CPU, where
+        the forward raises at once."""
+        while self._unchecked:
+            self._unchecked.popleft().raise_if_bad()
+
+    def _store(self, backward: _Backward, pending: InputCheck | None) -> None:
+        """Keeps a backward's gradient (one kept before it goes to the tables' parts first)
+        and, on a GPU, its forward's input check, which the update's gate includes."""
         self._hand_over()
         self._backward = backward
+        if pending is not None:
+            self._inputs.append(pending)
 
     def _hand_over(self) -> None:
         """Splits the kept backward into the parts of its features' tables."""
@@ -244,6 +337,7 @@ class TableGroup:
         """Drops the stored gradient of every table, or of ``table`` alone."""
         if table is None:
             self._backward = None
+            self._inputs.clear()
             for parts in self._parts:
                 parts.clear()
         else:
@@ -256,14 +350,17 @@ class TableGroup:
         """Applies the stored gradient of every table (or of ``table`` alone) in one
         multi_update call, all or nothing: if any table refuses its update (non-finite or
         unstorable values), no table changes and the :class:`EmbeddingUpdateError` names the
-        table and the row. With ``commit=False`` only checks (a dry run: the gradient stays)."""
-        b = self._whole_backward() if table is None or len(self._every) == 1 else None
-        if b is not None:  # the usual step: one backward, the caches as its forward saw them
-            _update_hinted([(self, b)], commit)
-        else:  # each table's parts merged, and no slot hints (the update finds the slots)
-            _update_merged(
-                [(self, self._every if table is None else [self.position(table)])], commit
-            )
+        table and the row. With ``commit=False`` only checks (a dry run: the gradient stays).
+        One wait for the device (:meth:`start_update`, then its :meth:`PendingUpdate.finish`)."""
+        self.start_update(commit=commit, table=table).finish()
+
+    def start_update(self, gate: torch.Tensor | None = None, commit: bool = True, table=None):
+        """Launches :meth:`update` without waiting for the device: returns the
+        :class:`PendingUpdate`, whose ``finish`` learns the outcome. ``gate``: int64 words on
+        the tables' device, of which any non-zero one stops the commit (the caller's own
+        decision, made on the device)."""
+        chosen = None if table is None or len(self._every) == 1 else [self.position(table)]
+        return start_update_together([self], gate, commit, chosen)
 
     def _whole_backward(self) -> _Backward | None:
         """The stored gradient if it is one backward of every table over the caches as its
@@ -277,33 +374,45 @@ class TableGroup:
         )
         return b if usable else None
 
-    def _finish(
-        self, chosen: list[int], bad: list[int], commit: bool, rows: torch.Tensor, row_starts
-    ) -> None:
-        """After multi_update on the tables ``chosen`` (their unique rows: ``rows``, table
-        ``chosen[i]``'s from ``row_starts[i]``): raise for the first that refused (nothing
-        was changed then); else, if it committed, their gradients are used, the caches may
-        have changed, and each table's sample of touched rows learns its rows."""
-        if max(bad) >= 0:
-            self._hand_over()  # the tables' parts name the row
-            t, row = next((t, row) for t, row in zip(chosen, bad) if row >= 0)
-            p = self._merged(t)
-            at = int(torch.searchsorted(p.rows, row))
-            config = self.tables[t].config
-            what = (
-                "non-finite gradient"
-                if not bool(torch.isfinite(p.grads[at]).all())
-                else f"new value that {config.stored_precision} cannot store (out of range)"
-            )
-            raise EmbeddingUpdateError(
-                f"table '{config.name}': {what} for row {row}; nothing was changed"
-            )
-        if commit:
+    def _forget_inputs(self, inputs: list[InputCheck]) -> None:
+        """Drops these forwards' input checks from those still to be read: an update has read
+        them."""
+        if inputs:
+            ids = {id(i) for i in inputs}
+            self._unchecked = collections.deque(i for i in self._unchecked if id(i) not in ids)
+
+    def _refuse(self, chosen: list[int], bad: list[int]) -> None:
+        """Raises the :class:`EmbeddingUpdateError` of the first of the tables ``chosen``
+        whose update refused row ``bad[i]`` (nothing was changed)."""
+        self._hand_over()  # the tables' parts name the row
+        t, row = next((t, row) for t, row in zip(chosen, bad) if row >= 0)
+        p = self._merged(t)
+        at = int(torch.searchsorted(p.rows, row))
+        config = self.tables[t].config
+        what = (
+            "non-finite gradient"
+            if not bool(torch.isfinite(p.grads[at]).all())
+            else f"new value that {config.stored_precision} cannot store (out of range)"
+        )
+        raise EmbeddingUpdateError(
+            f"table '{config.name}': {what} for row {row}; nothing was changed"
+        )
+
+    def _committed(self, chosen: list[int], rows: torch.Tensor, row_starts: list[int]) -> None:
+        """After a commit of the tables ``chosen`` (their unique rows ``rows``, table
+        ``chosen[i]``'s from ``row_starts[i]``): their steps and unique rows counted, their
+        gradients used, the caches maybe changed, each table's sample of touched rows told."""
+        counts = [e - s for s, e in zip(row_starts, row_starts[1:])]
+        _ops.count_updates([self._counters[t] for t in chosen], counts)
+        if chosen == self._every:
             self._backward = None
-            for t in chosen:
-                self._parts[t].clear()
-            self._mark_touched(chosen, rows, row_starts)
-            self._epoch += 1
+            self._inputs.clear()
+        else:
+            self._hand_over()
+        for t in chosen:
+            self._parts[t].clear()
+        self._mark_touched(chosen, rows, row_starts)
+        self._epoch += 1
 
     def _mark_touched(self, chosen: list[int], rows: torch.Tensor, row_starts) -> None:
         """Marks the sampled rows (each table's :class:`~embcache.telemetry.TouchedSample`)
@@ -351,40 +460,132 @@ def update_together(groups: Sequence[TableGroup], commit: bool = True) -> None:
     """Applies the stored gradient of every table of ``groups`` (their state on one device)
     in one ``multi_update`` call, all or nothing across all of them: if any table refuses its
     update, no table of any group changes and the :class:`EmbeddingUpdateError` names it.
-    With the forwards' slot hints and value bounds when every group holds one whole
-    backward (:meth:`TableGroup._whole_backward`), as each group's own update would."""
+    One wait for the device."""
+    start_update_together(groups, None, commit).finish()
+
+
+def start_update_together(
+    groups: Sequence[TableGroup],
+    gate: torch.Tensor | None = None,
+    commit: bool = True,
+    chosen: list[int] | None = None,
+) -> PendingUpdate:
+    """Launches :func:`update_together` (of the tables at positions ``chosen`` of a single
+    group, if given) without waiting for the device, with the gate of
+    :meth:`TableGroup.start_update`. With the forwards' slot hints and value bounds when every
+    group holds one whole backward (:meth:`TableGroup._whole_backward`) and all its tables
+    are updated; else each table's parts merged, without them."""
     whole = [g._whole_backward() for g in groups]
-    if all(b is not None for b in whole):
-        _update_hinted(list(zip(groups, whole)), commit)
-    else:
-        _update_merged([(g, g._every) for g in groups], commit)
+    if chosen is None and all(b is not None for b in whole):
+        return _start_hinted(list(zip(groups, whole)), gate, commit)
+    selections = [(g, g._every if chosen is None else chosen) for g in groups]
+    return _start_merged(selections, gate, commit)
 
 
-def _update_hinted(selections: list[tuple[TableGroup, _Backward]], commit: bool) -> None:
+class PendingUpdate:
+    """A launched ``multi_update`` whose outcome is on the device: ``words`` (int64, to be
+    read, e.g. with the caller's own figures in one copy) are the gate's words, then one per
+    forward whose input the update waited on, then the verdict. :meth:`finish` reads them
+    (unless given) and does what follows: nothing if nothing was to be updated."""
+
+    def __init__(self, taken, rows, row_starts, verdict, gate, inputs, commit) -> None:
+        self.taken = taken  # [(group, positions)], the tables in the op's order
+        self.rows, self.row_starts, self.commit = rows, row_starts, commit
+        self.inputs: list[InputCheck] = inputs
+        self.gate_words = 0 if gate is None else gate.numel()
+        parts = [] if gate is None else [gate]
+        parts += [i.errors for i in inputs]
+        if verdict is not None:
+            parts.append(verdict.reshape(-1))
+        self.words = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def finish(self, words: Sequence[int] | None = None) -> bool:
+        """Whether the update was applied. Raises, having changed nothing: a forward's input
+        error (the ValueError naming the table and value), a table's refusal
+        (:class:`EmbeddingUpdateError`); returns False if the gate stopped it or it was a dry
+        run."""
+        if not self.taken:
+            return False
+        words = self.words.tolist() if words is None else list(words)
+        n = self.gate_words
+        gate, errors, verdict = (
+            words[:n],
+            words[n : n + len(self.inputs)],
+            words[n + len(self.inputs) :],
+        )
+        for group, _ in self.taken:
+            group._forget_inputs(self.inputs)
+        for pending, bits in zip(self.inputs, errors):
+            pending.raise_if_bad(bits)
+        bits, bad = verdict[0::2], verdict[1::2]
+        if any(bits):
+            raise RuntimeError(f"embcache (cuda): {_error_text(next(b for b in bits if b))}")
+        if any(gate):
+            return False
+        at = 0
+        for group, chosen in self.taken:
+            refused = bad[at : at + len(chosen)]
+            if max(refused) >= 0:
+                group._refuse(chosen, refused)
+            at += len(chosen)
+        if not self.commit:
+            return False
+        at = 0
+        for group, chosen in self.taken:
+            starts = self.row_starts[at : at + len(chosen) + 1]
+            first = starts[0]
+            rows = self.rows[first : starts[-1]]
+            group._committed(chosen, rows, [r - first for r in starts])
+            at += len(chosen)
+        return True
+
+
+def _launch(taken, rows, grads, occ, hints, row_starts, bounds, gate, commit) -> PendingUpdate:
+    """One ``multi_update`` of the tables ``taken`` ([(group, positions)]), gated by ``gate``
+    and by the input errors of the forwards behind their gradients."""
+    inputs = [i for g, _ in taken for i in g._inputs]
+    full_gate = None
+    if gate is not None or inputs:
+        full_gate = torch.cat(([] if gate is None else [gate]) + [i.errors for i in inputs])
+    verdict = _ops.multi_update(
+        [x for g, c in taken for x in g.state(c)],
+        _joined([g.specs[c] if c != g._every else g.specs for g, c in taken]),
+        rows,
+        grads,
+        occ,
+        hints,
+        row_starts,
+        bounds,
+        [g._counters[t] for g, c in taken for t in c],
+        [x for g, c in taken for x in g.device_counts(c)],
+        full_gate,
+        commit,
+    )
+    return PendingUpdate(taken, rows, row_starts, verdict, gate, inputs, commit)
+
+
+def _start_hinted(
+    selections: list[tuple[TableGroup, _Backward]], gate, commit: bool
+) -> PendingUpdate:
     """One ``multi_update`` of every table of each group from its whole backward, with the
     forward's slot hints (if every group has them) and value bounds."""
-    groups = [g for g, _ in selections]
     backwards = [b for _, b in selections]
     hinted = all(b.slots.numel() or not b.rows.numel() for b in backwards)
     starts, row_starts = 0, [0]
     for b in backwards:
         row_starts += [starts + r for r in b.row_starts[1:]]
         starts += b.row_starts[-1]
-    rows = _joined([b.rows for b in backwards])
-    bad = _ops.multi_update(
-        [x for g in groups for x in g.state()],
-        _joined([g.specs for g in groups]),
-        rows,
+    return _launch(
+        [(g, g._every) for g, _ in selections],
+        _joined([b.rows for b in backwards]),
         _joined([b.grads for b in backwards]),
         _joined([b.occurrences for b in backwards]),
         _joined([b.slots for b in backwards]) if hinted else _NO_HINT,
         row_starts,
         [x for b in backwards for x in b.bounds],
-        [c for g in groups for c in g._counters],
-        [c for g in groups for c in g.commit_counts()],
+        gate,
         commit,
     )
-    _finish_each([(g, g._every) for g in groups], bad, commit, rows, row_starts)
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -392,56 +593,34 @@ def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def _update_merged(selections: list[tuple[TableGroup, list[int]]], commit: bool) -> None:
+def _start_merged(
+    selections: list[tuple[TableGroup, list[int]]], gate, commit: bool
+) -> PendingUpdate:
     """One ``multi_update`` of the tables chosen in each group (positions), each table's parts
-    merged, without slot hints; then each group's bookkeeping, or the error of the first table
-    that refused (nothing changed)."""
-    chosen, parts = [], []
+    merged, without slot hints."""
+    taken, flat = [], []
     for group, positions in selections:
         group._hand_over()
         mine = [t for t in positions if group._parts[t]]
-        chosen.append(mine)
-        parts.append([group._merged(t) for t in mine])
-    flat = [p for ps in parts for p in ps]
+        if mine:
+            taken.append((group, mine))
+            flat += [group._merged(t) for t in mine]
     if not flat:
-        return
+        return PendingUpdate([], None, [0], None, None, [], commit)
     row_starts = [0]
     for p in flat:
         row_starts.append(row_starts[-1] + p.rows.numel())
-    rows = torch.cat([p.rows for p in flat])
-    taken = [(g, c) for (g, _), c in zip(selections, chosen) if c]
-    bad = _ops.multi_update(
-        [x for g, c in taken for x in g.state(c)],
-        torch.cat([g.specs[c] for g, c in taken]),
-        rows,
+    return _launch(
+        taken,
+        torch.cat([p.rows for p in flat]),
         torch.cat([p.grads.flatten() for p in flat]),
         torch.cat([p.occurrences for p in flat]),
         _NO_HINT,
         row_starts,
         [-1.0] * len(flat),
-        [g._counters[t] for g, c in taken for t in c],
-        [x for g, c in taken for x in g.commit_counts(c)],
+        gate,
         commit,
     )
-    _finish_each(taken, bad, commit, rows, row_starts)
-
-
-def _finish_each(
-    taken: list[tuple[TableGroup, list[int]]], bad: list[int], commit: bool, rows, row_starts
-) -> None:
-    """After one ``multi_update`` of the tables ``taken`` (each group's positions, in order:
-    their unique rows ``rows``, the i-th table's from ``row_starts[i]``): each group's
-    :meth:`TableGroup._finish`, a group with a table that refused first (it raises, and
-    nothing was changed)."""
-    shares, at = [], 0
-    for g, c in taken:
-        n = len(c)
-        shares.append((g, c, bad[at : at + n], row_starts[at : at + n + 1]))
-        at += n
-    shares.sort(key=lambda share: max(share[2]) < 0)
-    for g, c, refused, starts in shares:
-        first = starts[0]
-        g._finish(c, refused, commit, rows[first : starts[-1]], [r - first for r in starts])
 
 
 class _Lookup(torch.autograd.Function):
@@ -451,14 +630,15 @@ class _Lookup(torch.autograd.Function):
     the gradient of the per-sample weights if they require one. ``lookup`` is what the
     forward made and saw: (group, feature tables, pooled, ids, offsets, float32 per-sample
     weights or None, every lookup's slot, each feature's value bound, the max-pooled
-    features' argmax (no columns without them), the cache epoch). The ids and weights may be
+    features' argmax (no columns without them), the cache epoch, the forward's
+    :class:`InputCheck` or None). The ids and weights may be
     the caller's tensors, so they are saved (autograd refuses a backward after they change in
     place); the rest are the forward's own, kept on ``ctx``."""
 
     @staticmethod
     def forward(ctx, anchor, psw_input, lookup):
         (ctx.group, ctx.feature_tables, pooled, indices, ctx.offsets, psw) = lookup[:6]
-        ctx.slots, ctx.bounds, ctx.argmax, ctx.epoch = lookup[6:]
+        ctx.slots, ctx.bounds, ctx.argmax, ctx.epoch, ctx.pending = lookup[6:]
         ctx.psw_dtype = None if psw_input is None else psw_input.dtype
         ctx.save_for_backward(indices, *(() if psw is None else (psw,)))
         return pooled
@@ -472,13 +652,19 @@ class _Lookup(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # The CUDA forward gives neither slots nor value bounds.
             slots = ctx.slots if ctx.slots.numel() else None
-            rows, grads, occ, row_slots, row_starts = _ops.multi_dedup_backward(
-                indices, ctx.offsets, psw, grad, group.specs, feature_tables, slots, ctx.argmax
-            )
+            try:
+                rows, grads, occ, row_slots, row_starts = _ops.multi_dedup_backward(
+                    indices, ctx.offsets, psw, grad, group.specs, feature_tables, slots, ctx.argmax
+                )
+            except RuntimeError:  # (the dedup reads its errors back): the forward's input
+                if ctx.pending is not None:
+                    ctx.pending.raise_if_bad()
+                raise
             bounds = ctx.bounds.tolist() or [-1.0] * len(feature_tables)
             starts = row_starts.tolist()
             group._store(
-                _Backward(feature_tables, rows, grads, occ, row_slots, starts, ctx.epoch, bounds)
+                _Backward(feature_tables, rows, grads, occ, row_slots, starts, ctx.epoch, bounds),
+                ctx.pending,
             )
         grad_psw = None
         if ctx.needs_input_grad[1]:

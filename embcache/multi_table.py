@@ -189,6 +189,7 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
                 self._feature_tables,
                 batch,
                 self.training,
+                check=lambda: self.check_input(values, lengths, batch),
             )
         except RuntimeError:
             self.check_input(values, lengths, batch)  # raises the error that names the table
@@ -271,6 +272,14 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
         if any table refuses its update (non-finite or unstorable values), no table is
         changed and the :class:`~embcache.EmbeddingUpdateError` names the table."""
         self._group.update(commit=True)
+
+    def start_step(self, gate: torch.Tensor | None = None):
+        """:meth:`step` launched without waiting for the device: returns the
+        :class:`~embcache.group.PendingUpdate` whose ``words`` the caller reads (with its own
+        figures, in one copy) and passes to its ``finish``, which raises as :meth:`step` would.
+        ``gate``: int64 words on the tables' device, any non-zero one stopping the update
+        (the caller's decision, made on the device)."""
+        return self._group.start_update(gate)
 
     def check_step(self) -> None:
         """A dry run of :meth:`step`: raises the error it would raise, changes nothing (the

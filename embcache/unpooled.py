@@ -82,7 +82,7 @@ class CachedLowPrecisionUnpooledEmbedding(CachedLowPrecisionEmbedding):
         evaluation lookup: it counts nothing and takes no gradient."""
         with torch.no_grad():
             return self.group.lookup(
-                torch.tensor([self.padding_idx], device=self.weights.device),
+                torch.full((1,), self.padding_idx, device=self.weights.device),  # (no copy)
                 torch.ones(1, dtype=torch.int64, device=self.weights.device),
                 None,
                 [self.group.position(self)],

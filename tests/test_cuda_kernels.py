@@ -28,7 +28,7 @@ import torch
 
 import embcache  # noqa: F401  (registers torch.ops.embcache)
 from embcache import CachedLowPrecisionEmbedding
-from embcache.config import COMMIT_COUNTS, COUNTERS, SPEC_FIELDS, STATE_TENSORS, TableConfig
+from embcache.config import COUNTERS, DEVICE_COUNTS, SPEC_FIELDS, STATE_TENSORS, TableConfig
 from embcache.telemetry import PROBE_COUNTERS
 
 CPU = torch.ops.embcache
@@ -44,7 +44,7 @@ NOT_ON_CUDA = {
     "mark_sampled_rows",
 }
 # one implementation for every device (the CPU library's)
-ANY_DEVICE = {"fold_commit_counts"}
+ANY_DEVICE = {"fold_device_counts", "count_updates"}
 STATE = STATE_TENSORS
 # The set floors are lower bounds that only the CPU commit tightens (a speed hint): not compared.
 COMPARED = tuple(k for k in STATE if k != "cache_set_floor")
@@ -161,14 +161,14 @@ class Twin:
         # the statistics, which the ops add to; the update's step is counters[steps] + 1
         self.cpu_counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
         self.dev_counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
-        # the commits' counts, which the update adds to on the table's device
-        self.cpu_commit = torch.zeros(len(COMMIT_COUNTS), dtype=torch.int64)
+        # the counts the forward and the update add to on the table's device
+        self.cpu_commit = torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64)
         self.dev_commit = backend.to(self.cpu_commit.clone())
 
     def fold(self) -> None:
-        """Both sides' commit counts into their counters."""
-        CPU.fold_commit_counts([self.cpu_counters], [self.cpu_commit])
-        CPU.fold_commit_counts([self.dev_counters], [self.dev_commit])
+        """Both sides' device counts into their counters."""
+        CPU.fold_device_counts([self.cpu_counters], [self.cpu_commit])
+        CPU.fold_device_counts([self.dev_counters], [self.dev_commit])
 
     @property
     def totals(self) -> torch.Tensor:
@@ -215,7 +215,7 @@ def group_forward(twins, feature_table, indices, offsets, psw, when, training=Fa
     lengths = offsets[1:] - offsets[:-1]
     counted = []
     for ops, which, to in ((CPU, "cpu", lambda t: t), (b.ops, "dev", b.to)):
-        counters = [torch.zeros(len(COUNTERS), dtype=torch.int64) for _ in twins]
+        counts = [to(torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64)) for _ in twins]
         out = ops.multi_lookup_forward(
             _states(twins, which),
             specs,
@@ -224,19 +224,20 @@ def group_forward(twins, feature_table, indices, offsets, psw, when, training=Fa
             to(psw),
             feature_table,
             lengths.numel() // len(feature_table),
-            counters,
+            counts,
         )
-        counted.append((out, counters))
+        counted.append((out, counts))
     (want, want_counts), (got, got_counts) = counted
     compared = (0, 1, 4)  # all but the slot hints and value bounds, which only the CPU gives
     assert_same(
         [got[k] for k in compared], [want[k] for k in compared], f"{when}: multi_lookup_forward"
     )
-    assert_same(got_counts, want_counts, f"{when}: lookups and hits")
+    assert want[5].numel() == 0 and not bool(got[5].any()), f"{when}: error bits {got[5]}"
+    assert_same([c.cpu() for c in got_counts], want_counts, f"{when}: lookups and hits")
     if training:
         for t, w, g in zip(twins, want_counts, got_counts):
-            t.cpu_counters += w
-            t.dev_counters += g
+            t.cpu_commit += w
+            t.dev_commit += g
     return want[2], want[3], want[4], got[4]
 
 
@@ -278,6 +279,7 @@ def group_train_step(twins, feature_table, indices, offsets, psw, grad_out, when
             bounds.tolist(),
             [t.cpu_counters for t in twins],
             [t.cpu_commit for t in twins],
+            None,
             commit,
         )
         got = b.ops.multi_update(
@@ -291,12 +293,18 @@ def group_train_step(twins, feature_table, indices, offsets, psw, grad_out, when
             [-1.0] * len(twins),
             [t.dev_counters for t in twins],
             [t.dev_commit for t in twins],
+            None,
             commit,
         )
-        assert got == want, f"{when}: rows refused {got}, CPU {want}"
+        assert got.tolist() == want.tolist(), f"{when}: verdict {got}, CPU {want}"
+        refused = bool((want[:, 1] >= 0).any())
+        if commit and not refused:  # the caller counts an applied update
+            unique = [e - s for s, e in zip(row_starts, row_starts[1:])]
+            CPU.count_updates([t.cpu_counters for t in twins], unique)
+            CPU.count_updates([t.dev_counters for t in twins], unique)
         for t in twins:
             t.compare_state(f"{when}: multi_update(commit={commit}), table {t.cfg.table_id}")
-        if max(want) >= 0:
+        if refused:
             return True
     return False
 
@@ -631,11 +639,17 @@ def test_refused_inputs_change_nothing(backend):
     )
     for idx, off in bad_batches:
         lengths = off[1:] - off[:-1]
-        for ops, state, to in ((CPU, twin.cpu, lambda t: t), (b.ops, twin.dev, b.to)):
-            with pytest.raises(RuntimeError, match=refused):
-                ops.multi_lookup_forward(
-                    twin._args(state), twin.specs, to(idx), to(lengths), None, [0], 2, []
-                )
+        with pytest.raises(RuntimeError, match=refused):
+            CPU.multi_lookup_forward(
+                twin._args(twin.cpu), twin.specs, idx, lengths, None, [0], 2, []
+            )
+        # the device's forward does not wait for its kernels: it returns their error bits
+        counts = b.to(torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64))
+        errors = b.ops.multi_lookup_forward(
+            twin._args(twin.dev), twin.specs, b.to(idx), b.to(lengths), None, [0], 2, [counts]
+        )[5]
+        bit = 1 if bool((idx < 0).any() | (idx >= 50).any()) else 2  # cache_api.h ErrorBits
+        assert errors.tolist() == [bit], (idx, off, errors)
         if int(idx.min()) >= 0 and int(idx.max()) < 50:
             with pytest.raises(RuntimeError, match="offsets must start at 0|offsets decrease"):
                 b.ops.multi_dedup_backward(
@@ -658,6 +672,7 @@ def test_refused_inputs_change_nothing(backend):
             [-1.0],
             [twin.cpu_counters],
             [twin.cpu_commit],
+            None,
             commit,
         )
         got = b.ops.multi_update(
@@ -671,26 +686,31 @@ def test_refused_inputs_change_nothing(backend):
             [-1.0],
             [twin.dev_counters],
             [twin.dev_commit],
+            None,
             commit,
         )
-        assert want == got == [8]
-    for ops, state, to, counters, commit_counts in (
-        (CPU, twin.cpu, lambda t: t, twin.cpu_counters, twin.cpu_commit),
-        (b.ops, twin.dev, b.to, twin.dev_counters, twin.dev_commit),
-    ):
-        with pytest.raises(RuntimeError, match="unique rows must be ascending"):
-            ops.multi_update(
-                twin._args(state),
-                twin.specs,
-                to(torch.tensor([8, 3])),
-                to(grads[:2].flatten()),
-                to(occ[:2]),
-                to(none),
-                [0, 2],
-                [-1.0],
-                [counters],
-                [commit_counts],
-            )
+        assert want.tolist() == got.tolist() == [[0, 8]]
+
+    def unsorted(ops, state, to, counters, counts):
+        return ops.multi_update(
+            twin._args(state),
+            twin.specs,
+            to(torch.tensor([8, 3])),
+            to(grads[:2].flatten()),
+            to(occ[:2]),
+            to(none),
+            [0, 2],
+            [-1.0],
+            [counters],
+            [counts],
+        )
+
+    with pytest.raises(RuntimeError, match="unique rows must be ascending"):
+        unsorted(CPU, twin.cpu, lambda t: t, twin.cpu_counters, twin.cpu_commit)
+    # the device's update decides on the device: its verdict holds the error bit, and the
+    # rows are not committed
+    verdict = unsorted(b.ops, twin.dev, b.to, twin.dev_counters, twin.dev_commit)
+    assert verdict[0, 0].item() == 4  # kBadUniqueRows
     twin.compare_state("after refused calls")
 
 
@@ -826,8 +846,8 @@ def test_table_batched_ops(backend):
             counters,
         )
 
-    want_counters = [torch.zeros(len(COUNTERS), dtype=torch.int64) for _ in twins]
-    got_counters = [torch.zeros(len(COUNTERS), dtype=torch.int64) for _ in twins]
+    want_counters = [torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64) for _ in twins]
+    got_counters = [b.to(torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64)) for _ in twins]
     want = lookup(CPU, [t.cpu for t in twins], lambda t: t, want_counters)
     got = lookup(b.ops, [t.dev for t in twins], b.to, got_counters)
     compared = (0, 1, 4)  # only the CPU op gives slot hints and value bounds
@@ -840,7 +860,7 @@ def test_table_batched_ops(backend):
         per_feature[2],
         per_feature[1] + per_feature[4],
     ]
-    assert_same(got_counters, want_counters, "multi_lookup_forward counters")
+    assert_same([c.cpu() for c in got_counters], want_counters, "multi_lookup_forward counts")
     dims = [twins[t].dim for t in feature_table]
     grad = torch.randn(batch, sum(dims), generator=gen)
     want = CPU.multi_dedup_backward(

@@ -82,10 +82,11 @@ def test_the_cuda_kernels_read_and_update_the_same_rows(table):
         ids, offsets, None, grad, specs, [0], None
     )
     assert rows.tolist() == sorted(ids.tolist())
-    counters, commit_counts = torch.zeros_like(table.counters), torch.zeros(3, dtype=torch.int64)
-    emu.multi_update(
-        state, specs, rows, grads, occ, hints, starts.tolist(), [-1.0], [counters], [commit_counts]
+    counters, counts = torch.zeros_like(table.counters), torch.zeros_like(table.device_counts())
+    verdict = emu.multi_update(
+        state, specs, rows, grads, occ, hints, starts.tolist(), [-1.0], [counters], [counts]
     )
+    assert verdict.tolist() == [[0, -1]]
     order = ids.argsort()
     expected = torch.ops.embcache.quantize_rows((stored - LR * grad)[order], rows, table.spec, 1)
     assert torch.equal(table.weights[rows], expected)

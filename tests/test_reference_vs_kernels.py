@@ -17,7 +17,7 @@ import torch
 
 from embcache import CachedLowPrecisionEmbedding, EmbeddingUpdateError
 from embcache import reference as ref
-from embcache.config import COUNTERS
+from embcache.config import COUNTERS, DEVICE_COUNTS
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
 ASSOCIATIVITIES = (1, 2, 4, 8, 16, 32)
@@ -639,10 +639,10 @@ def test_reference_can_fail(monkeypatch):
         )
 
 
-def test_commit_counts_wait_on_the_table_until_read():
-    """The update leaves its commits' hits, insertions and evictions in the table's commit
-    counts (on a GPU, so that nothing is read back after the commit); ``stats()`` and the
-    checkpoint fold them in. Folded once after many steps, the statistics are those of the
+def test_device_counts_wait_on_the_table_until_read():
+    """The forward leaves its lookups and hits, the update its commits' hits, insertions and
+    evictions in the table's device counts (on a GPU, so that nothing is read back);
+    ``stats()`` and the checkpoint fold them in. Folded once after many steps, the statistics are those of the
     reference, folded after every step (the fold is a sum), and they survive a checkpoint."""
     options = dict(precision="int8", cache_ratio=0.1, associativity=4, policy="lfu", seed=5)
     options["min_rows_for_low_precision"] = 0
@@ -661,10 +661,12 @@ def test_commit_counts_wait_on_the_table_until_read():
     counters = dict(zip(COUNTERS, module.counters.tolist()))
     assert counters["steps"] == 8 and counters["unique_rows"] > 0
     assert counters["unique_hits"] == counters["unique_misses"] == counters["insertions"] == 0
-    assert module.commit_counts().tolist()[0] > 0  # unique hits, not yet folded
+    assert counters["lookups"] == counters["hits"] == 0
+    waiting = dict(zip(DEVICE_COUNTS, module.device_counts().tolist()))
+    assert waiting["lookups"] == 8 * 300 and waiting["unique_hits"] > 0  # not yet folded
     twin = copy.deepcopy(module)
     saved = module.state_dict()  # folds
-    assert module.commit_counts().tolist() == [0, 0, 0]
+    assert module.device_counts().tolist() == [0] * len(DEVICE_COUNTS)
     want = table.stats()
     for m in (twin, CachedLowPrecisionEmbedding.from_state(saved)):
         got = m.stats()

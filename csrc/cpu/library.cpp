@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <algorithm>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -61,17 +62,38 @@ bool advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-/// fold_commit_counts (csrc/op_schemas.h), for tensors on any device.
-void fold_commit_counts(at::TensorList counters, at::TensorList commit_counts) {
-  const std::vector<int64_t*> counter = tables_counters(counters, commit_counts.size(), false);
+/// fold_device_counts (csrc/op_schemas.h), for tensors on any device: one read-back of all
+/// of them where they share a device.
+void fold_device_counts(at::TensorList counters, at::TensorList device_counts) {
+  const std::vector<int64_t*> counter = tables_counters(counters, device_counts.size(), false);
   for (size_t t = 0; t < counter.size(); ++t) {
-    const at::Tensor& c = commit_counts[t];
-    TORCH_CHECK(c.scalar_type() == at::kLong && c.numel() == kNumCommitCounts, "embcache: table ",
-                t, ": commit_counts must be int64 of ", kNumCommitCounts, ", got ",
+    const at::Tensor& c = device_counts[t];
+    TORCH_CHECK(c.scalar_type() == at::kLong && c.numel() == kNumDeviceCounts, "embcache: table ",
+                t, ": device_counts must be int64 of ", kNumDeviceCounts, ", got ",
                 c.scalar_type(), " ", c.sizes());
-    const at::Tensor host = c.to(at::kCPU).contiguous();
-    classify_rows(counter[t], host.data_ptr<int64_t>());
-    c.zero_();
+  }
+  if (counter.empty()) return;
+  const bool one_device = std::all_of(device_counts.begin(), device_counts.end(), [&](const at::Tensor& c) {
+    return c.device() == device_counts[0].device();
+  });
+  std::vector<at::Tensor> host;
+  if (one_device) {
+    host = at::stack(device_counts).to(at::kCPU).contiguous().unbind(0);
+  } else {
+    for (const at::Tensor& c : device_counts) host.push_back(c.to(at::kCPU).contiguous());
+  }
+  for (size_t t = 0; t < counter.size(); ++t) {
+    fold_counts(counter[t], host[t].contiguous().data_ptr<int64_t>());
+    device_counts[t].zero_();
+  }
+}
+
+/// count_updates (csrc/op_schemas.h).
+void count_updates(at::TensorList counters, at::IntArrayRef unique_rows) {
+  const std::vector<int64_t*> counter = tables_counters(counters, unique_rows.size(), false);
+  for (size_t t = 0; t < counter.size(); ++t) {
+    counter[t][kSteps] += 1;
+    counter[t][kUniqueRows] += unique_rows[t];
   }
 }
 
@@ -87,7 +109,8 @@ TORCH_LIBRARY(embcache, m) {
 TORCH_LIBRARY_IMPL(embcache, CPU, m) { m.impl("advise_huge_pages", &advise_huge_pages); }
 
 TORCH_LIBRARY_IMPL(embcache, CompositeExplicitAutograd, m) {
-  m.impl("fold_commit_counts", &fold_commit_counts);
+  m.impl("fold_device_counts", &fold_device_counts);
+  m.impl("count_updates", &count_updates);
 }
 
 }  // namespace embcache

@@ -334,13 +334,18 @@ class FeatureOffsets {
 /// All features' pooled embeddings as one [batch, sum of their tables' dims] tensor, the
 /// bags' offsets, every lookup's slot (int32, -1 if not cached), per feature the largest
 /// |value| its lookups read (float32; multi_update's value bound), and the max-pooled
-/// features' argmax (csrc/op_schemas.h). Adds each feature's lookups and hits to its table's
-/// counters. Features run in parallel, costliest first.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
-    at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
-    const at::Tensor& lengths, const c10::optional<at::Tensor>& per_sample_weights,
-    at::IntArrayRef feature_table, int64_t batch, at::TensorList counters) {
-  const Tables tables = op_tables(state, specs, counters, true, kCpu);
+/// features' argmax (csrc/op_schemas.h); bad input raises, so its errors are empty. Adds
+/// each feature's lookups and hits to its table's device_counts. Features run in parallel,
+/// costliest first.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
+                     const at::Tensor& lengths,
+                     const c10::optional<at::Tensor>& per_sample_weights,
+                     at::IntArrayRef feature_table, int64_t batch,
+                     at::TensorList device_counts) {
+  const Tables tables = op_tables(state, specs, {}, true, kCpu);
+  const std::vector<int64_t*> counts =
+      tables_device_counts(device_counts, state, tables.spec.size(), true, kCpu);
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nf = (int64_t)feature_table.size();
   const std::vector<int64_t> col = feature_columns(feature_table, spec);
@@ -378,11 +383,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_loo
                           col[nf], argmax.data_ptr<int32_t>() + argmax_col[f], argmax_col[nf],
                           slots.data_ptr<int32_t>(), max_abs.data_ptr<float>() + f, stream);
   });
-  for (int64_t f = 0; f < nf && !tables.counters.empty(); ++f) {
-    tables.counters[feature_table[f]][kLookups] += lookups[f];
-    tables.counters[feature_table[f]][kHits] += hits[f];
+  for (int64_t f = 0; f < nf && !counts.empty(); ++f) {
+    counts[feature_table[f]][kDeviceLookups] += lookups[f];
+    counts[feature_table[f]][kDeviceHits] += hits[f];
   }
-  return {out, offsets, slots, max_abs, argmax};
+  return {out, offsets, slots, max_abs, argmax, at::empty({0}, at::kLong)};
 }
 
 }  // namespace

@@ -99,11 +99,10 @@ void cache_replay(at::Tensor& cache_tags, at::Tensor& cache_priority, at::Tensor
           },
           [](int64_t) {});
     }
-    counter[kLookups] += so[s + 1] - so[s];
-    counter[kHits] += hits;
-    const int64_t commit_counts[kNumCommitCounts] = {unique_hits, ins, evict};
-    count_update(counter, nu);
-    classify_rows(counter, commit_counts);
+    const int64_t counts[kNumDeviceCounts] = {so[s + 1] - so[s], hits, unique_hits, ins, evict};
+    counter[kSteps] += 1;
+    counter[kUniqueRows] += nu;
+    fold_counts(counter, counts);
   }
 }
 

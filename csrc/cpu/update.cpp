@@ -98,17 +98,18 @@ bool surely_storable(const TableSpec& t, const float* g, int64_t n, double value
 /// (tables in parallel, costliest first in both phases). The gradient is in
 /// multi_dedup_backward's layout (see gradient_blocks); slot_hints holds every row's slot as
 /// the forward found it, or is empty for none. Table t's update is step
-/// counters[t][kSteps] + 1; its commit adds to its counters and its commit_counts (as
-/// op_schemas.h says). Returns per table the smallest
-/// row it cannot store, or -1. With commit false it stops after the check (a dry run).
-std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
-                                  const at::Tensor& unique_rows, const at::Tensor& grads,
-                                  const at::Tensor& occurrences, const at::Tensor& slot_hints,
-                                  at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
-                                  at::TensorList counters, at::TensorList commit_counts,
-                                  bool commit) {
+/// counters[t][kSteps] + 1; its commit adds to its device_counts and its probe counters (as
+/// op_schemas.h says). Returns the verdict: per table no error bits (bad unique rows raise
+/// here) and the smallest row it cannot store, or -1. With commit false, or a non-zero word
+/// in the gate, it stops after the check.
+at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
+                        const at::Tensor& unique_rows, const at::Tensor& grads,
+                        const at::Tensor& occurrences, const at::Tensor& slot_hints,
+                        at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
+                        at::TensorList counters, at::TensorList device_counts,
+                        const c10::optional<at::Tensor>& gate, bool commit) {
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
-                                   row_starts, value_bounds, counters, commit_counts, kCpu);
+                                   row_starts, value_bounds, counters, device_counts, gate, kCpu);
   const Tables& tables = a.tables;
   const std::vector<TableSpec>& spec = tables.spec;
   const std::vector<int64_t>& block = a.block;
@@ -133,8 +134,11 @@ std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
     if (hinted && surely_storable(spec[t], up.g, up.nu * up.f.dim, value_bounds[t])) return;
     bad[t] = first_unstorable(up, slots[t].data(), spec[t].stochastic);
   });
-  if (!commit || std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; }))
-    return bad;
+  at::Tensor verdict = at::zeros({nt, 2}, at::kLong);
+  for (int64_t t = 0; t < nt; ++t) verdict[t][1] = bad[t];
+  const bool gated = gate.has_value() && gate->numel() > 0 && gate->ne(0).any().item<bool>();
+  if (!commit || gated || std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; }))
+    return verdict;
   for_each_by_cost(cost, [&](int64_t t) {
     int64_t* counter = tables.counters[t];
     RoundingProbe probe;
@@ -142,11 +146,10 @@ std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
         commit_update(updates[t], spec[t], tables.state[t], slots[t].data(),
                       occurrences.data_ptr<int64_t>() + row_starts[t], counter[kSteps] + 1,
                       &probe);
-    count_update(counter, updates[t].nu);
-    for (int i = 0; i < kNumCommitCounts; ++i) a.commit_counts[t][i] += c[i];
+    for (int i = 0; i < kNumCommitCounts; ++i) a.device_counts[t][kCommitHits + i] += c[i];
     count_probe(counter, probe);
   });
-  return bad;
+  return verdict;
 }
 
 }  // namespace

@@ -82,7 +82,9 @@ inline RowUpdate make_row_update(const TableSpec& spec, const TableState& s, con
                    (float)spec.lr,   (float)spec.eps};
 }
 
-/// One table's commit counts, in CommitCount order (embcache/table_spec.h).
+/// One table's commit counts: its unique hits, insertions and evictions, in the order of
+/// DeviceCount from kCommitHits (embcache/table_spec.h).
+constexpr int kNumCommitCounts = kNumDeviceCounts - kCommitHits;
 using CommitCounts = std::array<int64_t, kNumCommitCounts>;
 
 /// Writes one table's update `up` into its state `s`: each unique row's new value (computed

@@ -5,13 +5,12 @@
 // csrc/emulated/emu_ops.cpp).
 //
 // The functions only enqueue work on the given stream: none waits for the device. What the
-// host must learn from the device (error bits, hit counts, the number of unique rows) the
-// kernels write into a device buffer the caller passes (`flags`), which the caller reads back
-// once per op, after every table's launches (docs/design.md, "One read-back per phase"); the
-// commit's counts stay on the device, in each table's commit_counts. The
-// exceptions: dedup_features reads back its errors and sizes itself (once, for every
-// feature: they size its outputs), and quantize_rows and flush_cache, off the training step,
-// read their own result.
+// host must learn from the device (error bits, rows that cannot be stored) the kernels write
+// into device buffers the caller passes and reads when it next waits for the device
+// (docs/design.md, "No wait inside a step"); counts stay on the device, in each table's
+// device_counts. The exceptions: dedup_features reads back its errors and sizes itself
+// (once, for every feature: they size its outputs), and quantize_rows and flush_cache, off
+// the training step, read their own result.
 // Launch errors throw std::runtime_error at once.
 #pragma once
 
@@ -85,11 +84,12 @@ struct Bags {
 
 /// The forward: the bags pooled from table `t` (by t.pooling) into out[b * out_stride + j];
 /// for max, the position in idx of each element's lookup into argmax[b * argmax_stride + j]
-/// (-1 for an empty bag; argmax is not read otherwise). *errors |= error bits; *hits += the
-/// lookups that found their row cached.
+/// (-1 for an empty bag; argmax is not read otherwise). *errors |= error bits; unless `counts`
+/// is null, counts[0] += the bags' lookups and counts[1] += those that found their row cached
+/// (a table's device counts from kDeviceLookups).
 void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
                int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
-               unsigned long long* errors, unsigned long long* hits, Stream stream);
+               unsigned long long* errors, unsigned long long* counts, Stream stream);
 
 /// Where dedup_features writes its outputs once it knows their sizes: nu unique rows in all,
 /// and grad_floats gradient values (each feature's unique rows times its dim, summed).
@@ -126,7 +126,7 @@ struct UpdateTable {
   TableState state;
   int64_t row_start, row_end, value_start, state_start, step;
   int64_t set_start;  // the table's first set in the op's numbering of sets (commit_updates)
-  unsigned long long* commit_counts;  // its unique hits, insertions, evictions (CommitCount)
+  unsigned long long* device_counts;  // its DeviceCount words, the commit's from kCommitHits
 };
 
 /// The most sets the cached tables of one commit may have together: the commit sorts
@@ -141,15 +141,18 @@ void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                      float* fresh, float* fresh_state, int64_t* slots,
                      unsigned long long* flags, Stream stream);
 
-/// The update's second phase, for nt tables in a few launches: writes what compute_updates
-/// computed: optimizer state, LFU counts, then one warp per touched set decides the
-/// insert/evict/bypass rule (one sort orders every table's candidates) and one warp per
-/// unique row writes it into its slot or its table row. Table t's commit_counts (CommitCount
-/// order) += its unique hits, insertions and evictions, on the device. Throws, before any
-/// write, if the cached tables have more than kMaxCommitSets sets together.
+/// The update's second phase, for nt tables in a few launches, all doing nothing unless every
+/// table's verdict (compute_updates' flags) is clean and the ngate words of `gate` are 0 (a
+/// decision made on the device): writes what compute_updates computed: optimizer state, LFU
+/// counts, then one warp per touched set decides the insert/evict/bypass rule (one sort
+/// orders every table's candidates) and one warp per unique row writes it into its slot or
+/// its table row. Table t's device_counts += its unique hits, insertions and evictions, on
+/// the device. Throws, before any launch, if the cached tables have more than kMaxCommitSets
+/// sets together.
 void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                     const float* fresh, const float* fresh_state, const int64_t* slots,
-                    const int64_t* occ, Stream stream);
+                    const int64_t* occ, const unsigned long long* verdict, const int64_t* gate,
+                    int64_t ngate, Stream stream);
 
 }  // namespace EMBCACHE_GPU_NS
 }  // namespace embcache

@@ -104,14 +104,18 @@ inline Bags op_bags(const at::Tensor& indices, const at::Tensor& offsets,
               nf * batch, indices.numel(), psw ? psw->data_ptr<float>() : nullptr};
 }
 
-/// The forward: every feature's bags launched on the stream, then one read-back of the error
-/// bits, each feature's hits and where each feature's lookups start.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_lookup_forward(
-    at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
-    const at::Tensor& lengths, const c10::optional<at::Tensor>& per_sample_weights,
-    at::IntArrayRef feature_table, int64_t batch, at::TensorList counters) {
+/// The forward: every feature's bags launched on the stream, each adding its lookups and
+/// hits to its table's device counts; nothing is read back (the error bits are returned).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
+                     const at::Tensor& lengths,
+                     const c10::optional<at::Tensor>& per_sample_weights,
+                     at::IntArrayRef feature_table, int64_t batch,
+                     at::TensorList device_counts) {
   EMBCACHE_DEVICE_GUARD(indices);
-  const Tables tables = op_tables(state, specs, counters, true, kDevice);
+  const Tables tables = op_tables(state, specs, {}, true, kDevice);
+  const std::vector<int64_t*> counts =
+      tables_device_counts(device_counts, state, tables.spec.size(), true, kDevice);
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nf = (int64_t)feature_table.size();
   const std::vector<int64_t> col = feature_columns(feature_table, spec);
@@ -128,27 +132,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mu
   Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
   at::Tensor out = at::empty({batch, col[nf]}, indices.options().dtype(at::kFloat));
   at::Tensor argmax = at::empty({batch, argmax_col[nf]}, indices.options().dtype(at::kInt));
-  // flags: [error bits, then feature f's hits at 1 + f]
-  const at::Tensor flags = flag_words(indices, 1 + nf);
+  const at::Tensor errors = flag_words(indices, 1);
   for (int64_t f = 0; f < nf && batch > 0; ++f) {
     const int64_t t = feature_table[f];
     bags.first = f * batch;
     bags.nb = batch;
     pool_bags(spec[t], tables.state[t], bags, out.data_ptr<float>() + col[f], col[nf],
-              argmax.data_ptr<int32_t>() + argmax_col[f], argmax_col[nf],
-              words(flags) + kErrorFlag, words(flags) + 1 + f, current_stream());
-  }
-  const at::Tensor feature_offsets = offsets.slice(0, 0, nf * batch + 1, std::max<int64_t>(batch, 1));
-  const at::Tensor host = at::cat({flags, feature_offsets}).to(at::kCPU);
-  const int64_t* h = host.data_ptr<int64_t>();
-  throw_errors((unsigned long long)h[kErrorFlag]);
-  const int64_t* feature_start = h + 1 + nf;
-  for (int64_t f = 0; f < nf && !tables.counters.empty() && batch > 0; ++f) {
-    tables.counters[feature_table[f]][kLookups] += feature_start[f + 1] - feature_start[f];
-    tables.counters[feature_table[f]][kHits] += h[1 + f];
+              argmax.data_ptr<int32_t>() + argmax_col[f], argmax_col[nf], words(errors),
+              counts.empty() ? nullptr : (unsigned long long*)counts[t] + kDeviceLookups,
+              current_stream());
   }
   return {out, offsets, at::empty({0}, indices.options().dtype(at::kInt)),
-          at::empty({0}, at::kFloat), argmax};
+          at::empty({0}, at::kFloat), argmax, errors};
 }
 
 /// Where dedup_features puts its outputs: tensors made once their sizes are known.
@@ -189,18 +184,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mu
 }
 
 /// As on the CPU: every table's update is computed and checked (into buffers), and committed
-/// only if every table can take it.
-inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor& specs,
-                                         const at::Tensor& unique_rows, const at::Tensor& grads,
-                                         const at::Tensor& occurrences,
-                                         const at::Tensor& slot_hints,
-                                         at::IntArrayRef row_starts,
-                                         at::ArrayRef<double> value_bounds,
-                                         at::TensorList counters,
-                                         at::TensorList commit_counts, bool commit) {
+/// only if every table can take it and the gate is all 0; that decision is made on the
+/// device (commit_updates' `go`), so nothing is read back: the verdict is returned.
+inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
+                               const at::Tensor& unique_rows, const at::Tensor& grads,
+                               const at::Tensor& occurrences, const at::Tensor& slot_hints,
+                               at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
+                               at::TensorList counters, at::TensorList device_counts,
+                               const c10::optional<at::Tensor>& gate, bool commit) {
   EMBCACHE_DEVICE_GUARD(unique_rows);
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
-                                   row_starts, value_bounds, counters, commit_counts, kDevice);
+                                   row_starts, value_bounds, counters, device_counts, gate,
+                                   kDevice);
   const Tables& tables = a.tables;
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nt = (int64_t)spec.size();
@@ -213,34 +208,26 @@ inline std::vector<int64_t> multi_update(at::TensorList state, const at::Tensor&
                            row_starts[t], row_starts[t + 1],
                            a.block[t],    state_floats,
                            tables.counters[t][kSteps] + 1, 0,
-                           (unsigned long long*)a.commit_counts[t]};
+                           (unsigned long long*)a.device_counts[t]};
     state_floats += (row_starts[t + 1] - row_starts[t]) * spec[t].state_width();
   }
   const at::Tensor fresh = at::empty_like(grads);
   const at::Tensor fresh_state = at::empty({state_floats}, grads.options());
   const at::Tensor slots = at::empty_like(unique_rows);
-  // flags: table t's [error bits, the smallest row it cannot store (~0: none)] at 2t.
-  const at::Tensor flags = flag_words(unique_rows, 2 * nt);
-  flags.view({nt, 2}).select(1, 1).fill_(-1);
+  // The verdict: table t's [error bits, the smallest row it cannot store (~0: none)] at 2t.
+  const at::Tensor verdict = flag_words(unique_rows, 2 * nt);
+  verdict.view({nt, 2}).select(1, 1).fill_(-1);
   compute_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), grads.data_ptr<float>(),
                   fresh.data_ptr<float>(), fresh_state.data_ptr<float>(),
-                  slots.data_ptr<int64_t>(), words(flags), current_stream());
-  const at::Tensor checked = flags.to(at::kCPU);
-  const int64_t* h = checked.data_ptr<int64_t>();
-  std::vector<int64_t> bad(nt);
-  bool any_bad = false;
-  for (int64_t t = 0; t < nt; ++t) {
-    throw_errors((unsigned long long)h[2 * t]);
-    bad[t] = h[2 * t + 1];  // ~0 reads as -1
-    any_bad = any_bad || bad[t] >= 0;
+                  slots.data_ptr<int64_t>(), words(verdict), current_stream());
+  if (commit) {
+    const bool gated = gate.has_value() && gate->numel() > 0;
+    commit_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), fresh.data_ptr<float>(),
+                   fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                   occurrences.data_ptr<int64_t>(), words(verdict),
+                   gated ? gate->data_ptr<int64_t>() : nullptr, gated ? gate->numel() : 0, current_stream());
   }
-  if (any_bad || !commit) return bad;
-  // The commit's counts stay on the device (commit_counts): nothing is read back.
-  commit_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), fresh.data_ptr<float>(),
-                 fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                 occurrences.data_ptr<int64_t>(), current_stream());
-  for (int64_t t = 0; t < nt; ++t) count_update(tables.counters[t], row_starts[t + 1] - row_starts[t]);
-  return bad;
+  return verdict.view({nt, 2});
 }
 
 }  // namespace ops

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -32,7 +33,13 @@ inline void* dev_alloc(size_t bytes, Stream) {
 }
 inline void dev_free(void* p, Stream) { std::free(p); }
 inline void dev_fill(void* p, int byte, size_t bytes, Stream) { std::memset(p, byte, bytes); }
-inline void copy_to_host(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
+// The kernels' waits for the device (each copy_to_host is one on a GPU), counted for the tests
+// of what a training step waits for (read_backs()).
+std::atomic<int64_t> read_backs{0};
+inline void copy_to_host(void* dst, const void* src, size_t bytes, Stream) {
+  ++read_backs;
+  std::memcpy(dst, src, bytes);
+}
 inline void copy_to_device(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
 
 // Stable, and ordering by the keys' bits [begin_bit, end_bit) only, as CUB's radix sort: a
@@ -83,7 +90,11 @@ constexpr const char* kDeviceName = "CPU (emulated CUDA)";
 #include "../cuda/torch_ops.h"
 #include "../op_schemas.h"
 
-TORCH_LIBRARY(embcache_emu, m) { embcache::define_cache_ops(m); }
+TORCH_LIBRARY(embcache_emu, m) {
+  embcache::define_cache_ops(m);
+  // How many times the kernels' host code has waited for the device (copy_to_host) so far.
+  m.def("read_backs() -> int", [] { return embcache::emu::read_backs.load(); });
+}
 
 TORCH_LIBRARY_IMPL(embcache_emu, CPU, m) { EMBCACHE_IMPL_ALL_OPS(m); }
 

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dlrm.mixed_precision.scalers import BackoffScaler, LossScaler, StaticScaler
 from dlrm.torchrec_adapter import is_sharded
 from embcache.embedding import check_state_dict  # (also registers torch.ops.embcache)
+from embcache.group import EmbeddingUpdateError
 
 
 @runtime_checkable
@@ -47,7 +48,11 @@ class MixedPrecisionEmbedding(Protocol):
     the trainer unscales them itself, in the one pass that also finds the step's min/max
     |grad| (which the ``logmax`` scaler feeds on) and sees any inf or NaN, in place of
     ``unscale_grad_`` and ``has_nonfinite_grad()``. Either way they are part of the overflow
-    decision.
+    decision. It may also offer ``start_step(gate) -> pending`` (a single process then uses it
+    in place of ``step()``): the update launched, applied only if every word of ``gate``
+    (int64, on its device) is 0, and ``pending.words`` (int64 on its device) which the
+    trainer reads together with its own figures, then passes to ``pending.finish(words)``,
+    which raises ``EmbeddingUpdateError`` if the tables refused the update (nothing changed).
     """
 
     def has_nonfinite_grad(self) -> bool: ...
@@ -405,7 +410,7 @@ class MixedPrecisionTrainer:
             self.protocol_embedding.unscale_grad_(1.0 / scale)
             found_inf = self.protocol_embedding.has_nonfinite_grad()
         clock.lap("unscale_check")
-        refused, stepped, new_max = None, False, None
+        refused, stepped, new_max, pending = None, False, None, None
         if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
             # Several processes send their figures, and while the others answer a rank that
             # would apply the step makes its dense step (undone from the backup if the
@@ -428,13 +433,21 @@ class MixedPrecisionTrainer:
         else:
             # One process decides alone (its update is all-or-nothing without a dry run). It
             # makes its dense step at once (undone from the backup if the step is skipped or
-            # refused), so that the gradients' range and the new masters' largest |x| are read
-            # together: the one wait for a GPU this step's decision costs.
+            # refused) and launches the embedding update gated on the device by the same
+            # figures, so that the gradients' range, the new masters' largest |x| and the
+            # update's outcome are read together: the one wait for a GPU a step costs.
             self._dense_step()
             stepped = True
-            new_range = _abs_range(self._dense_targets).to(grad_range.device)
-            max_abs, min_abs, new_max = torch.cat([grad_range, new_range[:1]]).tolist()
+            figures = torch.cat([grad_range, _abs_range(self._dense_targets)[:1].to(grad_range)])
+            words = figures.view(torch.int64)
+            pending = None if found_inf else self._start_embedding_step(figures)
+            if pending is not None:
+                words = torch.cat([words, pending.words.to(words.device)])
+            host = words.cpu()
+            max_abs, min_abs, new_max = host[:3].view(torch.float64).tolist()
             found_inf = found_inf or not math.isfinite(max_abs)
+            if pending is not None:
+                refused = self._finish_embedding_step(pending, host[3:].tolist())
         clock.lap("decision")
         try:
             if found_inf or refused is not None:
@@ -442,12 +455,12 @@ class MixedPrecisionTrainer:
                     self._backup.restore()
                 if self.protocol_embedding is not None:
                     self.protocol_embedding.zero_grad()
-                if refused is not None:
+                if refused is not None and not found_inf:
                     raise StepRefusedError(self.report.steps + 1, refused)
             else:
                 if not stepped:
                     self._dense_step()
-                self._apply_update(embedding_grads, new_max)
+                self._apply_update(embedding_grads, new_max, embedding_done=pending is not None)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(found_inf, max_abs)
@@ -461,6 +474,35 @@ class MixedPrecisionTrainer:
             "min_abs_nonzero_grad": min_abs,
             "stop": stop,
         }
+
+    def _start_embedding_step(self, figures: Tensor):
+        """The embedding update of a single process, launched (``start_step``, where the
+        collection offers it) with a gate made on the device from ``figures`` (max |g|, min
+        non-zero |g|, the new masters' max |x|): it applies only if the gradients are finite
+        and the new dense values storable. None where the collection has no ``start_step``
+        (it is stepped after the decision)."""
+        start = getattr(self.protocol_embedding, "start_step", None)
+        if start is None:
+            return None
+        limit = FP16_OVERFLOW if self.dense_precision == "fp16" else math.inf
+        stop = ~torch.isfinite(figures[:1]) | ~(figures[2:] < limit)
+        return start(stop.long())
+
+    def _finish_embedding_step(self, pending, words: list[int]) -> str | None:
+        """The launched embedding update's outcome, from its words as read: None if it was
+        applied or stopped by the gate, else why the tables refused it (nothing changed). A
+        forward's input error (the tables' ValueError naming the table and value) is raised,
+        the dense step undone and the gradient dropped."""
+        try:
+            pending.finish(words)
+        except EmbeddingUpdateError as e:
+            return str(e)
+        except BaseException:
+            self._backup.restore()
+            self.protocol_embedding.zero_grad()
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        return None
 
     def _dry_run(self) -> str | None:
         """Why this rank's embedding shards would refuse their update (a dry run: nothing
@@ -535,16 +577,20 @@ class MixedPrecisionTrainer:
         clock.lap("dense_step")
 
     def _apply_update(
-        self, embedding_grads: list[tuple[Tensor, Tensor]], new_max: float | None
+        self,
+        embedding_grads: list[tuple[Tensor, Tensor]],
+        new_max: float | None,
+        embedding_done: bool = False,
     ) -> None:
         """After the dense update (:meth:`_dense_step`): its check (``new_max``: the largest
-        new |master|, if already read), the embedding update, then the FP16 copies and the LR
-        schedule. Undone, raising :class:`StepRefusedError`, if a new value cannot be stored."""
+        new |master|, if already read), the embedding update (unless ``embedding_done``:
+        applied already, gated on the same check), then the FP16 copies and the LR schedule.
+        Undone, raising :class:`StepRefusedError`, if a new value cannot be stored."""
         clock = self._clock
         with torch.no_grad():
             reason = self._unstorable_dense_values(new_max)
             clock.lap("dense_check")
-            if reason is None and self.protocol_embedding is not None:
+            if reason is None and self.protocol_embedding is not None and not embedding_done:
                 try:
                     self.protocol_embedding.step()
                 except ValueError as e:  # the protocol: refused, nothing changed

@@ -10,7 +10,8 @@ namespace EMBCACHE_GPU_NS {
 /// tile of Chunks * 32 elements at a time); bag b is written to out[b * out_stride + j].
 /// Max: each element the maximum by csrc/cpu/lookup.cpp's rule (max_bags), the position of
 /// its lookup written to argmax[b * argmax_stride + j] (-1 for an empty bag); else the sum,
-/// the mean if `mean`. *errors |= error bits, *hits += cache hits.
+/// the mean if `mean`. *errors |= error bits; unless counts is null, counts[0] += the bags'
+/// lookups (by the warp of bag 0) and counts[1] += cache hits.
 template <int Chunks, bool Max>
 __device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_rows,
                                                const int32_t* tags, const float* cache_rows,
@@ -18,11 +19,15 @@ __device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_row
                                                const SetDivisor& sets, int64_t ways, bool mean,
                                                float* out, int64_t out_stride, int32_t* argmax,
                                                int64_t argmax_stride, unsigned long long* errors,
-                                               unsigned long long* hits) {
+                                               unsigned long long* counts) {
   const int lane = (int)lane_id();
   const int dim = f.dim;
   const int64_t* idx = bags.idx;
   const float* psw = bags.psw;
+  if (counts && lane == 0 && warp_global() == 0) {
+    const int64_t lookups = bags.off[bags.first + bags.nb] - bags.off[bags.first];
+    if (lookups > 0) atomicAdd(&counts[0], (unsigned long long)lookups);
+  }
   for (int64_t b = warp_global(); b < bags.nb; b += warps_in_grid()) {
     float* row_out = out + b * out_stride;
     const int64_t g = bags.first + b, start = bags.off[g], end = bags.off[g + 1];
@@ -88,7 +93,7 @@ __device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_row
           if (j < dim) argmax[b * argmax_stride + j] = arg[k];
       }
     }
-    if (lane == 0 && bag_hits) atomicAdd(hits, bag_hits);
+    if (counts && lane == 0 && bag_hits) atomicAdd(&counts[1], bag_hits);
   }
 }
 
@@ -98,9 +103,9 @@ __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32
                                  const float* cache_rows, Bags bags, RowFormat f,
                                  SetDivisor sets, int64_t ways, bool mean, float* out,
                                  int64_t out_stride, unsigned long long* errors,
-                                 unsigned long long* hits) {
+                                 unsigned long long* counts) {
   pool_bags_warp<Chunks, false>(w, num_rows, tags, cache_rows, bags, f, sets, ways, mean, out,
-                                out_stride, nullptr, 0, errors, hits);
+                                out_stride, nullptr, 0, errors, counts);
 }
 
 /// pool_bags_warp of maxima.
@@ -109,23 +114,23 @@ __global__ void max_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_
                                 const float* cache_rows, Bags bags, RowFormat f,
                                 SetDivisor sets, int64_t ways, float* out, int64_t out_stride,
                                 int32_t* argmax, int64_t argmax_stride,
-                                unsigned long long* errors, unsigned long long* hits) {
+                                unsigned long long* errors, unsigned long long* counts) {
   pool_bags_warp<Chunks, true>(w, num_rows, tags, cache_rows, bags, f, sets, ways, false, out,
-                               out_stride, argmax, argmax_stride, errors, hits);
+                               out_stride, argmax, argmax_stride, errors, counts);
 }
 
 void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
                int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
-               unsigned long long* errors, unsigned long long* hits, Stream stream) {
+               unsigned long long* errors, unsigned long long* counts, Stream stream) {
   if (bags.nb == 0) return;
   if (t.pooling == kMax)
     EC_LAUNCH_TILED(max_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
                     state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
-                    t.set_divisor, t.ways, out, out_stride, argmax, argmax_stride, errors, hits);
+                    t.set_divisor, t.ways, out, out_stride, argmax, argmax_stride, errors, counts);
   else
     EC_LAUNCH_TILED(pool_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
                     state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
-                    t.set_divisor, t.ways, t.pooling == kMean, out, out_stride, errors, hits);
+                    t.set_divisor, t.ways, t.pooling == kMean, out, out_stride, errors, counts);
 }
 
 }  // namespace EMBCACHE_GPU_NS

@@ -82,6 +82,18 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
   }
 }
 
+/// The commit's decision, on the device: *go = 1 iff no table's verdict (compute_update_kernel's
+/// flags: error bits at 2t, ~0 at 2t + 1 when every row is storable) refuses and every word of
+/// the gate is 0. The commit kernels do nothing unless *go.
+__global__ void decide_commit_kernel(const unsigned long long* verdict, int64_t nt,
+                                     const int64_t* gate, int64_t ngate, int* go) {
+  if (thread_global() != 0) return;
+  bool ok = true;
+  for (int64_t t = 0; t < nt; ++t) ok = ok && verdict[2 * t] == 0 && verdict[2 * t + 1] == ~0ull;
+  for (int64_t i = 0; i < ngate; ++i) ok = ok && gate[i] == 0;
+  *go = ok ? 1 : 0;
+}
+
 /// The commit, step 1, one warp per unique row: its optimizer state and (LFU) count, and
 /// (keys non-null) its sort key, grouping the updated rows by set, candidates of a set in
 /// priority order: (set << 31) | (INT32_MAX - count) for LFU, set << 31 for LRU, and
@@ -89,7 +101,9 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
 /// positions, ascending) break ties, since the sort is stable.
 __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                                    int64_t nu, const float* fresh_state, const int64_t* occ,
-                                   uint64_t no_set, uint64_t* keys, int64_t* vals) {
+                                   uint64_t no_set, uint64_t* keys, int64_t* vals,
+                                   const int* go) {
+  if (!*go) return;
   const unsigned lane = lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
     const UpdateTable& T = tables[table_of_row(tables, nt, u)];
@@ -118,12 +132,13 @@ __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const 
 /// dest[u] (the cache slot its new value goes to; -1, as set before: the table) and, for an
 /// insertion, evicted[u] (the row whose cached value it writes back first; -1: none). An
 /// updated resident that an insertion evicts goes to the table straight from its new value.
-/// Each table's commit_counts += its unique hits, insertions, evictions (the other
+/// Each table's device_counts += its unique hits, insertions, evictions (the other
 /// candidates bypass). Keys of set no_set (tables without a cache) are left as they are: all bypass.
 __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                                    const int64_t* slot_of, const uint64_t* keys,
                                    const int64_t* vals, int64_t nu, uint64_t no_set,
-                                   int64_t* dest, int64_t* evicted) {
+                                   int64_t* dest, int64_t* evicted, const int* go) {
+  if (!*go) return;
   const unsigned lane = lane_id();
   const int64_t kEmpty = INT64_MIN;
   for (int64_t first = warp_global(); first < nu; first += warps_in_grid()) {
@@ -216,7 +231,7 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
       evict += __popc(__ballot_sync(kFullMask, old >= 0));
     }
     if (lane == 0) {  // the counts are the warp's (ballots)
-      unsigned long long* commit = T.commit_counts;
+      unsigned long long* commit = T.device_counts;
       if (hits) atomicAdd(&commit[kCommitHits], hits);
       if (ins) atomicAdd(&commit[kCommitInsertions], ins);
       if (evict) atomicAdd(&commit[kCommitEvictions], evict);
@@ -231,7 +246,8 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
 /// evicted slot is read only by the warp that overwrites it.
 __global__ void write_rows_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                                   int64_t nu, const float* fresh, const int64_t* dest,
-                                  const int64_t* evicted) {
+                                  const int64_t* evicted, const int* go) {
+  if (!*go) return;
   const int lane = (int)lane_id();
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
     const UpdateTable& T = tables[table_of_row(tables, nt, u)];
@@ -274,7 +290,8 @@ void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
 
 void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                     const float* fresh, const float* fresh_state, const int64_t* slots,
-                    const int64_t* occ, Stream stream) {
+                    const int64_t* occ, const unsigned long long* verdict, const int64_t* gate,
+                    int64_t ngate, Stream stream) {
   const int64_t nu = nt > 0 ? tables[nt - 1].row_end : 0;
   if (nu == 0) return;
   std::vector<UpdateTable> numbered(tables, tables + nt);
@@ -290,6 +307,10 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
                              std::to_string(sets) + " sets together, more than the " +
                              std::to_string(kMaxCommitSets) + " one commit can order");
   const DeviceArray<UpdateTable> d(numbered.data(), nt, stream);
+  Scratch go_word(sizeof(int), stream);
+  const int* go = go_word.as<int>();
+  EC_LAUNCH(decide_commit_kernel, 1, block_dim(), stream, verdict, nt, gate, ngate,
+            go_word.as<int>());
   const uint64_t no_set = (uint64_t)sets;
   // dest and evicted (decide_sets_kernel), -1 (every byte 0xff): each row to the table.
   Scratch moves(nu * 16, stream);
@@ -298,20 +319,20 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
   int64_t* evicted = dest + nu;
   if (sets == 0) {
     EC_LAUNCH(commit_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
-              fresh_state, occ, no_set, (uint64_t*)nullptr, (int64_t*)nullptr);
+              fresh_state, occ, no_set, (uint64_t*)nullptr, (int64_t*)nullptr, go);
   } else {
     Scratch keys(nu * 8, stream), vals(nu * 8, stream);
     EC_LAUNCH(commit_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
-              fresh_state, occ, no_set, keys.as<uint64_t>(), vals.as<int64_t>());
+              fresh_state, occ, no_set, keys.as<uint64_t>(), vals.as<int64_t>(), go);
     // Only the bits that vary: the priority's (LFU) and the set's, up to no_set.
     sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, any_lfu ? 0 : 31,
                        31 + bit_length(no_set), stream);
     EC_LAUNCH(decide_sets_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, slots,
               (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu,
-              no_set, dest, evicted);
+              no_set, dest, evicted, go);
   }
   EC_LAUNCH(write_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu, fresh,
-            (const int64_t*)dest, (const int64_t*)evicted);
+            (const int64_t*)dest, (const int64_t*)evicted, go);
 }
 
 }  // namespace EMBCACHE_GPU_NS

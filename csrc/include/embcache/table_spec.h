@@ -39,10 +39,18 @@ namespace embcache {
   X(kProbedErrorMaxE9, probed_error_max_e9) X(kProbedUp, probed_up)                          \
   X(kProbedDown, probed_down) X(kProbedExpectedUpE6, probed_expected_up_e6)
 
-/// A commit's counts, in the order of a table's commit_counts (an int64 tensor on its device,
-/// which multi_update adds to and fold_commit_counts moves into its counters): its unique
-/// hits, insertions and evictions; every other unique row it updated bypassed the cache.
-enum CommitCount { kCommitHits, kCommitInsertions, kCommitEvictions, kNumCommitCounts };
+/// The counts the ops add to on a table's device, in the order of its device_counts (an int64
+/// tensor beside its state, which fold_device_counts moves into its counters): the training
+/// forwards' lookups and hits, then the commits' unique hits, insertions and evictions (every
+/// other unique row a commit updated bypassed the cache). On a GPU no op reads them back.
+enum DeviceCount {
+  kDeviceLookups,
+  kDeviceHits,
+  kCommitHits,
+  kCommitInsertions,
+  kCommitEvictions,
+  kNumDeviceCounts
+};
 
 /// A table's state tensors, in the order the ops take them (kNumStateTensors per table, table
 /// after table, in one Tensor[]); the names are those of the table module's buffers.

@@ -1,0 +1,245 @@
+"""What a training step waits for on a GPU, run on the emulated CUDA kernels (their host code
+is the CUDA build's, their "device" the CPU): the tables' Python driver (embcache.group) with
+its cache ops served by torch.ops.embcache_emu. The forward and the update wait for nothing
+(the emulator counts every read-back, ``read_backs()``); bad input, refused at the forward on
+the CPU, comes back from the device as error bits and is raised later, naming the table and
+the value, with nothing changed; a gate stops the update on the device; the trainer reads the
+update's verdict with its own figures. Every result is compared with the CPU ops'."""
+
+import copy
+
+import pytest
+import torch
+
+import embcache.group
+from dlrm.mixed_precision.trainer import MixedPrecisionTrainer, StepRefusedError
+from embcache import BagTable, CachedLowPrecisionEmbeddingBags, EmbeddingUpdateError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+try:
+    import embcache._cuda_emu  # noqa: F401
+
+    EMU = torch.ops.embcache_emu
+except ImportError:  # pragma: no cover
+    EMU = None
+
+needs_emulator = pytest.mark.skipif(EMU is None, reason="embcache._cuda_emu was not built")
+
+CACHE_OPS = {"multi_lookup_forward", "multi_dedup_backward", "multi_update", "cache_flush"}
+TABLES = [BagTable("t_a", 900, 8, ("f_0", "f_1")), BagTable("t_b", 400, 8, ("f_2",))]
+
+
+class _Emulated:
+    """torch.ops.embcache with the cache ops served by the emulated CUDA kernels."""
+
+    def __init__(self, cpu_ops):
+        self.cpu_ops = cpu_ops
+
+    def __getattr__(self, name):
+        return getattr(EMU if name in CACHE_OPS else self.cpu_ops, name)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Runs embcache.group on the emulated kernels for the test's duration."""
+    monkeypatch.setattr(embcache.group, "_ops", _Emulated(embcache.group._ops))
+
+
+def _module(seed=0, **options):
+    torch.manual_seed(seed)
+    options = {"optimizer": "rowwise_adagrad", "lr": 0.05, **options}
+    return CachedLowPrecisionEmbeddingBags(
+        TABLES,
+        precision="int8",
+        cache_ratio=0.1,
+        associativity=4,
+        policy="lfu",
+        min_rows_for_low_precision=0,
+        **options,
+    )
+
+
+def _batch(gen, batch=32):
+    rows = torch.tensor([900, 900, 400])
+    return (torch.rand(batch, 3, generator=gen) ** 3 * rows).long()
+
+
+def _bytes(module):
+    return {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _counts(module):
+    """The tables' statistics but the precision probes, which only the CPU ops measure."""
+    probes = ("probed_", "rounding_error", "rounded_up", "expected_up")
+    return {
+        name: {k: v for k, v in stats.items() if not k.startswith(probes)}
+        for name, stats in module.stats().items()
+    }
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _train(module, gen, steps):
+    for _ in range(steps):
+        ids = _batch(gen)
+        module(ids).square().sum().backward()
+        module.step()
+
+
+@needs_emulator
+def test_the_emulated_step_is_the_cpu_step_and_waits_once(emulated):
+    """The same steps through the driver on the emulated kernels and on the CPU ops give the
+    same tables and statistics; the forward and the update read nothing back, the backward
+    once (its sizes)."""
+    ours, theirs = _module(), _module()
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    waits = []
+    for _ in range(6):
+        ids = _batch(gen)
+        before = EMU.read_backs()
+        out = ours(ids)
+        forward = EMU.read_backs()
+        out.square().sum().backward()
+        backward = EMU.read_backs()
+        ours.step()
+        waits.append((forward - before, backward - forward, EMU.read_backs() - backward))
+        with pytest.MonkeyPatch.context() as m:  # the CPU ops, for the twin
+            m.setattr(embcache.group, "_ops", embcache.group._ops.cpu_ops)
+            theirs(ids).square().sum().backward()
+            theirs.step()
+    assert waits == [(0, 1, 0)] * 6
+    assert _same(_bytes(ours), _bytes(theirs))
+    assert _counts(ours) == _counts(theirs)
+    assert _counts(ours)["t_a"]["steps"] == 6 and _counts(ours)["t_a"]["lookups"] == 6 * 64
+
+
+@needs_emulator
+@pytest.mark.parametrize("bad", ["index", "negative"])
+def test_bad_input_from_the_device_names_the_table_and_changes_nothing(emulated, bad):
+    """A bad id is found by the device's kernels, not before: the error names the table and the
+    value (as the CPU forward's does), and no table byte changes; the gradient of the batch is
+    dropped (a later step trains as if the batch had never come)."""
+    module = _module()
+    gen = torch.Generator().manual_seed(3)
+    _train(module, gen, 2)
+    before = _bytes(module)
+    ids = _batch(gen)
+    ids[5, 2] = 400 if bad == "index" else -3
+    with pytest.raises(ValueError, match=r"table 't_b'.*(400|-3)"):
+        module(ids).sum().backward()
+        module.step()
+    assert _same(_bytes(module), before)
+
+
+@needs_emulator
+def test_the_update_waits_on_the_forwards_input(emulated, monkeypatch):
+    """A forward's error bits not yet read (as on a GPU, where the forward does not wait) stop
+    the update on the device: the step raises the forward's error, and nothing changes."""
+    module = _module()
+    gen = torch.Generator().manual_seed(4)
+    _train(module, gen, 2)
+    before = _bytes(module)
+    # as on a GPU: the kernels have not run when the forward returns
+    monkeypatch.setattr(embcache.group.TableGroup, "_check_finished_inputs", lambda self: None)
+    ids = _batch(gen)
+    ids[0, 0] = 900
+    module(ids).sum().backward()
+    with pytest.raises(ValueError, match=r"table 't_a'.*900"):
+        module.step()
+    assert _same(_bytes(module), before)
+
+
+@needs_emulator
+def test_a_gate_stops_the_update_on_the_device(emulated):
+    """start_step(gate): a non-zero word stops the commit (the device decides; finish says it
+    did not apply) and the gradient stays pending; with a zero gate the same update applies
+    as step() would."""
+    module, twin = _module(), _module()
+    gen = torch.Generator().manual_seed(5)
+    ids = _batch(gen)
+    for m in (module, twin):
+        m(ids).square().sum().backward()
+    before = _bytes(module)
+    pending = module.start_step(torch.tensor([0, 7]))
+    assert pending.finish() is False
+    assert _same(_bytes(module), before)
+    assert module.start_step(torch.zeros(2, dtype=torch.int64)).finish() is True
+    twin.step()
+    assert _same(_bytes(module), _bytes(twin))
+    assert _counts(module) == _counts(twin)
+
+
+@needs_emulator
+def test_a_refused_update_names_the_table_from_the_verdict(emulated):
+    """An update a table cannot store (a huge gradient for an INT8 table) is refused on the
+    device: the verdict names the row, the error the table, and nothing changes."""
+    module = _module()
+    gen = torch.Generator().manual_seed(6)
+    _train(module, gen, 1)
+    before = _bytes(module)
+    ids = _batch(gen)
+    (module(ids)[:, 16:] * 1e38).sum().backward()
+    with pytest.raises(EmbeddingUpdateError, match="table 't_b'"):
+        module.step()
+    assert _same(_bytes(module), before)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, seed, **options):
+        super().__init__()
+        self.embedding_collection = _module(seed, **options)
+        torch.manual_seed(seed)
+        self.top = torch.nn.Linear(24, 1)
+
+    def forward(self, dense, ids):
+        x = self.embedding_collection(ids) + dense
+        return self.top(x.to(self.top.weight.dtype))  # (the trainer's FP16 dense part)
+
+
+@needs_emulator
+def test_the_trainer_reads_the_update_with_its_figures(emulated):
+    """MixedPrecisionTrainer on the emulated tables: one read a step (the backward's aside),
+    the same model as on the CPU ops, and an overflow skips the step on the device (the gate)
+    with no table changed."""
+    gen = torch.Generator().manual_seed(7)
+    trainers = [MixedPrecisionTrainer(_Model(1), lr=0.1) for _ in range(2)]
+    for step in range(5):
+        ids, dense = _batch(gen), torch.randn(32, 24, generator=gen)
+        labels = torch.rand(32, generator=gen).round()
+        if step == 3:
+            dense[0, 0] = float("inf")  # an overflow: skipped everywhere
+        results = []
+        for trainer, ops in zip(trainers, ("emulated", "cpu")):
+            with pytest.MonkeyPatch.context() as m:
+                if ops == "cpu":
+                    m.setattr(embcache.group, "_ops", embcache.group._ops.cpu_ops)
+                before = EMU.read_backs()
+                results.append(trainer.train_step(dense, ids, labels))
+                waits = EMU.read_backs() - before
+                assert waits == (1 if ops == "emulated" else 0)
+        assert results[0]["skipped"] == results[1]["skipped"] == (step == 3)
+        assert torch.equal(results[0]["loss"], results[1]["loss"])
+    ours, theirs = (t.model.embedding_collection for t in trainers)
+    assert _same(_bytes(ours), _bytes(theirs))
+    assert trainers[0].report.skipped == 1
+
+
+@needs_emulator
+def test_a_refused_table_update_undoes_the_dense_step(emulated):
+    """The tables refuse (on the device) the update the trainer launched with its dense step
+    (SGD at a learning rate that takes INT8 rows past what FP16 qparams hold): the step is
+    refused naming the table, every dense tensor and every table byte as before."""
+    trainer = MixedPrecisionTrainer(_Model(2, optimizer="sgd", lr=1e7), lr=0.1)
+    model = trainer.model
+    gen = torch.Generator().manual_seed(8)
+    ids, dense = _batch(gen), torch.randn(32, 24, generator=gen)
+    labels = torch.rand(32, generator=gen).round()
+    before_tables = _bytes(model.embedding_collection)
+    before_dense = copy.deepcopy(trainer.masters)
+    with pytest.raises(StepRefusedError, match="table 't_"):
+        trainer.train_step(dense, ids, labels)
+    assert _same(_bytes(model.embedding_collection), before_tables)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.masters, before_dense))

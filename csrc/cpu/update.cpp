@@ -4,6 +4,7 @@
 // commit (csrc/cpu/commit.cpp).
 #include <torch/library.h>
 
+#include <cmath>
 #include <limits>
 
 #include "update.h"

@@ -3,32 +3,30 @@
 #pragma once
 
 #include <array>
-#include <cmath>
 
 #include "cpu_common.h"
+#include "embcache/optimizer.h"
 
 namespace embcache {
 namespace cpu {
 
 /// The optimizer step of one row: new value and new state from the fetched value v and
-/// the gradient g (docs/contract.md §4.5, docs/design.md "Optimizer arithmetic"). Writes
+/// the gradient g, by the arithmetic of embcache/optimizer.h (docs/contract.md §4.5). Writes
 /// only to `out` and `state_out`, after reading what it needs of v and state (they may be
 /// the same memory).
 inline void optimizer_row(int opt, float lr, float eps, int64_t dim, const float* v,
                           const float* g, const float* state, float* out, float* state_out) {
   if (opt == kSGD) {
-    for (int64_t j = 0; j < dim; ++j) out[j] = v[j] - lr * g[j];
+    for (int64_t j = 0; j < dim; ++j) out[j] = descend(v[j], lr, g[j]);
   } else if (opt == kRowwiseAdagrad) {
-    float sum_sq = 0.f;
-    for (int64_t j = 0; j < dim; ++j) sum_sq += g[j] * g[j];
-    const float acc = state[0] + sum_sq / (float)dim;
-    const float step = lr / (sqrtf(acc) + eps);
-    for (int64_t j = 0; j < dim; ++j) out[j] = v[j] - step * g[j];
+    const float acc = rowwise_adagrad_accumulator(state[0], sum_of_squares(g, dim), dim);
+    const float step = adagrad_step(lr, eps, acc);
+    for (int64_t j = 0; j < dim; ++j) out[j] = descend(v[j], step, g[j]);
     state_out[0] = acc;
   } else {
     for (int64_t j = 0; j < dim; ++j) {
-      const float acc = state[j] + g[j] * g[j];
-      out[j] = v[j] - (lr / (sqrtf(acc) + eps)) * g[j];
+      const float acc = adagrad_accumulator(state[j], g[j]);
+      out[j] = descend(v[j], adagrad_step(lr, eps, acc), g[j]);
       state_out[j] = acc;
     }
   }

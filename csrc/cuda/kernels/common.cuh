@@ -15,10 +15,11 @@
 //
 // Bit-identity with the CPU ops (csrc/cpu) comes from: the same row arithmetic
 // (embcache/rowquant.h: rows are written by warp_quantize_row, element by element the
-// arithmetic of quantize_row with the same uniforms), the
-// same order of every floating-point sum (pooling and gradient sums in lookup order, the
-// row-wise AdaGrad sum of squares in element order), no FMA (nvcc --fmad=false,
-// -ffp-contract=off), IEEE division and square root, and sorts that reproduce the CPU's order.
+// arithmetic of quantize_row with the same uniforms) and optimizer arithmetic
+// (embcache/optimizer.h), the same order of every floating-point sum (pooling and gradient
+// sums in lookup order, the row-wise AdaGrad sum of squares in element order), no FMA (nvcc
+// --fmad=false, -ffp-contract=off), IEEE division and square root, and sorts that reproduce
+// the CPU's order.
 //
 // Warp-uniform control flow: every loop that contains a collective (ballot, shuffle,
 // __syncwarp) has a trip count that is the same on all 32 lanes of the warp.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "embcache/optimizer.h"
 
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
@@ -53,26 +54,25 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
     if (T.t.optimizer == kSGD) {
       for (int j = (int)lane; j < dim; j += 32) {
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
-        out[j] = v - lr * gu[j];
+        out[j] = descend(v, lr, gu[j]);
       }
     } else if (T.t.optimizer == kRowwiseAdagrad) {
       float sum_sq = 0.f;  // in element order, as the CPU sums it
-      if (lane == 0)
-        for (int j = 0; j < dim; ++j) sum_sq += gu[j] * gu[j];
+      if (lane == 0) sum_sq = sum_of_squares(gu, dim);
       sum_sq = __shfl_sync(kFullMask, sum_sq, 0);
-      const float acc = state[row] + sum_sq / (float)dim;
-      const float step = lr / (sqrtf(acc) + eps);
+      const float acc = rowwise_adagrad_accumulator(state[row], sum_sq, dim);
+      const float step = adagrad_step(lr, eps, acc);
       for (int j = (int)lane; j < dim; j += 32) {
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
-        out[j] = v - step * gu[j];
+        out[j] = descend(v, step, gu[j]);
       }
       if (lane == 0) fresh_state[T.state_start + i] = acc;
     } else {
       float* fs = fresh_state + T.state_start + i * dim;
       for (int j = (int)lane; j < dim; j += 32) {
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
-        const float acc = state[row * dim + j] + gu[j] * gu[j];
-        out[j] = v - (lr / (sqrtf(acc) + eps)) * gu[j];
+        const float acc = adagrad_accumulator(state[row * dim + j], gu[j]);
+        out[j] = descend(v, adagrad_step(lr, eps, acc), gu[j]);
         fs[j] = acc;
       }
     }

@@ -38,15 +38,22 @@ inline void define_cache_ops(torch::Library& m) {
         "Tensor? per_sample_weights, int[] feature_table, int batch, "
         "Tensor(a!)[] device_counts) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Every feature's deduplicated gradient, features in the role of multi_update's tables:
-  // (unique_rows, grads, occurrences, slots (empty without lookup_slots), row_starts). A
+  // (unique_rows, grads, occurrences, slots (empty without lookup_slots), row_ranges,
+  // errors). row_ranges: int64 [features, 3] on the device of indices, feature f's unique
+  // rows [row_ranges[f][0], row_ranges[f][1]) and where its gradient rows start in grads
+  // (csrc/tables.h RowRange). The CPU op sizes every array exactly and raises on bad input
+  // (errors empty); the CUDA op, which does not wait for its kernels, sizes them for every
+  // lookup a unique row (grads: lookups x the widest dim, zero past the last block), so that
+  // the ranges say what is filled, and returns its error bits in errors (int64 [1]). A
   // max-pooled feature's element goes to the lookup the forward's argmax names (required
   // with such features).
   m.def("multi_dedup_backward(Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
         "Tensor grad_output, Tensor specs, int[] feature_table, Tensor? lookup_slots=None, "
-        "Tensor? argmax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // Checks every table's update, then commits all of them only if every table can take its
-  // update and every word of `gate` (int64 on the tables' device, e.g. the caller's own
-  // decision and the forwards' errors) is 0. Returns the verdict, int64 [tables, 2] on the
+        "Tensor? argmax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Table t's gradient is row_ranges[t] (multi_dedup_backward's layout; ranges ascending and
+  // disjoint, gaps allowed). Checks every table's update, then commits all of them only if
+  // every table can take its update and every word of `gate` (int64 on the tables' device,
+  // e.g. the caller's own decision and the forwards' errors) is 0. Returns the verdict, int64 [tables, 2] on the
   // tables' device: per table its error bits (cache_api.h ErrorBits; the CPU op raises
   // instead) and the smallest row it cannot store or -1. The CUDA op does not wait for its
   // kernels (the gate is applied on the device): the update committed iff `commit`, every
@@ -55,7 +62,7 @@ inline void define_cache_ops(torch::Library& m) {
   // (count_updates). A commit adds its unique hits, insertions and evictions to
   // device_counts[t]. With commit=false it only checks (a dry run: nothing is changed).
   m.def("multi_update(Tensor(a!)[] state, Tensor specs, Tensor unique_rows, Tensor grads, "
-        "Tensor occurrences, Tensor slot_hints, int[] row_starts, float[] value_bounds, "
+        "Tensor occurrences, Tensor slot_hints, Tensor row_ranges, float[] value_bounds, "
         "Tensor(b!)[] counters, Tensor(c!)[] device_counts, Tensor? gate=None, "
         "bool commit=True) -> Tensor");
   // Writes every cached row back into its table (rounded with the stream of step

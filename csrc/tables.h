@@ -168,36 +168,58 @@ inline void count_probe(int64_t* counter, const RoundingProbe& p) {
   counter[kProbedExpectedUpE6] += p.expected_up_e6;
 }
 
-/// A table-batched gradient (multi_dedup_backward's output, multi_update's input), checked:
-/// table t's unique rows are unique_rows[row_starts[t] .. row_starts[t + 1]), with their
-/// occurrences (and slot hints, unless slot_hints is empty) at the same positions, and their
-/// gradients a block of rows x dim floats in the 1-D grads, the blocks in table order.
-/// Each must be on `device`. Returns where each block starts in grads, then grads.numel().
-inline std::vector<int64_t> gradient_blocks(const at::Tensor& unique_rows, const at::Tensor& grads,
-                                            const at::Tensor& occurrences,
-                                            const at::Tensor& slot_hints,
-                                            at::IntArrayRef row_starts,
-                                            const std::vector<TableSpec>& specs,
-                                            const DeviceKind& device) {
-  const size_t nt = specs.size();
-  TORCH_CHECK(row_starts.size() == nt + 1 && row_starts[0] == 0,
-              "embcache: row_starts must hold 0, then where each next table's rows start");
-  std::vector<int64_t> block(nt + 1, 0);
-  for (size_t t = 0; t < nt; ++t) {
-    TORCH_CHECK(row_starts[t + 1] >= row_starts[t], "embcache: row_starts decrease at table ", t);
-    block[t + 1] = block[t] + (row_starts[t + 1] - row_starts[t]) * specs[t].f.dim;
-  }
+/// One table's part of a table-batched gradient (multi_dedup_backward's output, multi_update's
+/// input): its unique rows are positions [first, end) of unique_rows, with their occurrences
+/// (and slot hints) at the same positions, and their gradients (end - first) x dim floats of
+/// the 1-D grads from `value`.
+struct RowRange {
+  int64_t first, end, value;
+};
+
+/// A table-batched gradient, checked: unique_rows, occurrences and (unless empty) slot_hints
+/// 1-D int64 of one length, grads 1-D float32, row_ranges int64 [tables, 3] (RowRange), all
+/// on `device`. Where the host can read them (`host_ranges`, the CPU ops) returns the ranges,
+/// checked: ascending, disjoint and within the arrays; a GPU's kernels check them instead
+/// (kBadRanges) and this returns none.
+inline std::vector<RowRange> gradient_ranges(const at::Tensor& unique_rows, const at::Tensor& grads,
+                                             const at::Tensor& occurrences,
+                                             const at::Tensor& slot_hints,
+                                             const at::Tensor& row_ranges,
+                                             const std::vector<TableSpec>& specs,
+                                             const DeviceKind& device, bool host_ranges) {
+  const int64_t nt = (int64_t)specs.size(), n = unique_rows.numel();
   auto check = [&](const at::Tensor& x, at::ScalarType dtype, int64_t numel, const char* what) {
     TORCH_CHECK(x.scalar_type() == dtype && x.dim() == 1 && x.is_contiguous() &&
-                    x.numel() == numel && device.holds(x) && x.device() == unique_rows.device(),
+                    (numel < 0 || x.numel() == numel) && device.holds(x) &&
+                    x.device() == unique_rows.device(),
                 "embcache: ", what, " must be a contiguous 1-D ", c10::toString(dtype), " ",
-                device.name, " tensor of ", numel, " values on the device of unique_rows");
+                device.name, " tensor", numel < 0 ? "" : " of the length of unique_rows",
+                " on its device");
   };
-  check(unique_rows, at::kLong, row_starts[nt], "unique_rows");
-  check(occurrences, at::kLong, row_starts[nt], "occurrences");
-  if (slot_hints.numel() > 0) check(slot_hints, at::kLong, row_starts[nt], "slot_hints");
-  check(grads, at::kFloat, block[nt], "grads");
-  return block;
+  check(unique_rows, at::kLong, -1, "unique_rows");
+  check(occurrences, at::kLong, n, "occurrences");
+  if (slot_hints.numel() > 0) check(slot_hints, at::kLong, n, "slot_hints");
+  check(grads, at::kFloat, -1, "grads");
+  device.check(row_ranges, at::kLong, "row_ranges");
+  TORCH_CHECK(row_ranges.dim() == 2 && row_ranges.size(0) == nt && row_ranges.size(1) == 3 &&
+                  row_ranges.device() == unique_rows.device(),
+              "embcache: row_ranges must be [tables, 3] = [", nt, ", 3] on the device of "
+              "unique_rows, got ", row_ranges.sizes());
+  std::vector<RowRange> out;
+  if (!host_ranges) return out;
+  const int64_t* r = row_ranges.data_ptr<int64_t>();
+  int64_t past = 0;
+  for (int64_t t = 0; t < nt; ++t) {
+    const RowRange g{r[3 * t], r[3 * t + 1], r[3 * t + 2]};
+    TORCH_CHECK(g.first >= past && g.end >= g.first && g.end <= n && g.value >= 0 &&
+                    g.value + (g.end - g.first) * specs[t].f.dim <= grads.numel(),
+                "embcache: row_ranges of table ", t, " (", g.first, ", ", g.end, ", ", g.value,
+                ") must follow the previous table's rows and lie within unique_rows (", n,
+                ") and grads (", grads.numel(), ")");
+    past = g.end;
+    out.push_back(g);
+  }
+  return out;
 }
 
 /// Every table's device counts (DeviceCount): a contiguous int64 tensor of kNumDeviceCounts on
@@ -232,26 +254,28 @@ inline void check_gate(const c10::optional<at::Tensor>& gate, const at::Tensor& 
               "embcache: gate must be 1-D, on the device of unique_rows");
 }
 
-/// multi_update's tables and gradient, checked: op_tables, one value bound per table, where
-/// each table's block of gradients starts (gradient_blocks), its device counts and the gate.
+/// multi_update's tables and gradient, checked: op_tables, one value bound per table, each
+/// table's part of the gradient (gradient_ranges: none where the host cannot read them), its
+/// device counts and the gate.
 struct UpdateArgs {
   Tables tables;
-  std::vector<int64_t> block;
+  std::vector<RowRange> ranges;
   std::vector<int64_t*> device_counts;  // table t's, on its device (tables_device_counts)
 };
 
 inline UpdateArgs update_args(at::TensorList state, const at::Tensor& specs,
                               const at::Tensor& unique_rows, const at::Tensor& grads,
                               const at::Tensor& occurrences, const at::Tensor& slot_hints,
-                              at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
+                              const at::Tensor& row_ranges, at::ArrayRef<double> value_bounds,
                               at::TensorList counters, at::TensorList device_counts,
-                              const c10::optional<at::Tensor>& gate, const DeviceKind& device) {
+                              const c10::optional<at::Tensor>& gate, const DeviceKind& device,
+                              bool host_ranges) {
   UpdateArgs a{op_tables(state, specs, counters, false, device), {}, {}};
   const size_t nt = a.tables.spec.size();
   TORCH_CHECK(value_bounds.size() == nt, "embcache: one value bound per table");
   a.device_counts = tables_device_counts(device_counts, state, nt, false, device);
-  a.block = gradient_blocks(unique_rows, grads, occurrences, slot_hints, row_starts,
-                            a.tables.spec, device);
+  a.ranges = gradient_ranges(unique_rows, grads, occurrences, slot_hints, row_ranges,
+                             a.tables.spec, device, host_ranges);
   check_gate(gate, unique_rows, device);
   return a;
 }

@@ -97,9 +97,12 @@ def _error_text(bits: int) -> str:
 
 class _Backward(NamedTuple):
     """One backward's gradient for every feature as multi_dedup_backward made it: feature f's
-    unique rows are ``rows[row_starts[f]:row_starts[f + 1]]``, with their occurrences and
+    unique rows are ``rows[ranges[f, 0]:ranges[f, 1]]`` (int64 [features, 3] on the rows'
+    device: on a GPU the arrays are sized for the most rows there can be, and only the ranges
+    say how many there are), with their occurrences and
     (unless ``slots`` is empty) the cache slots the forward found at the same positions, and
-    their gradients a block of rows x dim values of the 1-D ``grads``, blocks in feature order.
+    their gradients a block of rows x dim values of the 1-D ``grads`` from ``ranges[f, 2]``,
+    blocks in feature order (zero past the last).
     Also what the forward saw: each feature's table (its position in the group), the group's
     cache epoch, and each feature's largest |value| read."""
 
@@ -108,7 +111,7 @@ class _Backward(NamedTuple):
     grads: torch.Tensor
     occurrences: torch.Tensor
     slots: torch.Tensor
-    row_starts: list[int]
+    ranges: torch.Tensor
     epoch: int
     bounds: list[float]
 
@@ -270,13 +273,12 @@ class TableGroup:
         while self._unchecked:
             self._unchecked.popleft().raise_if_bad()
 
-    def _store(self, backward: _Backward, pending: InputCheck | None) -> None:
+    def _store(self, backward: _Backward, checks: list[InputCheck]) -> None:
         """Keeps a backward's gradient (one kept before it goes to the tables' parts first)
-        and, on a GPU, its forward's input check, which the update's gate includes."""
+        and, on a GPU, the checks of its input, which the update's gate includes."""
         self._hand_over()
         self._backward = backward
-        if pending is not None:
-            self._inputs.append(pending)
+        self._inputs += checks
 
     def _hand_over(self) -> None:
         """Splits the kept backward into the parts of its features' tables."""
@@ -284,13 +286,10 @@ class TableGroup:
         if b is None:
             return
         self._backward = None
-        counts = [e - s for s, e in zip(b.row_starts, b.row_starts[1:])]
         dims = [self._dims[t] for t in b.feature_tables]
-        rows, occ = b.rows.split(counts), b.occurrences.split(counts)
-        grads = b.grads.split([n * d for n, d in zip(counts, dims)])
-        for f, t in enumerate(b.feature_tables):
-            g = grads[f].view(counts[f], dims[f])
-            self._parts[t].append(PendingGradient(rows[f], g, occ[f]))
+        for (first, end, value), t, dim in zip(b.ranges.tolist(), b.feature_tables, dims):
+            g = b.grads[value : value + (end - first) * dim].view(end - first, dim)
+            self._parts[t].append(PendingGradient(b.rows[first:end], g, b.occurrences[first:end]))
 
     def _merged(self, t: int) -> PendingGradient:
         """Table t's parts summed per unique row (rows ascending), kept as its one part. A row's
@@ -484,19 +483,20 @@ def start_update_together(
 
 class PendingUpdate:
     """A launched ``multi_update`` whose outcome is on the device: ``words`` (int64, to be
-    read, e.g. with the caller's own figures in one copy) are the gate's words, then one per
-    forward whose input the update waited on, then the verdict. :meth:`finish` reads them
-    (unless given) and does what follows: nothing if nothing was to be updated."""
+    read, e.g. with the caller's own figures in one copy) are the gate's words, one per
+    forward or backward whose input the update waited on, the verdict, then the tables' row
+    ranges. :meth:`finish` reads them (unless given) and does what follows: nothing if
+    nothing was to be updated."""
 
-    def __init__(self, taken, rows, row_starts, verdict, gate, inputs, commit) -> None:
+    def __init__(self, taken, rows, ranges, verdict, gate, inputs, commit) -> None:
         self.taken = taken  # [(group, positions)], the tables in the op's order
-        self.rows, self.row_starts, self.commit = rows, row_starts, commit
+        self.rows, self.commit = rows, commit
         self.inputs: list[InputCheck] = inputs
         self.gate_words = 0 if gate is None else gate.numel()
         parts = [] if gate is None else [gate]
         parts += [i.errors for i in inputs]
         if verdict is not None:
-            parts.append(verdict.reshape(-1))
+            parts += [verdict.reshape(-1), ranges.reshape(-1)]
         self.words = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def finish(self, words: Sequence[int] | None = None) -> bool:
@@ -507,12 +507,10 @@ class PendingUpdate:
         if not self.taken:
             return False
         words = self.words.tolist() if words is None else list(words)
-        n = self.gate_words
-        gate, errors, verdict = (
-            words[:n],
-            words[n : n + len(self.inputs)],
-            words[n + len(self.inputs) :],
-        )
+        n, nt = self.gate_words, sum(len(chosen) for _, chosen in self.taken)
+        gate, words = words[:n], words[n:]
+        errors, words = words[: len(self.inputs)], words[len(self.inputs) :]
+        verdict, ranges = words[: 2 * nt], words[2 * nt :]
         for group, _ in self.taken:
             group._forget_inputs(self.inputs)
         for pending, bits in zip(self.inputs, errors):
@@ -532,15 +530,15 @@ class PendingUpdate:
             return False
         at = 0
         for group, chosen in self.taken:
-            starts = self.row_starts[at : at + len(chosen) + 1]
-            first = starts[0]
-            rows = self.rows[first : starts[-1]]
-            group._committed(chosen, rows, [r - first for r in starts])
+            mine = ranges[3 * at : 3 * (at + len(chosen))]
+            first, end = mine[0], mine[-2]  # a group's tables' rows follow each other
+            starts = [first] + mine[1::3]
+            group._committed(chosen, self.rows[first:end], [r - first for r in starts])
             at += len(chosen)
         return True
 
 
-def _launch(taken, rows, grads, occ, hints, row_starts, bounds, gate, commit) -> PendingUpdate:
+def _launch(taken, rows, grads, occ, hints, ranges, bounds, gate, commit) -> PendingUpdate:
     """One ``multi_update`` of the tables ``taken`` ([(group, positions)]), gated by ``gate``
     and by the input errors of the forwards behind their gradients."""
     inputs = [i for g, _ in taken for i in g._inputs]
@@ -554,14 +552,14 @@ def _launch(taken, rows, grads, occ, hints, row_starts, bounds, gate, commit) ->
         grads,
         occ,
         hints,
-        row_starts,
+        ranges,
         bounds,
         [g._counters[t] for g, c in taken for t in c],
         [x for g, c in taken for x in g.device_counts(c)],
         full_gate,
         commit,
     )
-    return PendingUpdate(taken, rows, row_starts, verdict, gate, inputs, commit)
+    return PendingUpdate(taken, rows, ranges, verdict, gate, inputs, commit)
 
 
 def _start_hinted(
@@ -571,17 +569,22 @@ def _start_hinted(
     forward's slot hints (if every group has them) and value bounds."""
     backwards = [b for _, b in selections]
     hinted = all(b.slots.numel() or not b.rows.numel() for b in backwards)
-    starts, row_starts = 0, [0]
-    for b in backwards:
-        row_starts += [starts + r for r in b.row_starts[1:]]
-        starts += b.row_starts[-1]
+    ranges, row_base, value_base = [], 0, 0
+    for b in backwards:  # each group's ranges, moved past the groups before it
+        r = b.ranges
+        if row_base or value_base:
+            r = r.clone()
+            r[:, :2] += row_base
+            r[:, 2] += value_base
+        ranges.append(r)
+        row_base, value_base = row_base + b.rows.numel(), value_base + b.grads.numel()
     return _launch(
         [(g, g._every) for g, _ in selections],
         _joined([b.rows for b in backwards]),
         _joined([b.grads for b in backwards]),
         _joined([b.occurrences for b in backwards]),
         _joined([b.slots for b in backwards]) if hinted else _NO_HINT,
-        row_starts,
+        _joined(ranges),
         [x for b in backwards for x in b.bounds],
         gate,
         commit,
@@ -607,16 +610,18 @@ def _start_merged(
             flat += [group._merged(t) for t in mine]
     if not flat:
         return PendingUpdate([], None, [0], None, None, [], commit)
-    row_starts = [0]
+    ranges, first, value = [], 0, 0
     for p in flat:
-        row_starts.append(row_starts[-1] + p.rows.numel())
+        ranges.append([first, first + p.rows.numel(), value])
+        first, value = first + p.rows.numel(), value + p.grads.numel()
+    rows = torch.cat([p.rows for p in flat])
     return _launch(
         taken,
-        torch.cat([p.rows for p in flat]),
+        rows,
         torch.cat([p.grads.flatten() for p in flat]),
         torch.cat([p.occurrences for p in flat]),
         _NO_HINT,
-        row_starts,
+        torch.tensor(ranges, dtype=torch.int64).to(rows.device),
         [-1.0] * len(flat),
         gate,
         commit,
@@ -652,19 +657,16 @@ class _Lookup(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # The CUDA forward gives neither slots nor value bounds.
             slots = ctx.slots if ctx.slots.numel() else None
-            try:
-                rows, grads, occ, row_slots, row_starts = _ops.multi_dedup_backward(
-                    indices, ctx.offsets, psw, grad, group.specs, feature_tables, slots, ctx.argmax
-                )
-            except RuntimeError:  # (the dedup reads its errors back): the forward's input
-                if ctx.pending is not None:
-                    ctx.pending.raise_if_bad()
-                raise
+            rows, grads, occ, row_slots, ranges, errors = _ops.multi_dedup_backward(
+                indices, ctx.offsets, psw, grad, group.specs, feature_tables, slots, ctx.argmax
+            )
             bounds = ctx.bounds.tolist() or [-1.0] * len(feature_tables)
-            starts = row_starts.tolist()
+            checks = [] if ctx.pending is None else [ctx.pending]
+            if errors.numel():  # a GPU's: its sort's own check of the forward's input
+                checks.append(InputCheck.of(errors, ctx.pending and ctx.pending.check))
             group._store(
-                _Backward(feature_tables, rows, grads, occ, row_slots, starts, ctx.epoch, bounds),
-                ctx.pending,
+                _Backward(feature_tables, rows, grads, occ, row_slots, ranges, ctx.epoch, bounds),
+                checks,
             )
         grad_psw = None
         if ctx.needs_input_grad[1]:

@@ -78,13 +78,13 @@ def test_the_cuda_kernels_read_and_update_the_same_rows(table):
     assert torch.equal(pooled, stored)
     grad = torch.randn(len(ids), DIM, generator=torch.Generator().manual_seed(3))
     offsets = torch.arange(len(ids) + 1)
-    rows, grads, occ, hints, starts = emu.multi_dedup_backward(
+    rows, grads, occ, hints, ranges, _ = emu.multi_dedup_backward(
         ids, offsets, None, grad, specs, [0], None
     )
     assert rows.tolist() == sorted(ids.tolist())
     counters, counts = torch.zeros_like(table.counters), torch.zeros_like(table.device_counts())
     verdict = emu.multi_update(
-        state, specs, rows, grads, occ, hints, starts.tolist(), [-1.0], [counters], [counts]
+        state, specs, rows, grads, occ, hints, ranges, [-1.0], [counters], [counts]
     )
     assert verdict.tolist() == [[0, -1]]
     order = ids.argsort()

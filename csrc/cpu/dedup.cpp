@@ -105,11 +105,13 @@ void sum_runs(const RowRuns& runs, const Bags& bags, const float* g, int64_t g_s
 
 /// Every feature's deduplicated gradient from grad_output, the gradient of
 /// multi_lookup_forward's output [batch, sum of the features' dims]: (rows, grads,
-/// occurrences, slots, row_starts). Feature f's unique rows (ascending) are
-/// rows[row_starts[f] .. row_starts[f + 1]), with their occurrences (and, given the forward's
-/// lookup_slots, their slots; else slots is empty) at the same positions; their gradients are
-/// a block of rows x dim floats in the 1-D grads, blocks in feature order.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_dedup_backward(
+/// occurrences, slots, row_ranges, errors). Feature f's unique rows (ascending) are
+/// rows[row_ranges[f][0] .. row_ranges[f][1]), with their occurrences (and, given the
+/// forward's lookup_slots, their slots; else slots is empty) at the same positions; their
+/// gradients are a block of rows x dim floats in the 1-D grads from row_ranges[f][2], blocks
+/// in feature order, every array filled exactly. Bad input raises, so errors is empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+multi_dedup_backward(
     const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
     const at::Tensor& specs, at::IntArrayRef feature_table,
@@ -139,13 +141,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_ded
   // and back, and freed every step); then sum into them.
   std::vector<RowRuns> runs(nf);
   for_each_by_cost(cost, [&](int64_t f) { runs[f] = group_by_row(bags(f)); });
-  at::Tensor row_starts = new_cpu_tensor({nf + 1}, at::kLong);
-  int64_t* rs = row_starts.data_ptr<int64_t>();
-  std::vector<int64_t> block(nf + 1, 0);
-  rs[0] = 0;
+  std::vector<int64_t> rs(nf + 1, 0), block(nf + 1, 0);
+  at::Tensor row_ranges = new_cpu_tensor({nf, 3}, at::kLong);
+  int64_t* ranges = row_ranges.data_ptr<int64_t>();
   for (int64_t f = 0; f < nf; ++f) {
     rs[f + 1] = rs[f] + runs[f].unique_rows();
     block[f + 1] = block[f] + runs[f].unique_rows() * dims[f];
+    ranges[3 * f] = rs[f];
+    ranges[3 * f + 1] = rs[f + 1];
+    ranges[3 * f + 2] = block[f];
   }
   at::Tensor rows = new_cpu_tensor({rs[nf]}, at::kLong);
   at::Tensor grads = new_cpu_tensor({block[nf]}, at::kFloat);
@@ -158,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_ded
              grads.data_ptr<float>() + block[f], occ.data_ptr<int64_t>() + rs[f],
              lookup_slot ? slots.data_ptr<int64_t>() + rs[f] : nullptr);
   });
-  return {rows, grads, occ, slots, row_starts};
+  return {rows, grads, occ, slots, row_ranges, at::empty({0}, at::kLong)};
 }
 
 }  // namespace

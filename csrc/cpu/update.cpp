@@ -97,7 +97,7 @@ bool surely_storable(const TableSpec& t, const float* g, int64_t n, double value
 /// read them: surely_storable; else by computing them); then, if no table has a row it
 /// cannot store, each table's commit, which computes every new value where it writes it
 /// (tables in parallel, costliest first in both phases). The gradient is in
-/// multi_dedup_backward's layout (see gradient_blocks); slot_hints holds every row's slot as
+/// multi_dedup_backward's layout (see gradient_ranges); slot_hints holds every row's slot as
 /// the forward found it, or is empty for none. Table t's update is step
 /// counters[t][kSteps] + 1; its commit adds to its device_counts and its probe counters (as
 /// op_schemas.h says). Returns the verdict: per table no error bits (bad unique rows raise
@@ -106,23 +106,24 @@ bool surely_storable(const TableSpec& t, const float* g, int64_t n, double value
 at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
                         const at::Tensor& unique_rows, const at::Tensor& grads,
                         const at::Tensor& occurrences, const at::Tensor& slot_hints,
-                        at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
+                        const at::Tensor& row_ranges, at::ArrayRef<double> value_bounds,
                         at::TensorList counters, at::TensorList device_counts,
                         const c10::optional<at::Tensor>& gate, bool commit) {
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
-                                   row_starts, value_bounds, counters, device_counts, gate, kCpu);
+                                   row_ranges, value_bounds, counters, device_counts, gate, kCpu,
+                                   true);
   const Tables& tables = a.tables;
   const std::vector<TableSpec>& spec = tables.spec;
-  const std::vector<int64_t>& block = a.block;
+  const std::vector<RowRange>& range = a.ranges;
   const int64_t nt = (int64_t)spec.size();
   const bool hinted = slot_hints.numel() > 0;
   std::vector<RowUpdate> updates;
   std::vector<int64_t> cost(nt);
   for (int64_t t = 0; t < nt; ++t) {
     updates.push_back(make_row_update(spec[t], tables.state[t],
-                                      unique_rows.data_ptr<int64_t>() + row_starts[t],
-                                      row_starts[t + 1] - row_starts[t],
-                                      grads.data_ptr<float>() + block[t]));
+                                      unique_rows.data_ptr<int64_t>() + range[t].first,
+                                      range[t].end - range[t].first,
+                                      grads.data_ptr<float>() + range[t].value));
     cost[t] = row_work(updates[t].nu, spec[t].rows);
   }
   std::vector<std::vector<int64_t>> slots(nt);
@@ -130,7 +131,7 @@ at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
   for_each_by_cost(cost, [&](int64_t t) {
     const RowUpdate& up = updates[t];
     slots[t].resize(up.nu);
-    find_slots(up, hinted ? slot_hints.data_ptr<int64_t>() + row_starts[t] : nullptr,
+    find_slots(up, hinted ? slot_hints.data_ptr<int64_t>() + range[t].first : nullptr,
                slots[t].data());
     if (hinted && surely_storable(spec[t], up.g, up.nu * up.f.dim, value_bounds[t])) return;
     bad[t] = first_unstorable(up, slots[t].data(), spec[t].stochastic);
@@ -145,7 +146,7 @@ at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
     RoundingProbe probe;
     const CommitCounts c =
         commit_update(updates[t], spec[t], tables.state[t], slots[t].data(),
-                      occurrences.data_ptr<int64_t>() + row_starts[t], counter[kSteps] + 1,
+                      occurrences.data_ptr<int64_t>() + range[t].first, counter[kSteps] + 1,
                       &probe);
     for (int i = 0; i < kNumCommitCounts; ++i) a.device_counts[t][kCommitHits + i] += c[i];
     count_probe(counter, probe);

@@ -8,9 +8,9 @@
 // host must learn from the device (error bits, rows that cannot be stored) the kernels write
 // into device buffers the caller passes and reads when it next waits for the device
 // (docs/design.md, "No wait inside a step"); counts stay on the device, in each table's
-// device_counts. The exceptions: dedup_features reads back its errors and sizes itself
-// (once, for every feature: they size its outputs), and quantize_rows and flush_cache, off
-// the training step, read their own result.
+// device_counts; sizes that depend on the data (the backward's unique rows) stay there too,
+// the outputs sized for the most there can be. The exceptions: quantize_rows and
+// flush_cache, off the training step, read their own result.
 // Launch errors throw std::runtime_error at once.
 #pragma once
 
@@ -59,6 +59,7 @@ enum ErrorBits : unsigned long long {
   kBadIndex = 1,        // an index < 0 or >= rows
   kBadOffsets = 2,      // offsets not starting at 0, decreasing, or not ending at len(indices)
   kBadUniqueRows = 4,   // unique rows not ascending or out of range
+  kBadRanges = 8,       // row ranges not ascending, overlapping, or past the arrays
 };
 constexpr int kErrorFlag = 0;
 
@@ -67,7 +68,8 @@ inline void throw_errors(unsigned long long bits) {
   const char* what = (bits & kBadOffsets) ? "offsets must start at 0, not decrease and end at len(indices)"
                      : (bits & kBadIndex) ? "an index is out of range"
                      : (bits & kBadUniqueRows) ? "unique rows must be ascending and in range"
-                                               : nullptr;
+                     : (bits & kBadRanges) ? "row ranges must be ascending, disjoint and within the arrays"
+                                           : nullptr;
   if (what) throw std::runtime_error(std::string("embcache (cuda): ") + what);
 }
 
@@ -91,14 +93,13 @@ void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, fl
                int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
                unsigned long long* errors, unsigned long long* counts, Stream stream);
 
-/// Where dedup_features writes its outputs once it knows their sizes: nu unique rows in all,
-/// and grad_floats gradient values (each feature's unique rows times its dim, summed).
+/// Where dedup_features writes its outputs, allocated by the caller for n lookups: every
+/// lookup a unique row (rows and occ [n]), grads [n x the widest feature dim], zero.
 struct DedupOutputs {
-  int64_t* rows;   // [nu]
-  float* grads;    // [grad_floats]
-  int64_t* occ;    // [nu]
+  int64_t* rows;
+  float* grads;
+  int64_t* occ;
 };
-using DedupAlloc = DedupOutputs (*)(void* ctx, int64_t nu, int64_t grad_floats);
 
 /// The backward of a forward's nf features: feature f is bags [f * batch, (f + 1) * batch)
 /// of `bags` (which holds them all: first 0, nb = total), looked up in table feature_table[f]
@@ -107,26 +108,38 @@ using DedupAlloc = DedupOutputs (*)(void* ctx, int64_t nu, int64_t grad_floats);
 /// order; a max-pooled feature's element goes to the lookup that the forward's argmax
 /// (argmax_col: host, nf + 1 column offsets, csrc/tables.h argmax_columns) names. Writes,
 /// feature after feature, the unique rows ascending, their occurrences and their gradient
-/// rows (contributions summed in lookup order), and row_starts (host, nf + 1 entries): where
-/// each feature's unique rows start. One sort and one summing launch for every feature; the
-/// one read-back learns the errors and the sizes.
+/// rows (contributions summed in lookup order), and `ranges` (device, [nf, 3]: each
+/// feature's unique rows and first gradient value, csrc/tables.h RowRange); *errors |=
+/// error bits. One sort and one summing launch for every feature, and no read-back: the
+/// sizes stay on the device.
 void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* feature_table,
                     const TableSpec* specs, const float* g, int64_t g_stride,
-                    const int32_t* argmax, const int64_t* argmax_col, DedupAlloc alloc,
-                    void* alloc_ctx, int64_t* row_starts, Stream stream);
+                    const int32_t* argmax, const int64_t* argmax_col, DedupOutputs out,
+                    int64_t* ranges, unsigned long long* errors, Stream stream);
 
 /// One table of a batched update (the update of every table of an op in a few launches):
 /// its unique rows are [row_start, row_end) of the op's `rows` (ascending), with their
 /// occurrences and slots at the same positions; their gradients and new values
-/// [row_end - row_start, dim] start at value_start of `g` and `fresh`, their new optimizer
-/// state [.., state_width] at state_start of `fresh_state`; `step` is the update's number
-/// (it keys the rounding and is LRU's priority).
+/// [row_end - row_start, dim] start at value_start of `g` and `fresh`; `step` is the
+/// update's number (it keys the rounding and is LRU's priority). The row fields are placed
+/// on the device from the op's ranges (UpdateRows); the host leaves them 0.
 struct UpdateTable {
   TableSpec t;
   TableState state;
-  int64_t row_start, row_end, value_start, state_start, step;
+  int64_t row_start, row_end, value_start, step;
   int64_t set_start;  // the table's first set in the op's numbering of sets (commit_updates)
   unsigned long long* device_counts;  // its DeviceCount words, the commit's from kCommitHits
+};
+
+/// The rows of a batched update, on the device: n unique rows (`rows`, ascending within each
+/// table), each table's part given by `ranges` ([nt, 3], csrc/tables.h RowRange: checked by
+/// the kernels, kBadRanges), within grads_numel gradient values; row u's new optimizer state
+/// at u * state_stride of fresh_state (the widest state width of the tables).
+struct UpdateRows {
+  const int64_t* rows;
+  int64_t n;
+  const int64_t* ranges;
+  int64_t grads_numel, state_stride;
 };
 
 /// The most sets the cached tables of one commit may have together: the commit sorts
@@ -137,7 +150,7 @@ constexpr int64_t kMaxCommitSets = (int64_t(1) << 33) - 1;
 /// row's slot, new value and new optimizer state. Table t's flags: flags[2t] |= error bits;
 /// flags[2t + 1] = min(flags[2t + 1], a row whose new value cannot be stored): the caller
 /// sets those to ~0 first.
-void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows, const float* g,
+void compute_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r, const float* g,
                      float* fresh, float* fresh_state, int64_t* slots,
                      unsigned long long* flags, Stream stream);
 
@@ -149,7 +162,7 @@ void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
 /// its table row. Table t's device_counts += its unique hits, insertions and evictions, on
 /// the device. Throws, before any launch, if the cached tables have more than kMaxCommitSets
 /// sets together.
-void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+void commit_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r,
                     const float* fresh, const float* fresh_state, const int64_t* slots,
                     const int64_t* occ, const unsigned long long* verdict, const int64_t* gate,
                     int64_t ngate, Stream stream);

@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -146,41 +147,37 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
           at::empty({0}, at::kFloat), argmax, errors};
 }
 
-/// Where dedup_features puts its outputs: tensors made once their sizes are known.
-struct DedupTensors {
-  at::TensorOptions long_opts, float_opts;
-  at::Tensor rows, grads, occ;
-};
-
-inline DedupOutputs dedup_alloc(void* ctx, int64_t nu, int64_t grad_floats) {
-  auto* t = static_cast<DedupTensors*>(ctx);
-  t->rows = at::empty({nu}, t->long_opts);
-  t->grads = at::empty({grad_floats}, t->float_opts);
-  t->occ = at::empty({nu}, t->long_opts);
-  return DedupOutputs{t->rows.data_ptr<int64_t>(), t->grads.data_ptr<float>(),
-                      t->occ.data_ptr<int64_t>()};
-}
-
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> multi_dedup_backward(
-    const at::Tensor& indices, const at::Tensor& offsets,
-    const c10::optional<at::Tensor>& per_sample_weights, const at::Tensor& grad_output,
-    const at::Tensor& specs, at::IntArrayRef feature_table,
-    const c10::optional<at::Tensor>& /*lookup_slots*/, const c10::optional<at::Tensor>& argmax) {
+/// The backward, read back nowhere: outputs sized for every lookup a unique row (grads for
+/// the widest feature, zero past the last feature's block), the features' ranges on the
+/// device, and the error bits returned (csrc/op_schemas.h).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+multi_dedup_backward(const at::Tensor& indices, const at::Tensor& offsets,
+                     const c10::optional<at::Tensor>& per_sample_weights,
+                     const at::Tensor& grad_output, const at::Tensor& specs,
+                     at::IntArrayRef feature_table,
+                     const c10::optional<at::Tensor>& /*lookup_slots*/,
+                     const c10::optional<at::Tensor>& argmax) {
   EMBCACHE_DEVICE_GUARD(indices);
   const DedupArgs a =
       dedup_args(grad_output, specs, feature_table, per_sample_weights, argmax, kDevice);
-  const int64_t nf = (int64_t)a.dims.size(), batch = a.batch;
+  const int64_t nf = (int64_t)a.dims.size(), batch = a.batch, n = indices.numel();
   TORCH_CHECK(grad_output.device() == indices.device(),
               "embcache: grad_output must be on the device of indices");
-  const Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
-  at::Tensor row_starts = at::empty({nf + 1}, at::kLong);
-  DedupTensors t{indices.options(), grad_output.options(), {}, {}, {}};
   TORCH_CHECK(!a.argmax || argmax->device() == indices.device(),
               "embcache: argmax must be on the device of indices");
+  const Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
+  const int64_t widest = a.dims.empty() ? 0 : *std::max_element(a.dims.begin(), a.dims.end());
+  const at::Tensor rows = at::empty({n}, indices.options());
+  const at::Tensor grads = at::zeros({n * widest}, grad_output.options());
+  const at::Tensor occ = at::empty({n}, indices.options());
+  const at::Tensor ranges = at::zeros({nf, 3}, indices.options());
+  const at::Tensor errors = flag_words(indices, 1);
   dedup_features(bags, batch, nf, feature_table.data(), a.spec.data(),
                  grad_output.data_ptr<float>(), a.col[nf], a.argmax, a.argmax_col.data(),
-                 &dedup_alloc, &t, row_starts.data_ptr<int64_t>(), current_stream());
-  return {t.rows, t.grads, t.occ, at::empty({0}, indices.options()), row_starts};
+                 DedupOutputs{rows.data_ptr<int64_t>(), grads.data_ptr<float>(),
+                              occ.data_ptr<int64_t>()},
+                 ranges.data_ptr<int64_t>(), words(errors), current_stream());
+  return {rows, grads, occ, at::empty({0}, indices.options()), ranges, errors};
 }
 
 /// As on the CPU: every table's update is computed and checked (into buffers), and committed
@@ -189,43 +186,43 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mu
 inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
                                const at::Tensor& unique_rows, const at::Tensor& grads,
                                const at::Tensor& occurrences, const at::Tensor& slot_hints,
-                               at::IntArrayRef row_starts, at::ArrayRef<double> value_bounds,
-                               at::TensorList counters, at::TensorList device_counts,
+                               const at::Tensor& row_ranges,
+                               at::ArrayRef<double> value_bounds, at::TensorList counters,
+                               at::TensorList device_counts,
                                const c10::optional<at::Tensor>& gate, bool commit) {
   EMBCACHE_DEVICE_GUARD(unique_rows);
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
-                                   row_starts, value_bounds, counters, device_counts, gate,
-                                   kDevice);
+                                   row_ranges, value_bounds, counters, device_counts, gate,
+                                   kDevice, false);
   const Tables& tables = a.tables;
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nt = (int64_t)spec.size();
   check_same_device(tables, state, unique_rows, "unique_rows");
-  // Every table's part of the op's arrays (UpdateTable), and its rows' new values and state.
+  // Every table's part of the op (UpdateTable; its rows placed on the device from row_ranges)
   std::vector<UpdateTable> parts(nt);
-  int64_t state_floats = 0;
+  int64_t state_stride = 0;
   for (int64_t t = 0; t < nt; ++t) {
-    parts[t] = UpdateTable{spec[t],       tables.state[t],
-                           row_starts[t], row_starts[t + 1],
-                           a.block[t],    state_floats,
-                           tables.counters[t][kSteps] + 1, 0,
+    parts[t] = UpdateTable{spec[t], tables.state[t], 0, 0, 0, tables.counters[t][kSteps] + 1, 0,
                            (unsigned long long*)a.device_counts[t]};
-    state_floats += (row_starts[t + 1] - row_starts[t]) * spec[t].state_width();
+    state_stride = std::max(state_stride, spec[t].state_width());
   }
+  const UpdateRows r{unique_rows.data_ptr<int64_t>(), unique_rows.numel(),
+                     row_ranges.data_ptr<int64_t>(), grads.numel(), state_stride};
   const at::Tensor fresh = at::empty_like(grads);
-  const at::Tensor fresh_state = at::empty({state_floats}, grads.options());
+  const at::Tensor fresh_state = at::empty({r.n * state_stride}, grads.options());
   const at::Tensor slots = at::empty_like(unique_rows);
   // The verdict: table t's [error bits, the smallest row it cannot store (~0: none)] at 2t.
   const at::Tensor verdict = flag_words(unique_rows, 2 * nt);
   verdict.view({nt, 2}).select(1, 1).fill_(-1);
-  compute_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), grads.data_ptr<float>(),
-                  fresh.data_ptr<float>(), fresh_state.data_ptr<float>(),
-                  slots.data_ptr<int64_t>(), words(verdict), current_stream());
+  compute_updates(parts.data(), nt, r, grads.data_ptr<float>(), fresh.data_ptr<float>(),
+                  fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(), words(verdict),
+                  current_stream());
   if (commit) {
     const bool gated = gate.has_value() && gate->numel() > 0;
-    commit_updates(parts.data(), nt, unique_rows.data_ptr<int64_t>(), fresh.data_ptr<float>(),
-                   fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                   occurrences.data_ptr<int64_t>(), words(verdict),
-                   gated ? gate->data_ptr<int64_t>() : nullptr, gated ? gate->numel() : 0, current_stream());
+    commit_updates(parts.data(), nt, r, fresh.data_ptr<float>(), fresh_state.data_ptr<float>(),
+                   slots.data_ptr<int64_t>(), occurrences.data_ptr<int64_t>(), words(verdict),
+                   gated ? gate->data_ptr<int64_t>() : nullptr, gated ? gate->numel() : 0,
+                   current_stream());
   }
   return verdict.view({nt, 2});
 }

@@ -44,13 +44,13 @@ __global__ void segment_flags_kernel(const uint64_t* keys, int64_t n, int64_t* f
 }
 
 /// Backward, step 3: starts[u] = the sorted position of unique row u, starts[nu] = n;
-/// flags[1] = nu.
+/// *nu = the number of unique rows.
 __global__ void segment_starts_kernel(const int64_t* flag, const int64_t* excl, int64_t n,
-                                      int64_t* starts, unsigned long long* flags) {
+                                      int64_t* starts, int64_t* nu) {
   for (int64_t k = thread_global(); k < n; k += threads_in_grid()) {
     if (flag[k]) starts[excl[k]] = k;
     if (k == n - 1) {
-      flags[1] = (unsigned long long)(excl[k] + flag[k]);
+      *nu = excl[k] + flag[k];
       starts[excl[k] + flag[k]] = n;
     }
   }
@@ -60,9 +60,9 @@ __global__ void segment_starts_kernel(const int64_t* flag, const int64_t* excl, 
 /// later (nu past the last): unique row u writes the entries of the features after u - 1's
 /// up to its own. One thread per u in [0, nu].
 __global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* starts, int64_t n,
-                                      int64_t nf, const unsigned long long* flags,
+                                      int64_t nf, const int64_t* unique_rows,
                                       int64_t* feature_starts) {
-  const int64_t nu = (int64_t)flags[1];
+  const int64_t nu = *unique_rows;
   auto feature = [&](int64_t u) {
     const int64_t f = (int64_t)(keys[starts[u]] >> kRowBits);
     return f < nf ? f : nf;
@@ -75,11 +75,32 @@ __global__ void feature_starts_kernel(const uint64_t* keys, const int64_t* start
 
 /// One feature's part of the backward's sums: its unique rows [u_start, u_end) of the op's,
 /// its bags from `first`, its gradient's column in g, its argmax's column (max pooling), where
-/// its gradient rows start in the output, its rows' dim and its pooling (a Pooling).
+/// its gradient rows start in the output, its rows' dim and its pooling (a Pooling). The
+/// host fills all but u_start, u_end and block, which place_features_kernel fills on the
+/// device.
 struct DedupFeature {
   int64_t u_start, u_end, first, col, argmax_col, block;
   int dim, pooling;
 };
+
+/// Backward, step 5: each feature's unique rows and gradient block from feature_starts (one
+/// thread: a handful of features), into the features and the op's row_ranges ([nf, 3],
+/// csrc/tables.h RowRange).
+__global__ void place_features_kernel(DedupFeature* features, int64_t nf,
+                                      const int64_t* feature_starts, int64_t* ranges) {
+  if (thread_global() != 0) return;
+  int64_t block = 0;
+  for (int64_t f = 0; f < nf; ++f) {
+    DedupFeature& F = features[f];
+    F.u_start = feature_starts[f];
+    F.u_end = feature_starts[f + 1];
+    F.block = block;
+    ranges[3 * f] = F.u_start;
+    ranges[3 * f + 1] = F.u_end;
+    ranges[3 * f + 2] = block;
+    block += (F.u_end - F.u_start) * F.dim;
+  }
+}
 
 /// The gradient rows whose loads a lane has in flight before adding them in dedup_sum_kernel
 /// (a hot row's thousands of contributions; the adds stay in lookup order): 4 rows, or about
@@ -87,8 +108,9 @@ struct DedupFeature {
 template <int Chunks>
 constexpr int kRowsInFlight = Chunks >= 8 ? 1 : Chunks >= 4 ? 2 : 4;
 
-/// Backward, step 5, every feature in one launch (the nf features with unique rows): one
-/// warp per unique row sums its contributions in lookup order, the sums in registers (a tile
+/// Backward, step 6, every feature in one launch: one warp per unique row (the first
+/// *unique_rows positions of the n the grid covers: those of the features) sums its
+/// contributions in lookup order, the sums in registers (a tile
 /// of Chunks * 32 elements at a time); the gradient of feature F's bag b is
 /// g[F.col + (b - F.first) * g_stride + j]. The contributions come 32 at a time: lane i reads
 /// the i-th one's bag and factor (one round of loads), then the warp loads
@@ -101,12 +123,14 @@ template <int Chunks, bool AnyMax>
 __device__ __forceinline__ void dedup_sum_warp(const uint64_t* keys, const int64_t* pos,
                                                const int64_t* starts,
                                                const DedupFeature* features, int64_t nf,
-                                               int64_t nu, const int64_t* bag_of,
+                                               int64_t n, const int64_t* unique_rows,
+                                               const int64_t* bag_of,
                                                const int64_t* off, const float* psw,
                                                const float* g, int64_t g_stride,
                                                const int32_t* argmax, int64_t argmax_stride,
                                                int64_t* rows, float* grads, int64_t* occ) {
   const int lane = (int)lane_id();
+  const int64_t nu = *unique_rows < n ? *unique_rows : n;
   for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
     const DedupFeature& F = features[last_at<DedupFeature, &DedupFeature::u_start>(features, nf, u)];
     const int dim = F.dim;
@@ -184,25 +208,25 @@ __device__ __forceinline__ void dedup_sum_warp(const uint64_t* keys, const int64
 /// dedup_sum_warp without max-pooled features.
 template <int Chunks>
 __global__ void dedup_sum_kernel(const uint64_t* keys, const int64_t* pos, const int64_t* starts,
-                                 const DedupFeature* features, int64_t nf, int64_t nu,
-                                 const int64_t* bag_of, const int64_t* off, const float* psw,
-                                 const float* g, int64_t g_stride, int64_t* rows, float* grads,
-                                 int64_t* occ) {
-  dedup_sum_warp<Chunks, false>(keys, pos, starts, features, nf, nu, bag_of, off, psw, g,
-                                g_stride, nullptr, 0, rows, grads, occ);
+                                 const DedupFeature* features, int64_t nf, int64_t n,
+                                 const int64_t* unique_rows, const int64_t* bag_of,
+                                 const int64_t* off, const float* psw, const float* g,
+                                 int64_t g_stride, int64_t* rows, float* grads, int64_t* occ) {
+  dedup_sum_warp<Chunks, false>(keys, pos, starts, features, nf, n, unique_rows, bag_of, off,
+                                psw, g, g_stride, nullptr, 0, rows, grads, occ);
 }
 
 /// dedup_sum_warp with max-pooled features.
 template <int Chunks>
 __global__ void dedup_max_sum_kernel(const uint64_t* keys, const int64_t* pos,
                                      const int64_t* starts, const DedupFeature* features,
-                                     int64_t nf, int64_t nu, const int64_t* bag_of,
-                                     const int64_t* off, const float* psw, const float* g,
-                                     int64_t g_stride, const int32_t* argmax,
+                                     int64_t nf, int64_t n, const int64_t* unique_rows,
+                                     const int64_t* bag_of, const int64_t* off, const float* psw,
+                                     const float* g, int64_t g_stride, const int32_t* argmax,
                                      int64_t argmax_stride, int64_t* rows, float* grads,
                                      int64_t* occ) {
-  dedup_sum_warp<Chunks, true>(keys, pos, starts, features, nf, nu, bag_of, off, psw, g,
-                               g_stride, argmax, argmax_stride, rows, grads, occ);
+  dedup_sum_warp<Chunks, true>(keys, pos, starts, features, nf, n, unique_rows, bag_of, off,
+                               psw, g, g_stride, argmax, argmax_stride, rows, grads, occ);
 }
 
 /// The number of low key bits the sort must order: the row's and the feature's.
@@ -214,19 +238,22 @@ inline int key_bits(int64_t nf) {
 
 void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* feature_table,
                     const TableSpec* specs, const float* g, int64_t g_stride,
-                    const int32_t* argmax, const int64_t* argmax_col, DedupAlloc alloc,
-                    void* alloc_ctx, int64_t* row_starts, Stream stream) {
+                    const int32_t* argmax, const int64_t* argmax_col, DedupOutputs out,
+                    int64_t* ranges, unsigned long long* errors, Stream stream) {
   const int64_t n = bags.n;
-  // Read back: [error bits, nu, the features' first unique rows (nf + 1)].
-  Scratch flags((2 + nf + 1) * sizeof(unsigned long long), stream);
-  dev_fill(flags.p, 0, (2 + nf + 1) * sizeof(unsigned long long), stream);
-  unsigned long long* fl = flags.as<unsigned long long>();
+  // [nu, the features' first unique rows (nf + 1)], from 0: no lookups, no unique rows.
+  Scratch counts((1 + nf + 1) * sizeof(int64_t), stream);
+  dev_fill(counts.p, 0, (1 + nf + 1) * sizeof(int64_t), stream);
+  int64_t* nu = counts.as<int64_t>();
+  int64_t* feature_starts = nu + 1;
   Scratch keys(n * 8, stream), pos(n * 8, stream), bag_of(n * 8, stream),
       starts((n + 1) * 8, stream);
+  // Lookups of no valid bag (bad offsets) keep keys of all ones: past every feature, so that
+  // no sum reads them (the error bits stop the update that would use the rest).
+  dev_fill(keys.p, 0xff, n * 8, stream);
   if (bags.nb > 0 && batch > 0)
     EC_LAUNCH(dedup_keys_kernel, grid_threads(bags.nb), block_dim(), stream, bags, batch,
-              keys.as<uint64_t>(), pos.as<int64_t>(), bag_of.as<int64_t>(), fl);
-  int64_t* feature_starts = reinterpret_cast<int64_t*>(fl + 2);
+              keys.as<uint64_t>(), pos.as<int64_t>(), bag_of.as<int64_t>(), errors);
   if (n > 0) {
     sort_pairs_u64_i64(keys.as<uint64_t>(), pos.as<int64_t>(), n, 0, key_bits(nf), stream);
     Scratch flag(n * 8, stream), excl(n * 8, stream);
@@ -235,44 +262,36 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
     exclusive_sum_i64(flag.as<int64_t>(), excl.as<int64_t>(), n, stream);
     EC_LAUNCH(segment_starts_kernel, grid_threads(n), block_dim(), stream,
               (const int64_t*)flag.as<int64_t>(), (const int64_t*)excl.as<int64_t>(), n,
-              starts.as<int64_t>(), fl);
+              starts.as<int64_t>(), nu);
     EC_LAUNCH(feature_starts_kernel, grid_threads(n + 1), block_dim(), stream,
               (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)starts.as<int64_t>(), n,
-              nf, (const unsigned long long*)fl, feature_starts);
+              nf, (const int64_t*)nu, feature_starts);
   }
-  std::vector<unsigned long long> host(2 + nf + 1);
-  copy_to_host(host.data(), fl, host.size() * sizeof(unsigned long long), stream);
-  throw_errors(host[kErrorFlag]);
-  for (int64_t f = 0; f <= nf; ++f) row_starts[f] = (int64_t)host[2 + f];
-  int64_t grad_floats = 0;
-  for (int64_t f = 0; f < nf; ++f)
-    grad_floats += (row_starts[f + 1] - row_starts[f]) * specs[feature_table[f]].f.dim;
-  const DedupOutputs out = alloc(alloc_ctx, row_starts[nf], grad_floats);
   std::vector<DedupFeature> features;
   int max_dim = 0;
-  for (int64_t f = 0, col = 0, block = 0; f < nf; ++f) {
+  for (int64_t f = 0, col = 0; f < nf; ++f) {
     const TableSpec& t = specs[feature_table[f]];
-    const int64_t u0 = row_starts[f], u1 = row_starts[f + 1];
-    if (u1 > u0) {
-      features.push_back({u0, u1, f * batch, col, argmax_col[f], block, t.f.dim, t.pooling});
-      max_dim = std::max(max_dim, t.f.dim);
-    }
-    block += (u1 - u0) * t.f.dim;
+    features.push_back({0, 0, f * batch, col, argmax_col[f], 0, t.f.dim, t.pooling});
+    max_dim = std::max(max_dim, t.f.dim);
     col += t.f.dim;
   }
-  if (features.empty()) return;
-  const DeviceArray<DedupFeature> d(features.data(), (int64_t)features.size(), stream);
-  const int64_t nu = row_starts[nf];
+  if (nf == 0) return;
+  const DeviceArray<DedupFeature> d(features.data(), nf, stream);
+  EC_LAUNCH(place_features_kernel, 1, block_dim(), stream, const_cast<DedupFeature*>(d.get()),
+            nf, (const int64_t*)feature_starts, ranges);
+  if (n == 0) return;
   if (argmax_col[nf] > 0)
-    EC_LAUNCH_TILED(dedup_max_sum_kernel, max_dim, grid_warps(nu), block_dim(), stream,
+    EC_LAUNCH_TILED(dedup_max_sum_kernel, max_dim, grid_warps(n), block_dim(), stream,
                     (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
-                    (const int64_t*)starts.as<int64_t>(), d.get(), (int64_t)features.size(), nu,
+                    (const int64_t*)starts.as<int64_t>(), d.get(), nf, n,
+                    (const int64_t*)(feature_starts + nf),
                     (const int64_t*)bag_of.as<int64_t>(), bags.off, bags.psw, g, g_stride,
                     argmax, argmax_col[nf], out.rows, out.grads, out.occ);
   else
-    EC_LAUNCH_TILED(dedup_sum_kernel, max_dim, grid_warps(nu), block_dim(), stream,
+    EC_LAUNCH_TILED(dedup_sum_kernel, max_dim, grid_warps(n), block_dim(), stream,
                     (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)pos.as<int64_t>(),
-                    (const int64_t*)starts.as<int64_t>(), d.get(), (int64_t)features.size(), nu,
+                    (const int64_t*)starts.as<int64_t>(), d.get(), nf, n,
+                    (const int64_t*)(feature_starts + nf),
                     (const int64_t*)bag_of.as<int64_t>(), bags.off, bags.psw, g, g_stride,
                     out.rows, out.grads, out.occ);
 }

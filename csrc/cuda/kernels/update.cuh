@@ -17,22 +17,51 @@ __device__ __forceinline__ int64_t table_of_row(const UpdateTable* tables, int64
   return last_at<UpdateTable, &UpdateTable::row_start>(tables, nt, u);
 }
 
+/// Whether position u of the op's unique rows belongs to table T (else it lies in a gap
+/// between tables' rows, or past the last: padding that no kernel reads).
+__device__ __forceinline__ bool holds_row(const UpdateTable& T, int64_t u) {
+  return u >= T.row_start && u < T.row_end;
+}
+
+/// Places each table's rows (row_start, row_end, value_start) from the op's row ranges
+/// ([nt, 3], csrc/tables.h RowRange), checked (one thread: a handful of tables): ascending,
+/// disjoint, within the n unique rows and the grads_numel gradient values. A table whose
+/// range is not gets none, and flags[2t] |= kBadRanges.
+__global__ void place_tables_kernel(UpdateTable* tables, int64_t nt, const int64_t* ranges,
+                                    int64_t n, int64_t grads_numel, unsigned long long* flags) {
+  if (thread_global() != 0) return;
+  int64_t past = 0;
+  for (int64_t t = 0; t < nt; ++t) {
+    UpdateTable& T = tables[t];
+    const int64_t first = ranges[3 * t], end = ranges[3 * t + 1], value = ranges[3 * t + 2];
+    const bool ok = first >= past && end >= first && end <= n && value >= 0 &&
+                    value <= grads_numel && (end - first) * T.t.f.dim <= grads_numel - value;
+    if (!ok) flags[2 * t] |= (unsigned long long)kBadRanges;
+    T.row_start = ok ? first : past;
+    T.row_end = ok ? end : past;
+    T.value_start = ok ? value : 0;
+    past = T.row_end;
+  }
+}
+
 /// The table of set `set` in the commit's numbering.
 __device__ __forceinline__ int64_t table_of_set(const UpdateTable* tables, int64_t nt, int64_t set) {
   return last_at<UpdateTable, &UpdateTable::set_start>(tables, nt, set);
 }
 
 /// The first phase: one warp per unique row finds its slot (ballot), fetches the value
-/// (cache row or dequantized table row) and applies the optimizer into fresh and fresh_state.
-/// Table k's flags[2k] |= error bits; flags[2k + 1] = min(row that cannot be stored).
+/// (cache row or dequantized table row) and applies the optimizer into fresh and fresh_state
+/// (row u's state at u * state_stride). Table k's flags[2k] |= error bits; flags[2k + 1] =
+/// min(row that cannot be stored).
 __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
-                                      int64_t nu, const float* g, float* fresh,
-                                      float* fresh_state, int64_t* slots,
+                                      int64_t n, const float* g, float* fresh,
+                                      float* fresh_state, int64_t state_stride, int64_t* slots,
                                       unsigned long long* flags) {
   const unsigned lane = lane_id();
-  for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
+  for (int64_t u = warp_global(); u < n; u += warps_in_grid()) {
     const int64_t k = table_of_row(tables, nt, u);
     const UpdateTable& T = tables[k];
+    if (!holds_row(T, u)) continue;
     const RowFormat f = T.t.f;
     const int dim = f.dim;
     const int64_t i = u - T.row_start;  // the row's position in its table's rows
@@ -66,9 +95,9 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
         out[j] = descend(v, step, gu[j]);
       }
-      if (lane == 0) fresh_state[T.state_start + i] = acc;
+      if (lane == 0) fresh_state[u * state_stride] = acc;
     } else {
-      float* fs = fresh_state + T.state_start + i * dim;
+      float* fs = fresh_state + u * state_stride;
       for (int j = (int)lane; j < dim; j += 32) {
         const float v = cv ? cv[j] : dequantize_element(f, tr, j, scale, bias);
         const float acc = adagrad_accumulator(state[row * dim + j], gu[j]);
@@ -97,19 +126,26 @@ __global__ void decide_commit_kernel(const unsigned long long* verdict, int64_t 
 /// The commit, step 1, one warp per unique row: its optimizer state and (LFU) count, and
 /// (keys non-null) its sort key, grouping the updated rows by set, candidates of a set in
 /// priority order: (set << 31) | (INT32_MAX - count) for LFU, set << 31 for LRU, and
-/// no_set << 31 (after every set) for a table without a cache; the values (unique-row
-/// positions, ascending) break ties, since the sort is stable.
+/// no_set << 31 (after every set) for a table without a cache and for the positions of no
+/// table; the values (unique-row positions, ascending) break ties, since the sort is stable.
 __global__ void commit_rows_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
-                                   int64_t nu, const float* fresh_state, const int64_t* occ,
-                                   uint64_t no_set, uint64_t* keys, int64_t* vals,
-                                   const int* go) {
+                                   int64_t n, const float* fresh_state, int64_t state_stride,
+                                   const int64_t* occ, uint64_t no_set, uint64_t* keys,
+                                   int64_t* vals, const int* go) {
   if (!*go) return;
   const unsigned lane = lane_id();
-  for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
+  for (int64_t u = warp_global(); u < n; u += warps_in_grid()) {
     const UpdateTable& T = tables[table_of_row(tables, nt, u)];
-    const int64_t row = rows[u], i = u - T.row_start, sw = T.t.state_width();
+    if (!holds_row(T, u)) {
+      if (keys && lane == 0) {
+        keys[u] = no_set << 31;
+        vals[u] = u;
+      }
+      continue;
+    }
+    const int64_t row = rows[u], sw = T.t.state_width();
     float* state = T.state.optimizer_state;
-    const float* fs = fresh_state + T.state_start + i * sw;
+    const float* fs = fresh_state + u * state_stride;
     for (int64_t j = lane; j < sw; j += 32) state[row * sw + j] = fs[j];
     if (lane != 0) continue;
     const int32_t count = T.t.lfu() ? T.state.counts.add(row, occ[u]) : 0;
@@ -245,12 +281,13 @@ __global__ void decide_sets_kernel(const UpdateTable* tables, int64_t nt, const 
 /// other row is quantized into the table. Every slot and table row has one writer, and an
 /// evicted slot is read only by the warp that overwrites it.
 __global__ void write_rows_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
-                                  int64_t nu, const float* fresh, const int64_t* dest,
+                                  int64_t n, const float* fresh, const int64_t* dest,
                                   const int64_t* evicted, const int* go) {
   if (!*go) return;
   const int lane = (int)lane_id();
-  for (int64_t u = warp_global(); u < nu; u += warps_in_grid()) {
+  for (int64_t u = warp_global(); u < n; u += warps_in_grid()) {
     const UpdateTable& T = tables[table_of_row(tables, nt, u)];
+    if (!holds_row(T, u)) continue;
     const RowFormat f = T.t.f;
     const int dim = f.dim;
     const float* value = fresh + T.value_start + (u - T.row_start) * dim;
@@ -278,22 +315,33 @@ inline int bit_length(uint64_t n) {
   return bits;
 }
 
-void compute_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows, const float* g,
+/// The op's tables in device memory, their rows placed from the ranges (place_tables_kernel).
+struct PlacedTables {
+  DeviceArray<UpdateTable> d;
+  PlacedTables(const UpdateTable* tables, int64_t nt, const UpdateRows& r, unsigned long long* flags,
+               Stream stream)
+      : d(tables, nt, stream) {
+    EC_LAUNCH(place_tables_kernel, 1, block_dim(), stream, const_cast<UpdateTable*>(d.get()), nt,
+              r.ranges, r.n, r.grads_numel, flags);
+  }
+};
+
+void compute_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r, const float* g,
                      float* fresh, float* fresh_state, int64_t* slots,
                      unsigned long long* flags, Stream stream) {
-  const int64_t nu = nt > 0 ? tables[nt - 1].row_end : 0;
-  if (nu == 0) return;
-  const DeviceArray<UpdateTable> d(tables, nt, stream);
-  EC_LAUNCH(compute_update_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
-            g, fresh, fresh_state, slots, flags);
+  if (nt == 0) return;
+  const PlacedTables placed(tables, nt, r, flags, stream);
+  if (r.n == 0) return;
+  EC_LAUNCH(compute_update_kernel, grid_warps(r.n), block_dim(), stream, placed.d.get(), nt,
+            r.rows, r.n, g, fresh, fresh_state, r.state_stride, slots, flags);
 }
 
-void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
+void commit_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r,
                     const float* fresh, const float* fresh_state, const int64_t* slots,
                     const int64_t* occ, const unsigned long long* verdict, const int64_t* gate,
                     int64_t ngate, Stream stream) {
-  const int64_t nu = nt > 0 ? tables[nt - 1].row_end : 0;
-  if (nu == 0) return;
+  const int64_t n = r.n;
+  if (nt == 0 || n == 0) return;
   std::vector<UpdateTable> numbered(tables, tables + nt);
   int64_t sets = 0;
   bool any_lfu = false;
@@ -306,32 +354,37 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const int64_t* rows,
     throw std::runtime_error("embcache (cuda): the cached tables of one update have " +
                              std::to_string(sets) + " sets together, more than the " +
                              std::to_string(kMaxCommitSets) + " one commit can order");
-  const DeviceArray<UpdateTable> d(numbered.data(), nt, stream);
+  // (the verdict already holds any range's error: placing them again flags nothing new)
+  const PlacedTables placed(numbered.data(), nt, r, const_cast<unsigned long long*>(verdict),
+                            stream);
+  const UpdateTable* d = placed.d.get();
   Scratch go_word(sizeof(int), stream);
   const int* go = go_word.as<int>();
   EC_LAUNCH(decide_commit_kernel, 1, block_dim(), stream, verdict, nt, gate, ngate,
             go_word.as<int>());
   const uint64_t no_set = (uint64_t)sets;
   // dest and evicted (decide_sets_kernel), -1 (every byte 0xff): each row to the table.
-  Scratch moves(nu * 16, stream);
-  dev_fill(moves.p, 0xff, nu * 16, stream);
+  Scratch moves(n * 16, stream);
+  dev_fill(moves.p, 0xff, n * 16, stream);
   int64_t* dest = moves.as<int64_t>();
-  int64_t* evicted = dest + nu;
+  int64_t* evicted = dest + n;
   if (sets == 0) {
-    EC_LAUNCH(commit_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
-              fresh_state, occ, no_set, (uint64_t*)nullptr, (int64_t*)nullptr, go);
+    EC_LAUNCH(commit_rows_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n,
+              fresh_state, r.state_stride, occ, no_set, (uint64_t*)nullptr, (int64_t*)nullptr,
+              go);
   } else {
-    Scratch keys(nu * 8, stream), vals(nu * 8, stream);
-    EC_LAUNCH(commit_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu,
-              fresh_state, occ, no_set, keys.as<uint64_t>(), vals.as<int64_t>(), go);
+    Scratch keys(n * 8, stream), vals(n * 8, stream);
+    EC_LAUNCH(commit_rows_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n,
+              fresh_state, r.state_stride, occ, no_set, keys.as<uint64_t>(), vals.as<int64_t>(),
+              go);
     // Only the bits that vary: the priority's (LFU) and the set's, up to no_set.
-    sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), nu, any_lfu ? 0 : 31,
+    sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), n, any_lfu ? 0 : 31,
                        31 + bit_length(no_set), stream);
-    EC_LAUNCH(decide_sets_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, slots,
-              (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), nu,
+    EC_LAUNCH(decide_sets_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, slots,
+              (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), n,
               no_set, dest, evicted, go);
   }
-  EC_LAUNCH(write_rows_kernel, grid_warps(nu), block_dim(), stream, d.get(), nt, rows, nu, fresh,
+  EC_LAUNCH(write_rows_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n, fresh,
             (const int64_t*)dest, (const int64_t*)evicted, go);
 }
 

@@ -125,6 +125,57 @@ def huge_page_share(tensors) -> float | None:
     return covered / sum(last - first for first, last in spans)
 
 
+def torch_device(name: str):
+    """The torch device ``name`` names (cpu, cuda, cuda:N); a GPU with its index (the current
+    one for cuda), made the current device (``torch.cuda.set_device`` refuses a device
+    without an index). SystemExit where torch sees no CUDA device."""
+    import torch
+
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}, but torch sees no CUDA device")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
+# the CUDA runtime calls that make the host wait for the device, and those that launch a kernel
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def runtime_calls(run, steps: int, device) -> dict:
+    """Per step of ``run()``, which runs ``steps`` steps on ``device``, under torch.profiler:
+    the host syncs (SYNC_CALLS; not the profiler's own closing synchronize), the kernel
+    launches (LAUNCH_CALLS) and ``device_ms``, the device's busy time (kernels, copies and
+    memsets). Off CUDA each is None; the profiler runs all the same, so that a rehearsal on
+    the CPU tries this path."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()  # the device's events of the steps inside the profile
+    if not cuda:
+        return {"syncs": None, "launches": None, "device_ms": None}
+    events = prof.events()
+    names = [e.name for e in events]
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {
+        "syncs": (sum(names.count(c) for c in SYNC_CALLS) - 1) / steps,
+        "launches": sum(names.count(c) for c in LAUNCH_CALLS) / steps,
+        "device_ms": sum(e.time_range.elapsed_us() for e in on_device) / 1e3 / steps,
+    }
+
+
 def _git(*args: str) -> str | None:
     try:
         done = subprocess.run(

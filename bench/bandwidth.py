@@ -248,17 +248,18 @@ def fbgemm_available() -> bool:
     return True
 
 
-def calibrate(engine, trace: Trace, target: float) -> float:
+def calibrate(step, counts, target: float) -> float:
     """The hot-set probability whose measured hit rate is within TOLERANCE of ``target``: the
     cache warmed at p = target, then p corrected by the miss over at most CALIBRATION_ROUNDS
-    rounds (the last p, which the cache has settled to)."""
-    grad = torch.ones(trace.offsets.numel() - 1, engine.fp32_row // 4, device=trace.device)
+    rounds (the last p, which the cache has settled to). ``step(p)`` trains one step on a
+    batch drawn at p (``Trace.batch``); ``counts()`` gives the tables' ``lookups`` and
+    ``hits`` (``stats()``)."""
 
     def hit_rate(p: float, steps: int) -> float:
-        before = engine.counts()
+        before = counts()
         for _ in range(steps):
-            engine.update(engine.forward(trace.batch(p), trace.offsets), grad)
-        after = engine.counts()
+            step(p)
+        after = counts()
         return (after["hits"] - before["hits"]) / max(1, after["lookups"] - before["lookups"])
 
     p = target
@@ -363,7 +364,12 @@ def settle(engine, trace: Trace, target: float, steps: int, rounds: int, clock: 
     calibrated p; measured again, p corrected, up to twice more while the timed steps' hit
     rate is off the target by more than TOLERANCE (the cache can drift on from where
     calibration left it)."""
-    p = calibrate(engine, trace, target)
+    grad = torch.ones(trace.offsets.numel() - 1, engine.fp32_row // 4, device=trace.device)
+    p = calibrate(
+        lambda p: engine.update(engine.forward(trace.batch(p), trace.offsets), grad),
+        engine.counts,
+        target,
+    )
     for _ in range(3):
         point = measure(engine, trace, p, steps, rounds, clock, paired=True, rival=rival)
         if abs(point["hit_rate"] - target) <= TOLERANCE:

@@ -12,21 +12,25 @@ with no time left is skipped, so that the most important come first):
 3. ``tests``: the CUDA tests (``tests/test_cuda_kernels.py``, ``tests/test_cuda_modules.py``:
    the kernels against the CPU ops bit for bit; ``tests/test_device.py``: a GPU run's
    checkpoint loaded, evaluated and resumed on the CPU);
-4. ``train``, ``evaluate``: a short ``dlrm train --device cuda`` (``TRAIN``: scale 0.01) and
+4. ``kernels``: ``bench/kernel_bench.py`` (issue 50's benchmark: our tables against the
+   copy and gather ceilings and ``nn.EmbeddingBag`` on FBGEMM's shape and 26 tables, and
+   the issue's targets) into ``OUT/kernels/`` (written after each run, so a step cut at its
+   limit keeps the runs it finished);
+5. ``train``, ``evaluate``: a short ``dlrm train --device cuda`` (``TRAIN``: scale 0.01) and
    ``dlrm evaluate --device cuda`` of it; ``begin_on_cpu``, ``resume_on_cuda``: a run begun
    on the CPU and resumed on the GPU. Their ``report.json``s are copied into OUT
-   (``train_report.json``, ``resume_report.json``). ``--rehearse`` runs steps 4 and 5 on the
+   (``train_report.json``, ``resume_report.json``). ``--rehearse`` runs steps 4 to 6 on the
    CPU, smaller, where there is no GPU (``tests/test_gpu_check.py`` does);
-5. ``train_gpu``: ``bench/train_gpu.py`` (ours against a plain PyTorch loop at Kaggle size)
+6. ``train_gpu``: ``bench/train_gpu.py`` (ours against a plain PyTorch loop at Kaggle size)
    into ``OUT/train_gpu/``;
-6. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
+7. ``memcheck``, ``racecheck``, ``synccheck``: compute-sanitizer over a small driver (this
    script with ``--driver [DEVICE]``: tables of every format behind a cache, trained a few
    steps, flushed; the tests run it on the CPU with TorchRec and FBGEMM hidden);
-7. ``profile``: training steps of 26 tables and of one large table (``PROFILES``), each
+8. ``profile``: training steps of 26 tables and of one large table (``PROFILES``), each
    phase's time, device time and CUDA runtime calls (syncs, copies, launches) against
    ``nn.EmbeddingBag`` (this script with ``--profile PATH [DEVICE]``), into
    ``OUT/profile.json``;
-8. ``bandwidth``: ``bench/bandwidth.py --device cuda`` into ``OUT/bandwidth/`` (results are
+9. ``bandwidth``: ``bench/bandwidth.py --device cuda`` into ``OUT/bandwidth/`` (results are
    written after each dim, so a step cut at its limit keeps the dims it finished).
 
 ``OUT/gpu_check.json`` says each step's status (``passed``, ``failed``, ``skipped``, with the
@@ -49,11 +53,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 # seconds each step may take (on an H200 build, tests, the sanitizers and bandwidth took 45,
-# 41, 5 to 26 and 142), and the whole check: under the 9 minutes a GPU call may take
+# 41, 5 to 26 and 142; kernels is sized for about 75 on an H100, not yet measured), and the
+# whole check: under the 9 minutes a GPU call may take
 LIMITS = {
     "environment": 20,
     "build": 120,
     "tests": 120,
+    "kernels": 120,
     "train": 90,
     "evaluate": 45,
     "begin_on_cpu": 60,
@@ -69,11 +75,13 @@ DEADLINE = 510
 TRAIN = ["--synthetic-scale", "0.01", "--synthetic-rows", "400000", "--batch-size", "2048"]
 TRAIN += ["--eval-every", "100", "--eval-batches", "5", "--no-progress"]
 RUN_STEPS = {"cuda": (300, 120, 60), "cpu": (12, 8, 4)}
-# bench/train_gpu.py's options: Kaggle size on a GPU; tiny in the rehearsal
+# bench/train_gpu.py's and bench/kernel_bench.py's options: full size on a GPU; tiny in the
+# rehearsal
 TRAIN_GPU = {
     "cuda": [],
     "cpu": ["--scale", "0.001", "--batch-sizes", "256", "--rounds", "2", "--steps", "2"],
 }
+KERNELS = {"cuda": [], "cpu": ["--quick", "--rounds", "2", "--steps", "2"]}
 # setup.py's refusal of a compiler whose shared libraries carry their own libstdc++
 STATIC_LIBSTDCXX = "links libstdc++ statically"
 SYSTEM_COMPILERS = {"CXX": "/usr/bin/g++", "CC": "/usr/bin/gcc"}
@@ -325,8 +333,14 @@ class _Steps:
         return status == "passed"
 
 
+def _kernels(steps: _Steps, python: str, device: str) -> None:
+    """Step 4 (module docstring): ``bench/kernel_bench.py`` on ``device``."""
+    kernels = [python, "bench/kernel_bench.py", "--device", device, *KERNELS[device]]
+    steps.run("kernels", [*kernels, "--out", str(steps.out / "kernels")], LIMITS["kernels"])
+
+
 def _training(steps: _Steps, python: str, runs: Path, device: str) -> None:
-    """Steps 4 and 5 (module docstring): short runs of ``dlrm`` on ``device`` (a CPU-begun one
+    """Steps 5 and 6 (module docstring): short runs of ``dlrm`` on ``device`` (a CPU-begun one
     resumed there), in ``runs``, then ``bench/train_gpu.py``."""
     dlrm = [python, "-m", "dlrm.cli"]
     total, resumed, on_cpu = (str(n) for n in RUN_STEPS[device])
@@ -349,10 +363,11 @@ def _training(steps: _Steps, python: str, runs: Path, device: str) -> None:
 
 
 def rehearse(out: Path) -> int:
-    """Steps 4 and 5 on the CPU, smaller (``--rehearse``): what a GPU check will run, tried
+    """Steps 4 to 6 on the CPU, smaller (``--rehearse``): what a GPU check will run, tried
     where there is no GPU, so that a GPU's time is not spent on a command line's mistake.
     Writes ``out/gpu_check.json``; exit status 1 if a step failed."""
     steps = _Steps(out, {**os.environ, "PYTHONPATH": str(ROOT)})
+    _kernels(steps, sys.executable, "cpu")
     with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as runs:
         _training(steps, sys.executable, Path(runs), "cpu")
     (out / "gpu_check.json").write_text(json.dumps({"rehearsal": steps.results}, indent=2))
@@ -379,7 +394,8 @@ def main(argv: list[str]) -> int:
     mode.add_argument(
         "--rehearse",
         action="store_true",
-        help="run the training steps (4, 5) on the CPU, smaller, into OUT: no GPU needed",
+        help="run the benchmark and training steps (4 to 6) on the CPU, smaller, into OUT: "
+        "no GPU needed",
     )
     parser.add_argument("--device", default="cuda", help="the device --profile runs on")
     args = parser.parse_args(argv)
@@ -427,6 +443,7 @@ def main(argv: list[str]) -> int:
             "tests/test_device.py",
         ]
         steps.run("tests", tests, LIMITS["tests"])
+        _kernels(steps, python, "cuda")
         with tempfile.TemporaryDirectory(prefix="gpu-check-runs-") as runs:
             _training(steps, python, Path(runs), "cuda")
         sanitizer = shutil.which("compute-sanitizer")

@@ -18,8 +18,7 @@ engine's samples/s is the median of its rounds. On CUDA each round is timed with
 (the batches are on the device before it starts), elsewhere with the wall clock. Also per
 engine: peak device memory while it was built and warmed up (above what was allocated
 before), its tables' bytes, and, under torch.profiler over --profile-steps steps, the host
-syncs (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``) and
-kernel launches per step.
+syncs and kernel launches per step (``_common.runtime_calls``; its device ms in the JSON).
 
     python bench/train_gpu.py                          # CUDA, Kaggle size, batches 2048,16384
     python bench/train_gpu.py --device cpu --scale 0.001 --batch-sizes 256 --rounds 2
@@ -36,16 +35,13 @@ import time
 from pathlib import Path
 
 import torch
-from _common import environment, environment_markdown, write_text
+from _common import environment, environment_markdown, runtime_calls, torch_device, write_text
 from torch import nn
 
 from dlrm.build import build_model, build_trainer
 from dlrm.config import RunConfig
 from dlrm.data.synthetic import SyntheticCriteo
 from dlrm.model import DLRM
-
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 class PlainTables(nn.Module):
@@ -154,26 +150,6 @@ def timed(step, batches, device: torch.device) -> float:
     return sum(len(b.labels) for b in batches) / seconds
 
 
-def runtime_calls(step, batches, device: torch.device) -> dict:
-    """Host syncs and kernel launches per step of ``step`` over ``batches``, from
-    torch.profiler's CUDA runtime events (None off CUDA)."""
-    if device.type != "cuda":
-        return {"syncs": None, "launches": None}
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for b in batches:
-            step(b.dense, b.ids, b.labels)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events()]
-    n = len(batches)
-    return {
-        "syncs": sum(names.count(c) for c in SYNC_CALLS) / n,
-        "launches": sum(names.count(c) for c in LAUNCH_CALLS) / n,
-    }
-
-
 def measure(args, batch: int, device: torch.device) -> dict:
     """Every engine at batch size ``batch`` (module docstring)."""
     gen = SyntheticCriteo(scale=args.scale, seed=0)
@@ -197,10 +173,15 @@ def measure(args, batch: int, device: torch.device) -> dict:
         peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
         built[name] = engine
         profiled = batches[args.warmup : args.warmup + args.profile_steps]
+
+        def run(engine=engine, profiled=profiled):
+            for b in profiled:
+                engine.train_step(b.dense, b.ids, b.labels)
+
         out[name] = {
             "table_bytes": table_bytes(model),
             "peak_device_memory_bytes": peak,
-            **runtime_calls(engine.train_step, profiled, device),
+            **runtime_calls(run, len(profiled), device),
             "rounds": [],
         }
     first = args.warmup + args.profile_steps
@@ -259,9 +240,7 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler")
     p.add_argument("--out", type=Path, help="write train_gpu.md and train_gpu.json here")
     args = p.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = torch_device(args.device)
     env = environment(__file__, gpu=device.type == "cuda")
     results = {}
     for batch in (int(b) for b in args.batch_sizes.split(",")):

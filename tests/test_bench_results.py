@@ -5,11 +5,13 @@ top of its Markdown."""
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -124,6 +126,63 @@ def test_bandwidth_meets_its_forced_hit_rates_and_writes_its_environment(tmp_pat
     assert md[shares_table + 2].startswith("| ours int8 + 5% 32-way LFU cache | ")
     rival_rows = [line for line in md if line.startswith("| forward, backward and update | ")]
     assert len(rival_rows) == 1  # INT8 + LFU against our FP32 table
+
+
+def test_kernel_bench_rehearsal_reports_every_run_and_issue_50s_targets(tmp_path):
+    """bench/kernel_bench.py at its CPU rehearsal size: strict JSON with every configuration's
+    run, each engine's rounds and GB/s as FBGEMM counts them, and each of issue 50's targets
+    as a figure, what it is compared with and their ratio (the median of per-round ratios)."""
+    import kernel_bench as kb
+
+    assert kb.CONFIGS[0] == kb.Config("FBGEMM's shape", 32, 100_000, 128, 20, (512,), True)
+    argv = ["--device", "cpu", "--quick", "--rounds", "2", "--steps", "2", "--out", str(tmp_path)]
+    _run("kernel_bench.py", argv, tmp_path / "kernel_bench.json")
+
+    def refuse(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    result = json.loads((tmp_path / "kernel_bench.json").read_text(), parse_constant=refuse)
+    quick = [c.quick() for c in kb.CONFIGS]
+    assert list(result["runs"]) == [f"{c.name}, batch {b}" for c in quick for b in c.batches]
+    assert len(result["copy_gbs_rounds"]) == 4 and result["copy_gbs"] > 0
+    for r in result["runs"].values():
+        assert r["lookups"] == r["tables"] * r["batch"] * r["pooling"]
+        assert r["forward_bytes"] == r["lookups"] * r["dim"] * 4
+        assert list(r["engines"]) == [kb.BAGS, *kb.OURS, kb.GATHER, kb.POOLED]
+        for name, e in r["engines"].items():
+            assert len(e["forward_ms_rounds"]) == len(e["step_ms_rounds"]) == 2
+            assert e["forward_ms"] == statistics.median(e["forward_ms_rounds"]) > 0
+            assert e["forward_gbs"] == pytest.approx(r["forward_bytes"] / e["forward_ms"] / 1e6)
+            steps = name in (kb.BAGS, *kb.OURS)  # the ceilings only read
+            assert (e["step_gbs"] is not None) == steps
+            assert (e["hit_rate"] is not None) == (name in kb.OURS)
+            # the profiler's counts are the device's: none on the CPU
+            assert e["syncs"] is e["launches"] is e["device_ms"] is e["kernel_share"] is None
+    targets = result["targets"]
+    # rows per engine of ours: FBGEMM's shape 3 (gather, 500 and 978 GB/s), the others 2
+    assert len(targets) == 2 * 3 + 4 * 2 * 2
+    for t in targets:
+        e = result["runs"][t["run"]]["engines"]
+        ours = e[t["engine"]]
+        assert t["engine"] in kb.OURS and t["hit_rate"] == ours["hit_rate"]
+        assert t["ratio"] == statistics.median(t["ratio_rounds"])
+        assert t["met"] == (t["ratio"] >= t["goal"])
+        if t["compared_with"] == kb.GATHER:
+            assert t["goal"] == 0.6 and t["figure"] == ours["forward_gbs"]
+            expected = [
+                g / f for g, f in zip(e[kb.GATHER]["forward_ms_rounds"], ours["forward_ms_rounds"])
+            ]
+        elif t["compared_with"] == kb.BAGS:
+            assert t["goal"] == 1.0 and t["figure"] == ours["step_ms"]
+            expected = [b / o for b, o in zip(e[kb.BAGS]["step_ms_rounds"], ours["step_ms_rounds"])]
+        else:
+            assert t["run"].startswith("FBGEMM") and t["compared_value"] in (500, 978)
+            nbytes = 3 * result["runs"][t["run"]]["forward_bytes"]
+            expected = [nbytes / ms / 1e6 / t["compared_value"] for ms in ours["step_ms_rounds"]]
+        assert t["ratio_rounds"] == pytest.approx(expected)
+    md = (tmp_path / "kernel_bench.md").read_text().splitlines()
+    table = md.index("## Issue 50's targets")
+    assert len([line for line in md[table:] if line.startswith("| ") and " | 0.6 | " in line]) == 10
 
 
 def test_every_engine_gets_the_same_memory_footing():

@@ -105,9 +105,10 @@ def test_kernel_names_are_shortened_to_the_function():
 
 
 def test_the_rehearsal_runs_the_gpu_checks_training_steps_on_the_cpu(tmp_path):
-    """`gpu_check.py OUT --rehearse`: the GPU check's dlrm runs (train, evaluate, a CPU-begun
-    run resumed) and its benchmark, on the CPU and smaller, all pass and leave their reports,
-    so a GPU's time is not spent finding a command line's mistake."""
+    """`gpu_check.py OUT --rehearse`: the GPU check's kernel benchmark, its dlrm runs (train,
+    evaluate, a CPU-begun run resumed) and its training benchmark, on the CPU and smaller, all
+    pass and leave their reports, so a GPU's time is not spent finding a command line's
+    mistake."""
     done = subprocess.run(
         [sys.executable, "bench/gpu_check.py", str(tmp_path), "--rehearse"],
         cwd=ROOT,
@@ -117,9 +118,18 @@ def test_the_rehearsal_runs_the_gpu_checks_training_steps_on_the_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr + (tmp_path / "gpu_check.json").read_text()
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["rehearsal"]
-    assert list(steps) == ["train", "evaluate", "begin_on_cpu", "resume_on_cpu", "train_gpu"]
+    assert list(steps) == [
+        "kernels",
+        "train",
+        "evaluate",
+        "begin_on_cpu",
+        "resume_on_cpu",
+        "train_gpu",
+    ]
     assert all(s["status"] == "passed" for s in steps.values())
     resumed = json.loads((tmp_path / "resume_report.json").read_text())
     assert [d["step"] for d in resumed["devices"]] == [0, 4] and resumed["steps"] == 8
+    kernels = json.loads((tmp_path / "kernels" / "kernel_bench.json").read_text())
+    assert len(kernels["runs"]) == 5 and kernels["targets"]
     bench = json.loads((tmp_path / "train_gpu" / "train_gpu.json").read_text())["results"]
     assert {"ours", "plain PyTorch"} <= set(bench["256"])

@@ -501,7 +501,8 @@ class PendingUpdate:
 
     def finish(self, words: Sequence[int] | None = None) -> bool:
         """Whether the update was applied. Raises, having changed nothing: a forward's input
-        error (the ValueError naming the table and value), a table's refusal
+        error (the ValueError naming the table and value; the groups' pending gradient, which
+        that input led to, is dropped), a table's refusal
         (:class:`EmbeddingUpdateError`); returns False if the gate stopped it or it was a dry
         run."""
         if not self.taken:
@@ -513,8 +514,11 @@ class PendingUpdate:
         verdict, ranges = words[: 2 * nt], words[2 * nt :]
         for group, _ in self.taken:
             group._forget_inputs(self.inputs)
-        for pending, bits in zip(self.inputs, errors):
-            pending.raise_if_bad(bits)
+        if any(errors):  # a bad batch: its gradient is dropped, and the error raised
+            for group, _ in self.taken:
+                group.zero_grad()
+            for pending, bits in zip(self.inputs, errors):
+                pending.raise_if_bad(bits)
         bits, bad = verdict[0::2], verdict[1::2]
         if any(bits):
             raise RuntimeError(f"embcache (cuda): {_error_text(next(b for b in bits if b))}")

@@ -119,39 +119,40 @@ def test_the_emulated_step_is_the_cpu_step_and_reads_nothing_back(emulated):
 
 
 @needs_emulator
-@pytest.mark.parametrize("bad", ["index", "negative"])
-def test_bad_input_from_the_device_names_the_table_and_changes_nothing(emulated, bad):
-    """A bad id is found by the device's kernels, not before: the error names the table and the
-    value (as the CPU forward's does), and no table byte changes; the gradient of the batch is
-    dropped (a later step trains as if the batch had never come)."""
-    module = _module()
+@pytest.mark.parametrize("deferred", [False, True], ids=["read-at-forward", "read-at-update"])
+@pytest.mark.parametrize("bad", ["index", "negative", "lengths"])
+def test_bad_input_from_the_device_names_the_table_and_changes_nothing(
+    emulated, monkeypatch, bad, deferred
+):
+    """Bad input is found by the device's kernels, not before: the error names the table (or
+    feature) and the value, as the CPU forward's does, and no table byte changes. Read at a
+    later forward once its kernels are done, or (``deferred``: as on a GPU whose kernels have
+    not run yet) by the update, which the bad forward's error bits stop on the device; the
+    batch's gradient is dropped, so the next step trains as if the batch had never come."""
+    module, twin = _module(), _module()
     gen = torch.Generator().manual_seed(3)
-    _train(module, gen, 2)
+    for m in (module, twin):
+        _train(m, torch.Generator().manual_seed(3), 2)
     before = _bytes(module)
+    if deferred:
+        monkeypatch.setattr(embcache.group.TableGroup, "_check_finished_inputs", lambda self: None)
     ids = _batch(gen)
-    ids[5, 2] = 400 if bad == "index" else -3
-    with pytest.raises(ValueError, match=r"table 't_b'.*(400|-3)"):
-        module(ids).sum().backward()
+    if bad == "lengths":  # feature-major ids with lengths that leave one id out
+        args, match = (ids.t().reshape(-1), torch.ones(96, dtype=torch.int32)), "lengths sum to"
+        args[1][-1] = 0
+    else:
+        ids[5, 2] = 400 if bad == "index" else -3
+        args, match = (ids,), r"table 't_b'.*(400|-3)"
+    with pytest.raises(ValueError, match=match):
+        module(*args).sum().backward()
         module.step()
     assert _same(_bytes(module), before)
-
-
-@needs_emulator
-def test_the_update_waits_on_the_forwards_input(emulated, monkeypatch):
-    """A forward's error bits not yet read (as on a GPU, where the forward does not wait) stop
-    the update on the device: the step raises the forward's error, and nothing changes."""
-    module = _module()
-    gen = torch.Generator().manual_seed(4)
-    _train(module, gen, 2)
-    before = _bytes(module)
-    # as on a GPU: the kernels have not run when the forward returns
-    monkeypatch.setattr(embcache.group.TableGroup, "_check_finished_inputs", lambda self: None)
-    ids = _batch(gen)
-    ids[0, 0] = 900
-    module(ids).sum().backward()
-    with pytest.raises(ValueError, match=r"table 't_a'.*900"):
-        module.step()
-    assert _same(_bytes(module), before)
+    monkeypatch.undo()
+    ids = _batch(torch.Generator().manual_seed(11))
+    for m in (module, twin):
+        m(ids).square().sum().backward()
+        m.step()
+    assert _same(_bytes(module), _bytes(twin))
 
 
 @needs_emulator

@@ -174,13 +174,15 @@ class TableGroup:
     def state(self, chosen: list[int] | None = None) -> list[torch.Tensor]:
         """The state tensors of the tables (all, or those at the positions ``chosen``), in the
         order the ops take them."""
-        tables = self.tables if chosen is None else [self.tables[i] for i in chosen]
+        tables = self.tables
+        tables = tables if chosen is None else [tables[i] for i in chosen]
         return [x for t in tables for x in t.state_tensors()]
 
     def device_counts(self, chosen: list[int] | None = None) -> list[torch.Tensor]:
         """The device counts of the tables (all, or those at the positions ``chosen``), which
         the forward and the update add to."""
-        tables = self.tables if chosen is None else [self.tables[i] for i in chosen]
+        tables = self.tables
+        tables = tables if chosen is None else [tables[i] for i in chosen]
         return [t.device_counts() for t in tables]
 
     def position(self, table) -> int:

@@ -4,6 +4,7 @@
 // commit (csrc/cpu/commit.cpp).
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -137,8 +138,11 @@ at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
     bad[t] = first_unstorable(up, slots[t].data(), spec[t].stochastic);
   });
   at::Tensor verdict = at::zeros({nt, 2}, at::kLong);
-  for (int64_t t = 0; t < nt; ++t) verdict[t][1] = bad[t];
-  const bool gated = gate.has_value() && gate->numel() > 0 && gate->ne(0).any().item<bool>();
+  int64_t* v = verdict.data_ptr<int64_t>();
+  for (int64_t t = 0; t < nt; ++t) v[2 * t + 1] = bad[t];
+  const int64_t* gate_words = gate.has_value() ? gate->data_ptr<int64_t>() : nullptr;
+  const int64_t ngate = gate.has_value() ? gate->numel() : 0;
+  const bool gated = std::any_of(gate_words, gate_words + ngate, [](int64_t w) { return w != 0; });
   if (!commit || gated || std::any_of(bad.begin(), bad.end(), [](int64_t b) { return b >= 0; }))
     return verdict;
   for_each_by_cost(cost, [&](int64_t t) {

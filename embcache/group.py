@@ -67,10 +67,11 @@ class InputCheck(NamedTuple):
     check: Callable[[], None]
 
     @classmethod
-    def of(cls, errors: torch.Tensor, check: Callable[[], None] | None) -> InputCheck:
-        """Starts the copy of a forward's error bits to host memory (no wait on a GPU)."""
+    def of(cls, errors: torch.Tensor, check: Callable[[], None] | None, copy: bool) -> InputCheck:
+        """The check of a forward's error bits; with ``copy``, on a GPU, their copy to host
+        memory started (no wait), for a forward whose bits no update will read."""
         check = check or (lambda: None)
-        if errors.device.type != "cuda":
+        if not copy or errors.device.type != "cuda":
             return cls(errors, errors, None, check)
         host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=True)
         host.copy_(errors, non_blocking=True)
@@ -217,8 +218,8 @@ class TableGroup:
 
         Bad input changes nothing. On the CPU it raises RuntimeError (from C++) here. On a GPU
         the forward does not wait for its kernels: it raises at a later call, once they have
-        run (docs/contract.md §7): a later forward of the group that finds them done, the
-        update of the gradient it led to (before anything changes), or
+        run (docs/contract.md §7): in training, the update of the gradient it leads to
+        (before anything changes); else a later forward of the group that finds them done, or
         :meth:`check_inputs`. ``check`` then raises the ValueError that names the table and
         the value."""
         self._check_finished_inputs()
@@ -234,9 +235,13 @@ class TableGroup:
         )
         pending = None
         if errors.numel():
-            pending = InputCheck.of(errors, check)
-            self._unchecked.append(pending)
-            self._check_finished_inputs()
+            # A backward will hand the bits to the update, which reads them in its one read;
+            # other forwards' are checked as they arrive (at once where that costs no wait).
+            to_update = training and torch.is_grad_enabled() and errors.device.type == "cuda"
+            pending = InputCheck.of(errors, check, copy=not to_update)
+            if not to_update:
+                self._unchecked.append(pending)
+                self._check_finished_inputs()
         anchor = self._anchor if training else self._anchor.detach()
         lookup = (
             self,
@@ -669,7 +674,7 @@ class _Lookup(torch.autograd.Function):
             bounds = ctx.bounds.tolist() or [-1.0] * len(feature_tables)
             checks = [] if ctx.pending is None else [ctx.pending]
             if errors.numel():  # a GPU's: its sort's own check of the forward's input
-                checks.append(InputCheck.of(errors, ctx.pending and ctx.pending.check))
+                checks.append(InputCheck.of(errors, ctx.pending and ctx.pending.check, copy=False))
             group._store(
                 _Backward(feature_tables, rows, grads, occ, row_slots, ranges, ctx.epoch, bounds),
                 checks,

@@ -548,13 +548,15 @@ def _plan_text(plan: dict, seconds: float, processes: int = 1) -> str:
     budget = f"a {size(plan['budget'])} budget"
     if processes > 1:
         budget += f", {size(plan['budget'] // processes)} for each of {processes} processes"
+    used = f"{size(plan['total_bytes'])} of {budget}"
     if placed:
-        budget += (
-            f" on the device ({size(plan['device_bytes'])} there) and "
-            f"{size(plan['host_bytes'])} of a {size(plan['host_budget'])} budget in host memory"
+        used = (
+            f"{size(plan['total_bytes'])}: {size(plan['device_bytes'])} of {budget} on the "
+            f"device, {size(plan['host_bytes'])} of a {size(plan['host_budget'])} budget in "
+            "host memory"
         )
     lines.append(
-        f"total {size(plan['total_bytes'])} of {budget} "
+        f"total {used} "
         f"({plan['total_bytes'] / plan['fp32_bytes']:.3f} of FP32 tables, "
         f"{size(plan['fp32_bytes'])}); loss proxy {plan['proxy']:.3g}; planned from "
         f"{sample:,} training rows in {seconds:.1f} s"

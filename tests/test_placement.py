@@ -411,4 +411,5 @@ def test_dlrm_plan_places_tables_in_host_memory_on_a_machine_without_a_gpu(
     assert head[-3:] == ["placement", "host", "bytes"] and len(rows) == 26
     hosted = [r.split()[0] for r in rows if " host " in r]
     assert 0 < len(hosted) < 26, rows  # some tables in host memory, not all
-    assert "budget on the device" in total and "of a 2.0 MiB budget in host memory" in total
+    assert total.startswith("total ") and "KiB budget on the device, " in total, total
+    assert "of a 2.0 MiB budget in host memory" in total, total

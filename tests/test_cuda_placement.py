@@ -229,7 +229,7 @@ def test_swap_places_a_models_tables_in_host_memory():
     tables = [TableOptimizer(m) for m in (model, twin)]
     for idx, off, _ in _batches(4):
         for m, t in zip((model, twin), tables):
-            m(idx.cuda(), off.cuda()).sum().backward()
+            m[1](m[0](idx.cuda(), off.cuda())).sum().backward()
             t.step()
     _assert_same_tables(model[0], twin[0])
 

@@ -155,6 +155,8 @@ class RunConfig:
                 "bytes): give both"
             )
         placed = self._host_placement_option()
+        if placed and self.embeddings != "embcache":
+            raise RunError(f"{placed[0]} places our tables: use --embeddings embcache")
         if placed and self.nproc_per_node > 1:
             raise RunError(
                 f"{placed[0]}: host placement runs in one process for now (--nproc-per-node 1)"

@@ -358,6 +358,7 @@ def test_placement_is_bookkeeping_in_a_run_not_identity():
         (["--host-memory-budget", "1GiB"], "--host-memory-budget plans the tables with"),
         (["--host-memory-budget", "lots"], "--host-memory-budget"),
         (["--placement", "host", "--nproc-per-node", "2"], "--placement host: host placement"),
+        (["--placement", "host", "--embeddings", "torchrec"], "--placement host places our"),
         (["--memory-budget", "1GiB", "--table", "t_4:placement=host"], "--table t_4: placement"),
     ],
 )

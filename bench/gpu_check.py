@@ -11,7 +11,8 @@ with no time left is skipped, so that the most important come first):
    retried once with the distribution's /usr/bin/g++;
 3. ``tests``: the CUDA tests (``tests/test_cuda_kernels.py``, ``tests/test_cuda_modules.py``:
    the kernels against the CPU ops bit for bit; ``tests/test_device.py``: a GPU run's
-   checkpoint loaded, evaluated and resumed on the CPU);
+   checkpoint loaded, evaluated and resumed on the CPU; ``tests/test_cuda_placement.py``:
+   host-placed tables against tables on the device, bit for bit);
 4. ``kernels``: ``bench/kernel_bench.py`` (issue 50's benchmark: our tables against the
    copy and gather ceilings and ``nn.EmbeddingBag`` on FBGEMM's shape and 26 tables, and
    the issue's targets) into ``OUT/kernels/`` (written after each run, so a step cut at its
@@ -441,6 +442,7 @@ def main(argv: list[str]) -> int:
             "tests/test_cuda_kernels.py",
             "tests/test_cuda_modules.py",
             "tests/test_device.py",
+            "tests/test_cuda_placement.py",
         ]
         steps.run("tests", tests, LIMITS["tests"])
         _kernels(steps, python, "cuda")

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "embcache/rounding_probe.h"
@@ -61,18 +62,66 @@ inline at::ScalarType counts_dtype(const TableSpec& spec) {
   return spec.count_bits == 8 ? at::kChar : spec.count_bits == 16 ? at::kShort : at::kInt;
 }
 
+/// Where a table's storage lies (docs/design.md, "Host placement"): with its cache, in the
+/// memory of the op's device (kDevice), or in pinned host memory beside a GPU (kHost), which
+/// the kernels read and write in place: under CUDA's unified virtual addressing a pinned CPU
+/// tensor's address is valid on the GPU. The names are embcache.config.PLACEMENTS'.
+enum class Placement : int { kDevice, kHost };
+constexpr const char* kPlacementNames[] = {"device", "host"};
+
+/// A tensor's memory, for messages: "cuda:0", "cpu", "cpu (pinned)".
+inline std::string memory_of(const at::Tensor& v) {
+  const std::string d = v.device().str();
+  return v.is_cpu() && v.numel() > 0 && v.is_pinned() ? d + " (pinned)" : d;
+}
+
+/// Where table `t`'s state tensors `x` (kNumStateTensors, in EMBCACHE_STATE_TENSORS order)
+/// lie, checked by their tiers (kStateTensorTiers), the seam between storage and cache:
+///   * its cache tensors on one device, the op's: that of cache_tags;
+///   * its storage tensors all in one place: on that same device (Placement::kDevice), or,
+///     where that device is not the CPU, in pinned host memory (Placement::kHost: weights
+///     pinned, and the others with them). A storage tensor without elements (the counts of a
+///     table that keeps none, an SGD table's optimizer state) has no memory to place, so a
+///     CPU one goes with pinned weights.
+/// On the CPU (and on the warp emulator, whose "device" is the CPU) a table is therefore all
+/// CPU tensors, pinned or not, as before. Otherwise one error naming the table and the tensor.
+inline Placement state_placement(const at::Tensor* x, size_t t) {
+  const at::Device op = x[kCacheTags].device();
+  const bool host = !op.is_cpu() && x[kWeights].is_cpu() && x[kWeights].is_pinned();
+  for (int i = 0; i < kNumStateTensors; ++i) {
+    const at::Tensor& v = x[i];
+    if (kStateTensorTiers[i] == kCache) {
+      TORCH_CHECK(v.device() == op, "embcache: table ", t, ": ", kStateTensorNames[i], " is on ",
+                  memory_of(v), ": a table's cache tensors must all be on the device of its "
+                  "cache_tags, ", op);
+    } else if (host) {
+      TORCH_CHECK(v.is_cpu() && (v.numel() == 0 || v.is_pinned()), "embcache: table ", t, ": ",
+                  kStateTensorNames[i], " is on ", memory_of(v),
+                  ": its weights are in pinned host memory, and a table's storage (weights, "
+                  "counts, optimizer_state) must all be there");
+    } else {
+      TORCH_CHECK(v.device() == op, "embcache: table ", t, ": ", kStateTensorNames[i], " is on ",
+                  memory_of(v), ": a table's storage must be on the device of its cache, ", op,
+                  op.is_cpu() ? "" : ", or all of it in pinned host memory");
+    }
+  }
+  return host ? Placement::kHost : Placement::kDevice;
+}
+
 /// The state of every table with `specs`, checked: `state` holds kNumStateTensors tensors per
 /// table, table t's tensor i at state[t * kNumStateTensors + i] in EMBCACHE_STATE_TENSORS
-/// order. Each must be contiguous, on the `device` of its table's weights, of its dtype and
-/// shape: weights uint8 [rows, row bytes]; cache_tags and cache_priority int32 [slots];
-/// cache_rows float32 [slots, dim]; cache_set_floor int32 [num_sets]; counts of counts_dtype
-/// [rows] if the table keeps LFU counts, else int32 [0]; optimizer_state float32
-/// [rows * state width]. The weights start at a 16-byte boundary (every allocation does), so
-/// that the rows of an fp32 or fp16 table are aligned to their values (the CUDA kernels read
-/// them as words).
+/// order. Each must be contiguous, of its dtype and shape: weights uint8 [rows, row bytes];
+/// cache_tags and cache_priority int32 [slots]; cache_rows float32 [slots, dim];
+/// cache_set_floor int32 [num_sets]; counts of counts_dtype [rows] if the table keeps LFU
+/// counts, else int32 [0]; optimizer_state float32 [rows * state width]. Its cache must be on
+/// `device`, and its storage with it or in pinned host memory (state_placement: each table's
+/// placement goes to `placement` if given). The weights start at a 16-byte boundary (every
+/// allocation does), so that the rows of an fp32 or fp16 table are aligned to their values
+/// (the CUDA kernels read them as words).
 inline std::vector<TableState> table_states(at::TensorList state,
                                             const std::vector<TableSpec>& specs,
-                                            const DeviceKind& device) {
+                                            const DeviceKind& device,
+                                            std::vector<Placement>* placement = nullptr) {
   TORCH_CHECK(state.size() == specs.size() * kNumStateTensors, "embcache: state must hold ",
               kNumStateTensors, " tensors per table (", specs.size(), " tables), got ",
               state.size());
@@ -80,26 +129,27 @@ inline std::vector<TableState> table_states(at::TensorList state,
   for (size_t t = 0; t < specs.size(); ++t) {
     const TableSpec& spec = specs[t];
     const at::Tensor* x = state.data() + t * kNumStateTensors;
-    const at::Device where = x[kWeights].device();
     auto check = [&](int i, at::ScalarType dtype, at::IntArrayRef shape) {
       const at::Tensor& v = x[i];
-      TORCH_CHECK(v.scalar_type() == dtype && v.sizes() == shape && v.is_contiguous() &&
-                      device.holds(v) && v.device() == where,
+      TORCH_CHECK(v.scalar_type() == dtype && v.sizes() == shape && v.is_contiguous(),
                   "embcache: table ", t, ": ", kStateTensorNames[i], " must be a contiguous ",
-                  dtype, " ", device.name, " tensor of shape ", shape,
-                  " on the device of weights, got ", v.scalar_type(), " ", v.sizes(), " on ",
-                  v.device());
+                  dtype, " tensor of shape ", shape, ", got ", v.scalar_type(), " ", v.sizes(),
+                  v.is_contiguous() ? "" : " (not contiguous)");
     };
     const int64_t slots = spec.slots();
     check(kWeights, at::kByte, {spec.rows, spec.f.row_bytes()});
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(x[kWeights].data_ptr()) % 16 == 0, "embcache: table ",
-                t, ": weights must start at a 16-byte boundary (a view into another tensor may not)");
     check(kCacheTags, at::kInt, {slots});
     check(kCacheRows, at::kFloat, {slots, spec.f.dim});
     check(kCachePriority, at::kInt, {slots});
     check(kCacheSetFloor, at::kInt, {spec.num_sets});
     check(kCounts, counts_dtype(spec), {spec.lfu() ? spec.rows : 0});
     check(kOptimizerState, at::kFloat, {spec.rows * spec.state_width()});
+    TORCH_CHECK(device.holds(x[kCacheTags]), "embcache: table ", t, ": its cache must be on a ",
+                device.name, " device for these ops, got cache_tags on ", memory_of(x[kCacheTags]));
+    const Placement where = state_placement(x, t);
+    if (placement) placement->push_back(where);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(x[kWeights].data_ptr()) % 16 == 0, "embcache: table ",
+                t, ": weights must start at a 16-byte boundary (a view into another tensor may not)");
     out.push_back(TableState{x[kWeights].data_ptr<uint8_t>(), x[kCacheTags].data_ptr<int32_t>(),
                              x[kCacheRows].data_ptr<float>(), x[kCachePriority].data_ptr<int32_t>(),
                              x[kCacheSetFloor].data_ptr<int32_t>(),
@@ -125,18 +175,19 @@ inline std::vector<int64_t*> tables_counters(at::TensorList counters, size_t tab
   return out;
 }
 
-/// An op's tables, checked: their specs decoded, their state (table_states) and their
-/// counters (tables_counters).
+/// An op's tables, checked: their specs decoded, their state (table_states), their counters
+/// (tables_counters) and where each one's storage lies.
 struct Tables {
   std::vector<TableSpec> spec;
   std::vector<TableState> state;
   std::vector<int64_t*> counters;
+  std::vector<Placement> placement;
 };
 
 inline Tables op_tables(at::TensorList state, const at::Tensor& specs, at::TensorList counters,
                         bool counters_optional, const DeviceKind& device) {
-  Tables t{decode_specs(specs), {}, {}};
-  t.state = table_states(state, t.spec, device);
+  Tables t{decode_specs(specs), {}, {}, {}};
+  t.state = table_states(state, t.spec, device, &t.placement);
   t.counters = tables_counters(counters, t.spec.size(), counters_optional);
   return t;
 }
@@ -223,8 +274,9 @@ inline std::vector<RowRange> gradient_ranges(const at::Tensor& unique_rows, cons
 }
 
 /// Every table's device counts (DeviceCount): a contiguous int64 tensor of kNumDeviceCounts on
-/// the device of its weights, which the op adds to; none if the list is empty and `optional`
-/// (an evaluation forward counts nothing).
+/// the op's device (that of the table's cache, where its weights may be in host memory), which
+/// the op adds to; none if the list is empty and `optional` (an evaluation forward counts
+/// nothing).
 inline std::vector<int64_t*> tables_device_counts(at::TensorList device_counts,
                                                   at::TensorList state, size_t tables,
                                                   bool optional, const DeviceKind& device) {
@@ -233,12 +285,12 @@ inline std::vector<int64_t*> tables_device_counts(at::TensorList device_counts,
   std::vector<int64_t*> out;
   for (size_t t = 0; t < device_counts.size(); ++t) {
     const at::Tensor& c = device_counts[t];
-    const at::Device where = state[t * kNumStateTensors + kWeights].device();
+    const at::Device where = state[t * kNumStateTensors + kCacheTags].device();
     TORCH_CHECK(c.scalar_type() == at::kLong && c.is_contiguous() &&
                     c.numel() == kNumDeviceCounts && device.holds(c) && c.device() == where,
                 "embcache: table ", t, ": device_counts must be a contiguous int64 ", device.name,
-                " tensor of ", kNumDeviceCounts, " on the device of weights, got ",
-                c.scalar_type(), " ", c.sizes(), " on ", c.device());
+                " tensor of ", kNumDeviceCounts, " on the device of the table's cache, ", where,
+                ", got ", c.scalar_type(), " ", c.sizes(), " on ", c.device());
     out.push_back(c.data_ptr<int64_t>());
   }
   return out;

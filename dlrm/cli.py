@@ -32,6 +32,7 @@ from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS  # noqa: 
 from dlrm.model import PRESETS, TABLE_NAMES  # noqa: E402
 from embcache.config import (  # noqa: E402
     LFU_COUNT_BITS,
+    PLACEMENTS,
     POLICIES,
     PRECISION_BITS,
     QPARAMS,
@@ -242,10 +243,20 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
         type=_size,
         default=d.memory_budget,
         metavar="SIZE",
-        help="bytes the tables may take in each process (700MiB, 1.5GiB, 800MB, bytes): each "
-        "table's precision, cache, associativity and policy are planned to fit it, times "
-        "--nproc-per-node, whose processes TorchRec's planner then gives at most this each "
-        "('dlrm plan' shows the plan; default: none, no planning)",
+        help="bytes the tables may take in each process (700MiB, 1.5GiB, 800MB, bytes), on its "
+        "device: each table's precision, cache, associativity and policy are planned to fit "
+        "it, times --nproc-per-node, whose processes TorchRec's planner then gives at most "
+        "this each ('dlrm plan' shows the plan; default: none, no planning)",
+    )
+    g.add_argument(
+        "--host-memory-budget",
+        type=_size,
+        default=d.host_memory_budget,
+        metavar="SIZE",
+        help="with --memory-budget, one process on a GPU: bytes the tables may take in pinned "
+        "host memory besides; each table's placement is planned too, on the GPU or (when that "
+        "is better than fitting it there) its rows in host memory and its cache on the GPU "
+        "(default: none, every table on the device)",
     )
     g.add_argument(
         "--plan-rows",
@@ -410,6 +421,16 @@ def _device_options(p: argparse.ArgumentParser) -> None:
         help="where to run: auto (a CUDA GPU if torch sees one, else the CPU), cpu, cuda or "
         "cuda:N; a run may resume on another device (default: %(default)s)",
     )
+    g.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default=_DEFAULTS.placement,
+        help="on a GPU, where each table's rows, counts and optimizer state live: in GPU "
+        "memory with its cache, or in pinned host memory that the GPU reads in place, the "
+        "cache in GPU memory (tables larger than the GPU); a table override "
+        "NAME:placement=... places one table; a run may resume, and be evaluated, in another "
+        "placement (default: %(default)s)",
+    )
 
 
 # the option groups each command of a run takes: train all; plan what planning reads;
@@ -457,9 +478,12 @@ def _summary(report: dict) -> str:
         f"skipped {report['skipped_steps']}  final loss scale {report['loss_scale']['final']:g}",
     ]
     emb = report["embeddings"]
-    line = (
-        f"embeddings: {emb['memory_bytes'] / 2**20:.1f} MiB, FP32 tables "
-        f"{emb['fp32_bytes'] / 2**20:.1f} MiB (factor {emb['compression_factor']:.3f})"
+    line = f"embeddings: {emb['memory_bytes'] / 2**20:.1f} MiB"
+    if emb.get("host_memory_bytes"):
+        line += f" ({emb['host_memory_bytes'] / 2**20:.1f} MiB of it in host memory)"
+    line += (
+        f", FP32 tables {emb['fp32_bytes'] / 2**20:.1f} MiB "
+        f"(factor {emb['compression_factor']:.3f})"
     )
     if "hit_rate" in emb:
         line += f", cache hit rate {emb['hit_rate']:.3f} (tables with a cache)"
@@ -496,7 +520,9 @@ def _plan_text(plan: dict, seconds: float, processes: int = 1) -> str:
         ways = "direct" if t["associativity"] == 1 else f"{t['associativity']}-way"
         return f"{t['cache_ratio'] * 100:g}% {t['policy'].upper()} {ways}"
 
+    placed = plan.get("host_budget") is not None  # then each table's placement is planned
     head = ("table", "rows", "dim", "precision", "cache", "hit rate", "bytes")
+    head += ("placement", "host bytes") if placed else ()
     rows = [
         (
             t["name"],
@@ -507,10 +533,11 @@ def _plan_text(plan: dict, seconds: float, processes: int = 1) -> str:
             f"{t['hit_rate']:.1%}" if t["cache_slots"] else "-",
             size(t["bytes"]),
         )
+        + ((t["placement"], size(t["host_bytes"]) if t["host_bytes"] else "-") if placed else ())
         for t in plan["tables"]
     ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    right = (1, 2, 5, 6)  # numbers
+    right = (1, 2, 5, 6, 8)  # numbers
     lines = [
         "  ".join(
             c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
@@ -521,8 +548,15 @@ def _plan_text(plan: dict, seconds: float, processes: int = 1) -> str:
     budget = f"a {size(plan['budget'])} budget"
     if processes > 1:
         budget += f", {size(plan['budget'] // processes)} for each of {processes} processes"
+    used = f"{size(plan['total_bytes'])} of {budget}"
+    if placed:
+        used = (
+            f"{size(plan['total_bytes'])}: {size(plan['device_bytes'])} of {budget} on the "
+            f"device, {size(plan['host_bytes'])} of a {size(plan['host_budget'])} budget in "
+            "host memory"
+        )
     lines.append(
-        f"total {size(plan['total_bytes'])} of {budget} "
+        f"total {used} "
         f"({plan['total_bytes'] / plan['fp32_bytes']:.3f} of FP32 tables, "
         f"{size(plan['fp32_bytes'])}); loss proxy {plan['proxy']:.3g}; planned from "
         f"{sample:,} training rows in {seconds:.1f} s"

@@ -14,7 +14,7 @@ from dlrm.errors import RunError
 from dlrm.mixed_precision import DENSE_PRECISIONS, OPTIMIZERS, SCALERS
 from dlrm.model import PRESETS, TABLE_NAMES
 from embcache.config import ADDED_FIELDS as _TABLE_ADDED_FIELDS
-from embcache.config import TableConfig
+from embcache.config import WHERE_FIELDS, TableConfig
 
 EMBEDDINGS = ("embcache", "torchrec")  # ours, or TorchRec's FP32 collection (the baseline)
 # TableConfig's defaults, stated there once: a run's table options take them, all but the
@@ -44,9 +44,14 @@ class RunConfig:
     qparams: str = _TABLECONFIG_DEFAULTS["qparams"]
     min_rows_for_low_precision: int = _TABLECONFIG_DEFAULTS["min_rows_for_low_precision"]
     tables: dict = dataclasses.field(default_factory=dict)
-    # bytes of all the tables: each table's precision and cache are then planned to fit it
-    # (dlrm.plan) from the first plan_rows rows training reads; --table may not set those
+    # bytes of all the tables on the device: each table's precision and cache are then
+    # planned to fit it (dlrm.plan) from the first plan_rows rows training reads; --table may
+    # not set those
     memory_budget: int | None = None
+    # bytes the tables may take in pinned host memory beside the GPU: with memory_budget, each
+    # table's placement is planned too (a host-placed table's storage counts here, its cache
+    # on the device)
+    host_memory_budget: int | None = None
     plan_rows: int = 1_000_000
     dense_precision: str = "fp16"
     loss_scaler: str = "backoff"
@@ -64,6 +69,9 @@ class RunConfig:
     # bookkeeping: may differ between a run and its resumption
     # "auto" (CUDA if present), "cpu", "cuda" or "cuda:N"; a run resumes on any device
     device: str = "auto"
+    # where every table's storage lies on a GPU (TableConfig.placement; "tables" may say
+    # otherwise per table): "device", or "host", in pinned host memory the GPU reads in place
+    placement: str = _TABLECONFIG_DEFAULTS["placement"]
     threads: int | None = None
     checkpoint_every: int = 500
     # stop (as if interrupted) after this many steps of this invocation
@@ -92,14 +100,25 @@ class RunConfig:
         "tensorboard",
         "plan_rows",  # the plan it led to is in ``tables``
         "device",  # the tables' bytes are the same on every device (docs/design.md)
+        "placement",  # ... and in either placement (so too a table's, in ``tables``)
     )
     # fields newer than some checkpoints, with the value those checkpoints' runs had: the
     # table options among them (RunConfig names them as TableConfig does)
-    ADDED_FIELDS = dict(_TABLE_ADDED_FIELDS)
+    ADDED_FIELDS = {
+        **{k: v for k, v in _TABLE_ADDED_FIELDS.items() if k not in WHERE_FIELDS},
+        "host_memory_budget": None,
+    }
 
     def identity(self) -> dict:
-        """The fields a resumed run must share with the checkpoint."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.BOOKKEEPING}
+        """The fields a resumed run must share with the checkpoint: all but the bookkeeping,
+        and in ``tables`` all but where a table lives (its placement)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.BOOKKEEPING}
+        tables = {
+            name: {k: v for k, v in options.items() if k not in WHERE_FIELDS}
+            for name, options in self.tables.items()
+        }
+        out["tables"] = {name: options for name, options in tables.items() if options}
+        return out
 
     def validate(self) -> None:
         """Raise :class:`RunError` naming the first invalid field (as its command-line option)
@@ -130,6 +149,18 @@ class RunConfig:
                 raise RunError("--nproc-per-node > 1 shards our tables: use --embeddings embcache")
         if self.memory_budget is not None and self.embeddings != "embcache":
             raise RunError("--memory-budget plans our tables: use --embeddings embcache")
+        if self.host_memory_budget is not None and self.memory_budget is None:
+            raise RunError(
+                "--host-memory-budget plans the tables with --memory-budget (the device's "
+                "bytes): give both"
+            )
+        placed = self._host_placement_option()
+        if placed and self.embeddings != "embcache":
+            raise RunError(f"{placed[0]} places our tables: use --embeddings embcache")
+        if placed and self.nproc_per_node > 1:
+            raise RunError(
+                f"{placed[0]}: host placement runs in one process for now (--nproc-per-node 1)"
+            )
         for option, (field, value) in _TABLE_DEFAULT_OPTIONS.items():
             try:
                 TableConfig(1, 1, **{field: getattr(self, value)})
@@ -176,10 +207,8 @@ class RunConfig:
             for i, (name, n) in enumerate(zip(TABLE_NAMES, cardinalities))
         ]
 
-    def torch_device(self, local_rank: int = 0) -> torch.device:
-        """The device this process trains on: ``device``, with "auto" CUDA where torch sees a
-        GPU, and with several processes on CUDA GPU ``local_rank``. A RunError naming
-        ``--device`` (or ``--nproc-per-node``) if the machine has no such device."""
+    def _resolved_device(self, local_rank: int) -> torch.device:
+        """:meth:`torch_device` before the placement's check."""
         self._check_device_option()
         name = self.device
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -204,6 +233,40 @@ class RunConfig:
             )
         return torch.device("cuda", index)
 
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        """The device this process trains on: ``device``, with "auto" CUDA where torch sees a
+        GPU, and with several processes on CUDA GPU ``local_rank``. A RunError naming
+        ``--device`` (or ``--nproc-per-node``) if the machine has no such device, or naming
+        the option (and table) that asks for host placement on the CPU, where it means
+        nothing: a host-placed table's rows are in host memory for a GPU to read."""
+        device = self._resolved_device(local_rank)
+        placed = self._host_placement_option()
+        if placed and device.type != "cuda":
+            why = (
+                f"torch {torch.__version__} sees no CUDA GPU here"
+                if self.device == "auto"
+                else f"this run is on the CPU (--device {self.device})"
+            )
+            raise RunError(
+                f"{placed[1]} in pinned host memory for a CUDA GPU to read in place, but "
+                f"{why}; on the CPU every table is in host memory anyway: leave it out"
+            )
+        return device
+
+    def _host_placement_option(self) -> tuple[str, str] | None:
+        """The option that puts a table in host memory (one table's ``--table``,
+        ``--placement host`` or ``--host-memory-budget``) and what it does, for a message;
+        None if no option does."""
+        for name, options in self.tables.items():
+            if options.get("placement") == "host" and self.placement != "host":
+                option = f"--table {name}: placement=host"
+                return option, f"{option} puts the table's rows"
+        if self.placement == "host":
+            return "--placement host", "--placement host puts every table's rows"
+        if self.host_memory_budget is not None:
+            return "--host-memory-budget", "--host-memory-budget lets the plan put tables' rows"
+        return None
+
     def _check_device_option(self) -> None:
         """``device`` is a device's name, and one that several processes can share."""
         if not _DEVICE.fullmatch(self.device):
@@ -226,6 +289,7 @@ class RunConfig:
 _INT_FIELDS = {
     "synthetic_rows": (1, False),
     "memory_budget": (1, True),
+    "host_memory_budget": (1, True),
     "plan_rows": (1, False),
     "min_rows_for_low_precision": (0, False),
     "batch_size": (1, False),
@@ -268,6 +332,7 @@ _TABLE_OPTIONS = {
     "eps",
     "qparams",
     "min_rows_for_low_precision",
+    "placement",
 }
 
 
@@ -282,6 +347,7 @@ _TABLE_DEFAULT_OPTIONS = {
     "--emb-optimizer": ("optimizer", "emb_optimizer"),
     "--emb-lr": ("lr", "emb_lr"),
     "--qparams": ("qparams", "qparams"),
+    "--placement": ("placement", "placement"),
 }
 
 

@@ -3,7 +3,9 @@
 ``plan_rows`` rows the run trains on, in the order it reads them. The budget is per process:
 the tables of a run of ``--nproc-per-node`` processes are planned to that many budgets, and
 TorchRec's planner shards them so that each process holds at most one
-(:func:`dlrm.distributed.shard`)."""
+(:func:`dlrm.distributed.shard`). With ``--host-memory-budget`` (one process) the plan places
+each table too: on the device, or its storage in pinned host memory and its cache on the
+device (docs/design.md, "Host placement")."""
 
 from __future__ import annotations
 
@@ -35,17 +37,25 @@ def tables_budget(cfg: RunConfig) -> int:
 
 def refuse_unmeetable(cfg: RunConfig, cardinalities: list[int]) -> None:
     """``RunError`` (one line naming the option) if ``cfg.memory_budget`` is below the smallest
-    budget a plan of its tables can meet (the message names that budget, per process), or if
-    ``--table`` sets a field the plan chooses."""
+    budget a plan of its tables can meet (the message names that budget, per process), with
+    ``--host-memory-budget`` if the two cannot be met together, or if ``--table`` or
+    ``--placement`` sets a field the plan chooses."""
     for name, options in cfg.tables.items():
         fixed = sorted(set(options) & set(planner.PLANNED))
         if fixed:
             raise RunError(f"--table {name}: {fixed[0]} is chosen by --memory-budget, leave it out")
+    if cfg.placement != "device":
+        raise RunError(
+            f"--placement {cfg.placement}: with --memory-budget each table's placement is "
+            "planned (on the device, or in host memory within --host-memory-budget): leave it out"
+        )
     tables = cfg.table_configs(cardinalities)
     n = cfg.nproc_per_node
     try:
-        planner.check_budget(tables, tables_budget(cfg))
+        planner.check_budget(tables, tables_budget(cfg), cfg.host_memory_budget)
     except ValueError as e:
+        if cfg.host_memory_budget is not None:
+            raise RunError(f"--memory-budget with --host-memory-budget: {e}") from None
         if n == 1:
             raise RunError(f"--memory-budget: {e}") from None
         least = -(-planner.smallest_budget(tables) // n)
@@ -78,6 +88,7 @@ def plan_run(cfg: RunConfig, dataset: data_batches.Dataset) -> dict:
         cfg.table_configs(cardinalities),
         tables_budget(cfg),
         sample_ids(cfg, dataset),
+        host_budget=cfg.host_memory_budget,
         batch_size=cfg.batch_size,
     )
 

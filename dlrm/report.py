@@ -80,9 +80,10 @@ def table_figures(model: nn.Module, ranks: distributed.Ranks) -> dict | None:
     """Every table's (or row-wise shard's) figures, from every rank (a collective): its
     ``rank``, ``precision``, ``rows``, ``cache_slots``, counters since it was made
     (``lookups``, ``hits``, ``insertions``, ``evictions``, ``bypasses`` and the precision
-    telemetry's ``probed_*``), ``untouched_share``, ``memory_bytes`` and ``fp32_bytes`` (FP32
-    rows with the same optimizer state: the compression factor's denominator). None for a
-    collection that is not ours (TorchRec's FP32 baseline)."""
+    telemetry's ``probed_*``), ``untouched_share``, ``placement``, ``memory_bytes`` (split
+    into ``device_memory_bytes`` and ``host_memory_bytes``, a host-placed table's storage) and
+    ``fp32_bytes`` (FP32 rows with the same optimizer state: the compression factor's
+    denominator). None for a collection that is not ours (TorchRec's FP32 baseline)."""
     if not hasattr(unwrap(model).embedding_collection, "stats"):
         return None
     mine = {}
@@ -95,19 +96,30 @@ def table_figures(model: nn.Module, ranks: distributed.Ranks) -> dict | None:
             "cache_slots": c.num_slots,
             **{k: stats[k] for k in TABLE_COUNTS},
             "untouched_share": stats["untouched_share"],
+            "placement": c.placement,
             "memory_bytes": memory["total"],
+            "device_memory_bytes": memory["device"],
+            "host_memory_bytes": memory["host"],
             "fp32_bytes": fp32_bytes(c),
         }
     return {name: e for part in ranks.gather(mine) for name, e in part.items()}
 
 
 def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
-    """Memory, FP32 equivalent, hit rate and per-table figures of the embedding tables; over
-    several ranks, of every rank's shards, with the rank of each and the memory per rank."""
+    """Memory (all of it, and split by where it lives: ``device_memory_bytes`` on the device
+    the run trains on, ``host_memory_bytes`` in pinned host memory for host-placed tables),
+    FP32 equivalent, hit rate and per-table figures of the embedding tables; over several
+    ranks, of every rank's shards, with the rank of each and the memory per rank."""
     tables = table_figures(model, ranks)
     if tables is None:
         fp32 = sum(p.nbytes for p in unwrap(model).embedding_collection.parameters())
-        return {"memory_bytes": fp32, "fp32_bytes": fp32, "compression_factor": 1.0}
+        return {
+            "memory_bytes": fp32,
+            "device_memory_bytes": fp32,
+            "host_memory_bytes": 0,
+            "fp32_bytes": fp32,
+            "compression_factor": 1.0,
+        }
     cached = [e for e in tables.values() if e["cache_slots"] > 0]
     lookups = sum(e["lookups"] for e in cached)
     memory = sum(e["memory_bytes"] for e in tables.values())
@@ -116,6 +128,8 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
         # over the tables that have a cache (small tables stay FP32 without one)
         "hit_rate": sum(e["hits"] for e in cached) / lookups if lookups else 0.0,
         "memory_bytes": memory,
+        "device_memory_bytes": sum(e["device_memory_bytes"] for e in tables.values()),
+        "host_memory_bytes": sum(e["host_memory_bytes"] for e in tables.values()),
         "fp32_bytes": fp32,
         "compression_factor": memory / fp32,
         "tables": {
@@ -127,7 +141,10 @@ def _embedding_report(model: nn.Module, ranks: distributed.Ranks) -> dict:
                 "hit_rate": e["hits"] / e["lookups"] if e["lookups"] else 0.0,
                 **rounding_figures(e),
                 "untouched_share": e["untouched_share"],
+                "placement": e["placement"],
                 "memory_bytes": e["memory_bytes"],
+                "device_memory_bytes": e["device_memory_bytes"],
+                "host_memory_bytes": e["host_memory_bytes"],
                 "fp32_bytes": e["fp32_bytes"],
             }
             for name, e in tables.items()

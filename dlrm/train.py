@@ -61,8 +61,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict:
     processes each run this function on a part of every batch and a shard of the tables
     (:mod:`dlrm.distributed`); rank 0 writes the report, and it is returned.
 
-    With ``memory_budget`` the tables are first planned to fit it (:mod:`dlrm.plan`), the run
-    trains with the plan's per-table options, and the report holds the plan under ``plan``."""
+    With ``memory_budget`` the tables are first planned to fit it (:mod:`dlrm.plan`; with
+    ``host_memory_budget`` their placements too), the run trains with the plan's per-table
+    options, and the report holds the plan under ``plan``."""
     cfg.validate()
     ranks = distributed.Ranks.current()
     if ranks.world_size > 1:  # a rank of a launched run: the launcher holds out_dir
@@ -355,14 +356,18 @@ class _StopRequests:
 
 def _compare_fp32(cfg: RunConfig, out_dir: Path, data_dir: Path, report: dict, resume: bool):
     """Train the same run with FP32 tables and no cache in ``out_dir/fp32`` (on the same
-    data; resumed if it was interrupted) and set its results beside ``report``'s."""
+    data; resumed if it was interrupted) and set its results beside ``report``'s. Each table
+    keeps its placement (FP32 tables are larger still: one placed in host memory stays)."""
     fp32_cfg = dataclasses.replace(
         cfg,
         data=str(data_dir),
         precision="fp32",
         cache_ratio=0.0,
-        tables={},
+        tables={
+            n: {"placement": "host"} for n, o in cfg.tables.items() if o.get("placement") == "host"
+        },
         memory_budget=None,
+        host_memory_budget=None,
         compare_fp32=False,
     )
     fp32_dir = out_dir / "fp32"

@@ -26,8 +26,11 @@ MAX_ASSOCIATIVITY = 32
 ROUNDINGS = ("nearest", "stochastic")
 POLICIES = ("lru", "lfu")
 LFU_COUNT_BITS = (16, 32, 8)
+# Where a table's storage (STORAGE_TENSORS) lies: with its cache on the table's device, or in
+# pinned host memory that a GPU reads and writes in place (docs/design.md, "Host placement")
+PLACEMENTS = ("device", "host")
 # TableConfig fields newer than some checkpoints, with the value those checkpoints' tables had
-ADDED_FIELDS = {"lfu_count_bits": 32}
+ADDED_FIELDS = {"lfu_count_bits": 32, "placement": "device"}
 QPARAMS = ("fp32", "fp16")
 # as csrc/include/embcache/table_spec.h: EMBCACHE_POOLINGS, a bag's pooling by its code
 MODES = ("sum", "mean", "max")
@@ -56,7 +59,9 @@ COUNTERS = (
 # when read)
 DEVICE_COUNTS = ("lookups", "hits", "unique_hits", "insertions", "evictions")
 # as csrc/include/embcache/table_spec.h: EMBCACHE_STATE_TENSORS, a table's state tensors (the
-# table module's buffers) in the order the ops take them
+# table module's buffers) in the order the ops take them, and each one's tier: "storage" (the
+# stored rows and their per-row state: in pinned host memory for placement="host") or "cache"
+# (on the table's device whatever its placement)
 STATE_TENSORS = (
     "weights",
     "cache_tags",
@@ -66,6 +71,8 @@ STATE_TENSORS = (
     "counts",
     "optimizer_state",
 )
+STATE_TIERS = ("storage", "cache", "cache", "cache", "cache", "storage", "storage")
+STORAGE_TENSORS = tuple(n for n, tier in zip(STATE_TENSORS, STATE_TIERS) if tier == "storage")
 # as csrc/include/embcache/table_spec.h: EMBCACHE_SPEC_FIELDS, the fields of TableConfig.spec()
 SPEC_FIELDS = (
     "rows",
@@ -97,6 +104,12 @@ class TableConfig:
     at the largest count they hold. ``mode`` pools a bag by sum, mean or max; its default here is
     TorchRec's, SUM, while :class:`~embcache.CachedLowPrecisionEmbedding` defaults to
     ``nn.EmbeddingBag``'s, mean.
+
+    ``placement`` says where the table's storage (its stored rows, LFU counts and optimizer
+    state: :data:`STORAGE_TENSORS`) lives when the table is on a GPU: ``"device"``, in GPU
+    memory with its cache, or ``"host"``, in pinned host memory that the GPU reads and writes
+    in place, the cache staying in GPU memory. It changes where bytes live, never their
+    values, so it is not part of a table's identity: a checkpoint loads across placements.
     """
 
     num_embeddings: int
@@ -112,6 +125,7 @@ class TableConfig:
     eps: float = 1e-8
     mode: str = "sum"
     qparams: str = "fp16"
+    placement: str = "device"
     seed: int = 0
     min_rows_for_low_precision: int = 1000
     name: str = "table"
@@ -143,9 +157,10 @@ class TableConfig:
             ("qparams", QPARAMS),
             ("mode", MODES),
             ("lfu_count_bits", LFU_COUNT_BITS),
+            ("placement", PLACEMENTS),
         ):
             if getattr(self, field) not in choices:
-                raise bad(field, f"is not one of {', '.join(choices)}")
+                raise bad(field, f"is not one of {', '.join(map(str, choices))}")
         if not isinstance(self.num_embeddings, int) or not 0 < self.num_embeddings < 2**31 - 1:
             raise bad("num_embeddings", "must be an integer in [1, 2^31 - 2]")
         if not isinstance(self.embedding_dim, int) or self.embedding_dim <= 0:
@@ -254,6 +269,17 @@ class TableConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def identity(self) -> dict:
+        """:meth:`to_dict` without the fields that say where the table lives rather than what
+        it computes (:data:`WHERE_FIELDS`): what a checkpoint's table must share with the
+        table it loads into."""
+        return {k: v for k, v in self.to_dict().items() if k not in WHERE_FIELDS}
+
+
+# TableConfig fields that place a table's bytes without changing them: a checkpoint loads into
+# a table that differs from it in these
+WHERE_FIELDS = ("placement",)
 
 
 def _float64_bits(x: float) -> int:

@@ -11,7 +11,15 @@ import torch
 from torch import nn
 
 from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
-from embcache.config import ADDED_FIELDS, COUNTERS, DEVICE_COUNTS, STATE_TENSORS, TableConfig
+from embcache.config import (
+    ADDED_FIELDS,
+    COUNTERS,
+    DEVICE_COUNTS,
+    STATE_TENSORS,
+    STORAGE_TENSORS,
+    WHERE_FIELDS,
+    TableConfig,
+)
 from embcache.group import TableGroup
 from embcache.memory import compression_factor, memory_breakdown
 from embcache.telemetry import PROBE_COUNTERS, TouchedSample, rounding_figures
@@ -55,6 +63,11 @@ class CachedLowPrecisionEmbedding(nn.Module):
       keyed by ``(seed, t, table_id, row, element)``, so ``state_dict()`` (tensors, plus the
       configuration, step count and statistics as extra state) resumes a run bit-identically.
     * Evaluation forwards (``module.eval()``) and refused calls change no state at all.
+    * With ``placement="host"`` (docs/design.md, "Host placement") the storage tensors
+      (``weights``, ``counts``, ``optimizer_state``: :data:`embcache.config.STORAGE_TENSORS`)
+      are allocated in pinned host memory and stay there when the module moves to a GPU,
+      whose kernels read and write them in place; the cache tensors move. Such a table needs
+      CUDA: where torch has none it is refused when built.
 
     The kernels see a table through ``spec`` (its configuration packed once,
     :meth:`TableConfig.spec`), ``counters`` (int64 CPU, the statistics in the order of
@@ -104,6 +117,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.include_last_offset = include_last_offset
         self.config = TableConfig.of(num_embeddings, embedding_dim, mode=mode, **options)
         cfg = self.config
+        check_placement(cfg)
         self.spec = cfg.spec()
         self.norm_type, self.sparse = norm_type, sparse
         if padding_idx is not None:
@@ -158,6 +172,12 @@ class CachedLowPrecisionEmbedding(nn.Module):
     def mode(self) -> str:
         return self.config.mode
 
+    @property
+    def device(self) -> torch.device:
+        """The device the table's lookups and updates run on: that of its cache, where its
+        storage is too unless ``placement="host"`` keeps that in pinned host memory."""
+        return self._buffers["cache_tags"].device
+
     # ------------------------------------------------------------------ construction helpers
 
     @property
@@ -189,26 +209,65 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def _allocate_state(self, device: torch.device | None) -> None:
         """Register every state tensor, uninitialised: on the meta device, or (None) in host
-        memory on huge pages."""
+        memory, on huge pages, but for the storage tensors of a host-placed table, which are
+        pinned (so that a GPU can read and write them in place once the table is moved)."""
         cfg = self.config
+        pinned = device is None and cfg.placement == "host"
 
-        def state(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        def state(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
             if device is not None:
                 return torch.empty(shape, dtype=dtype, device=device)
+            if pinned and name in STORAGE_TENSORS:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
             return _state_tensor(shape, dtype)
 
         slots = cfg.num_slots
-        self.register_buffer("weights", state((cfg.num_embeddings, cfg.row_bytes), torch.uint8))
-        self.register_buffer("cache_tags", state((slots,), torch.int32))
-        self.register_buffer("cache_rows", state((slots, cfg.embedding_dim), torch.float32))
-        self.register_buffer("cache_priority", state((slots,), torch.int32))
-        self.register_buffer(
-            "cache_set_floor", state((cfg.num_sets,), torch.int32), persistent=False
-        )
-        counts_rows = cfg.num_embeddings if cfg.keeps_counts else 0
-        self.register_buffer("counts", state((counts_rows,), cfg.counts_dtype))
         width = cfg.optimizer_state_width
-        self.register_buffer("optimizer_state", state((cfg.num_embeddings * width,), torch.float32))
+        shapes = {
+            "weights": ((cfg.num_embeddings, cfg.row_bytes), torch.uint8),
+            "cache_tags": ((slots,), torch.int32),
+            "cache_rows": ((slots, cfg.embedding_dim), torch.float32),
+            "cache_priority": ((slots,), torch.int32),
+            "cache_set_floor": ((cfg.num_sets,), torch.int32),
+            "counts": ((cfg.num_embeddings if cfg.keeps_counts else 0,), cfg.counts_dtype),
+            "optimizer_state": ((cfg.num_embeddings * width,), torch.float32),
+        }
+        for name in STATE_TENSORS:  # the set floors are a speed hint, not saved
+            shape, dtype = shapes[name]
+            self.register_buffer(
+                name, state(name, shape, dtype), persistent=name != "cache_set_floor"
+            )
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to``, ``cuda``, ``cpu``, ...), but a host-placed table
+        whose cache goes to a GPU keeps its storage tensors in pinned host memory (pinning them
+        if a copy is not: :func:`_host_storage`) rather than copying them to the GPU. Moved
+        anywhere else (the CPU, the meta device) its storage goes with its cache."""
+        if self.config.placement != "host":
+            return super()._apply(fn, recurse)
+        buffers = self._buffers
+        storage = {k: buffers[k] for k in STORAGE_TENSORS}
+        for k in storage:  # nn.Module._apply passes None buffers by, keeping their order
+            buffers[k] = None
+        try:
+            super()._apply(fn, recurse)
+        except BaseException:
+            buffers.update(storage)
+            raise
+        on_gpu = buffers["cache_tags"].device.type == "cuda"
+        for k, t in storage.items():
+            buffers[k] = _host_storage(t) if on_gpu else fn(t)
+        return self
+
+    def __setstate__(self, state) -> None:
+        # a copy (copy.deepcopy, pickle) of a host-placed table on a GPU: its storage tensors
+        # come back in ordinary host memory, which a GPU cannot read; pin them again
+        super().__setstate__(state)
+        buffers = self.__dict__.get("_buffers", {})
+        tags = buffers.get("cache_tags")
+        if self.config.placement == "host" and tags is not None and tags.device.type == "cuda":
+            for k in STORAGE_TENSORS:
+                buffers[k] = _host_storage(buffers[k])
 
     def _reset_state(self) -> None:
         """Empty the cache; zero the LFU counts and the optimizer state."""
@@ -486,13 +545,17 @@ class CachedLowPrecisionEmbedding(nn.Module):
         self.group.cache_changed()
 
     @classmethod
-    def from_state(cls, state: Mapping[str, object]) -> CachedLowPrecisionEmbedding:
+    def from_state(
+        cls, state: Mapping[str, object], *, placement: str = "device"
+    ) -> CachedLowPrecisionEmbedding:
         """A table rebuilt from a ``state_dict()`` alone (its extra state holds the
-        configuration): no rows drawn, only the saved state's memory allocated."""
+        configuration): no rows drawn, only the saved state's memory allocated, in host
+        memory. ``placement`` is the new table's, whatever the saved one's: as a device, a
+        placement is chosen where a table is built, not restored."""
         extra = state.get(_EXTRA_STATE)
         if not isinstance(extra, dict) or not isinstance(extra.get("config"), dict):
             raise ValueError("the saved state is not a table's (it has no configuration)")
-        options = {**ADDED_FIELDS, **extra["config"]}
+        options = {**ADDED_FIELDS, **extra["config"], "placement": placement}
         rows, dim = options.pop("num_embeddings"), options.pop("embedding_dim")
         table = cls(rows, dim, device="meta", **options)
         table.load_state_dict(state)
@@ -519,7 +582,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def current_weight(self) -> torch.Tensor:
         """The FP32 value of every row as a forward pass sees it (cache over table)."""
-        out = _ops.dequantize_rows(self.weights, self.spec)
+        # (from a host-placed table's storage, dequantized on the CPU: brought to its device)
+        out = _ops.dequantize_rows(self.weights, self.spec).to(self.device)
         resident = self.cache_tags >= 0
         out[self.cache_tags[resident].long()] = self.cache_rows[resident]
         return out
@@ -542,7 +606,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
 
     def memory_bytes(self) -> dict:
         """Bytes of the module's state by component (:func:`embcache.memory_breakdown`);
-        ``total`` is their sum and equals the bytes of all its tensors."""
+        ``total`` is their sum and equals the bytes of all its tensors, ``device`` and
+        ``host`` split it by where it lives (``host``: a host-placed table's storage)."""
         return memory_breakdown(self.config)
 
     def compression_factor(self) -> float:
@@ -556,6 +621,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
             f"{c.num_embeddings}, {c.embedding_dim}, precision={c.stored_precision}, "
             f"rounding={c.rounding}, slots={c.num_slots}, ways={c.ways}, policy={c.policy}, "
             f"optimizer={c.optimizer}, lr={c.lr}, name={c.name!r}"
+            + (f", placement={c.placement}" if c.placement != "device" else "")
         )
 
     def get_extra_state(self) -> dict:
@@ -574,7 +640,12 @@ class CachedLowPrecisionEmbedding(nn.Module):
         name = self.config.name
         if not isinstance(state, dict) or not {"config", "step_count", "stats"} <= set(state):
             raise ValueError(f"table '{name}': the saved extra state is not a table's")
-        saved, mine = {**ADDED_FIELDS, **state["config"]}, self.config.to_dict()
+        # where the saved table lived (its placement) is not its identity: a checkpoint loads
+        # across placements
+        saved = {
+            k: v for k, v in {**ADDED_FIELDS, **state["config"]}.items() if k not in WHERE_FIELDS
+        }
+        mine = self.config.identity()
         if saved != mine:
             diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
             raise ValueError(
@@ -678,6 +749,26 @@ def check_torch_options(table: str, **options) -> None:
         honoured, why = _TORCH_OPTIONS[option]
         if value not in honoured:
             raise ValueError(f"table '{table}': {option}={value!r} is not supported: {why}")
+
+
+def check_placement(config: TableConfig) -> None:
+    """``ValueError`` naming the table if its placement cannot be honoured here: a host-placed
+    table keeps its storage in pinned host memory for a CUDA GPU to read, which needs torch
+    with CUDA and a GPU."""
+    if config.placement == "host" and not torch.cuda.is_available():
+        raise ValueError(
+            f"table '{config.name}': placement='host' keeps its rows in pinned host memory for "
+            f"a CUDA GPU to read in place, and torch {torch.__version__} sees no CUDA GPU here "
+            "(use placement='device')"
+        )
+
+
+def _host_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a host-placed table's storage tensor) in pinned host memory: itself if it is
+    there already (or has no elements, hence no memory to pin), else a pinned copy."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.numel() == 0 or t.is_pinned() else t.pin_memory()
 
 
 # why a table built with device="meta" cannot look up: it holds no rows yet

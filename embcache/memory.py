@@ -4,14 +4,29 @@ compression factor all use."""
 
 from __future__ import annotations
 
-from embcache.config import TableConfig
+from embcache.config import STORAGE_TENSORS, TableConfig
+
+# the state tensor (embcache.config.STATE_TENSORS) that holds each component of the bytes
+COMPONENT_TENSORS = {
+    "table_payload": "weights",
+    "table_qparams": "weights",
+    "cache_rows": "cache_rows",
+    "cache_tags": "cache_tags",
+    "cache_priority": "cache_priority",
+    "cache_set_floor": "cache_set_floor",
+    "lfu_counts": "counts",
+    "optimizer_state": "optimizer_state",
+}
 
 
 def memory_breakdown(config: TableConfig) -> dict:
     """Bytes by component that a table with this configuration allocates (docs/contract.md §5):
     table payload and qparams, FP32 cache rows, int32 tags and priorities per slot, an int32
     priority floor per set, int32 LFU counts per table row, FP32 optimizer accumulators for
-    every row; ``total`` is their sum."""
+    every row; ``total`` is their sum. ``device`` and ``host`` split ``total`` by where it
+    lives: ``host`` is the storage (stored rows, LFU counts, optimizer state) of a table with
+    ``placement="host"``, in pinned host memory; ``device`` is the rest, in the memory of the
+    device the table runs on (host memory too for a table on the CPU)."""
     rows, dim, slots = config.num_embeddings, config.embedding_dim, config.num_slots
     parts = {
         "table_payload": rows * config.payload_bytes,
@@ -23,7 +38,12 @@ def memory_breakdown(config: TableConfig) -> dict:
         "lfu_counts": rows * config.counts_dtype.itemsize if config.keeps_counts else 0,
         "optimizer_state": rows * config.optimizer_state_width * 4,
     }
+    host = 0
+    if config.placement == "host":
+        host = sum(b for k, b in parts.items() if COMPONENT_TENSORS[k] in STORAGE_TENSORS)
     parts["total"] = sum(parts.values())
+    parts["device"] = parts["total"] - host
+    parts["host"] = host
     return parts
 
 

@@ -1,7 +1,9 @@
 """Fitting tables to a memory budget (docs/design.md, "The memory-budget planner"): per table
 the precision, cache size, associativity and policy that make a loss proxy smallest while
 every table's bytes (:func:`embcache.memory.memory_breakdown`) sum to at most the budget,
-chosen from a sample of the ids training will look up.
+chosen from a sample of the ids training will look up. Given a host budget too, each table's
+placement is chosen with them: a table may keep its storage in pinned host memory, its cache
+on the device, the device's bytes within the budget and the host's within the host budget.
 
 :func:`replay` is the hit-rate replay the planner measures caches with (``bench/hit_rate.py``
 too): a stream of training steps through one table's cache, by
@@ -12,6 +14,7 @@ too): a stream of training steps through one table's cache, by
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -19,14 +22,15 @@ import numpy as np
 import torch
 
 from embcache import _C  # noqa: F401  (registers torch.ops.embcache)
-from embcache.config import COUNTERS, POLICIES, PRECISION_BITS, TableConfig
+from embcache.config import COUNTERS, PLACEMENTS, POLICIES, PRECISION_BITS, TableConfig
 from embcache.memory import fp32_bytes, memory_breakdown
 
 # The caches a plan may give a table (besides none): fractions of its rows, associativities.
 CACHE_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2)
 ASSOCIATIVITIES = (1, 8, 32)
-# The TableConfig fields a plan chooses; the others are the caller's.
-PLANNED = ("precision", "cache_ratio", "associativity", "policy")
+# The TableConfig fields a plan chooses; the others are the caller's. (The placement is
+# "device" for every table unless the plan is given a host budget.)
+PLANNED = ("precision", "cache_ratio", "associativity", "policy", "placement")
 # The search's byte grid: the bytes between the cheapest and the dearest plan in this many
 # steps (so a plan may leave up to one step per table of its budget unused).
 _GRID_STEPS = 1 << 16
@@ -89,41 +93,80 @@ def candidates(
     table: TableConfig,
     cache_ratios: Sequence[float] = CACHE_RATIOS,
     associativities: Sequence[int] = ASSOCIATIVITIES,
+    placements: Sequence[str] = ("device",),
 ) -> list[TableConfig]:
     """The configurations a plan may give ``table``: every precision without a cache and
-    behind every (cache ratio, policy, associativity); a table too small for low precision
-    (docs/contract.md §4.4) has one, FP32 without a cache. Fields other than
-    :data:`PLANNED` are ``table``'s."""
+    behind every (cache ratio, policy, associativity), in each of ``placements``; a table too
+    small for low precision (docs/contract.md §4.4) has one per placement, FP32 without a
+    cache. Fields other than :data:`PLANNED` are ``table``'s."""
     if not table.low_precision:
-        return [dataclasses.replace(table, precision="fp32", cache_ratio=0.0)]
+        return [
+            dataclasses.replace(table, precision="fp32", cache_ratio=0.0, placement=where)
+            for where in placements
+        ]
     caches = [(0.0, table.associativity, table.policy)]
     caches += [(r, w, p) for r in cache_ratios for p in POLICIES for w in associativities]
     return [
-        dataclasses.replace(table, precision=x, cache_ratio=r, associativity=w, policy=p)
+        dataclasses.replace(
+            table, precision=x, cache_ratio=r, associativity=w, policy=p, placement=where
+        )
+        for where in placements
         for x in PRECISION_BITS
         for r, w, p in caches
     ]
 
 
 def smallest_budget(tables: Sequence[TableConfig], **grid) -> int:
-    """The smallest memory budget a plan of ``tables`` can meet: every table in its cheapest
-    candidate (``grid``: :func:`candidates`'s cache_ratios and associativities)."""
+    """The smallest memory budget a plan of ``tables`` on the device alone can meet: every
+    table in its cheapest candidate (``grid``: :func:`candidates`'s cache_ratios and
+    associativities)."""
     return sum(min(memory_breakdown(c)["total"] for c in candidates(t, **grid)) for t in tables)
 
 
-def check_budget(tables: Sequence[TableConfig], memory_budget: int, **grid) -> None:
+def least_host_bytes(tables: Sequence[TableConfig], memory_budget: int, **grid) -> int | None:
+    """The fewest bytes of host memory a plan of ``tables`` needs with ``memory_budget`` bytes
+    on the device (tables placed on the device or in host memory, as :func:`plan` with a host
+    budget places them; over its byte grid of the device's bytes, so at most a grid step a
+    table above the exact least); None if none fits the device's budget at all."""
+    found = [
+        [_Option(c, *_tiers(c), 0, 0.0) for c in candidates(t, **grid, placements=PLACEMENTS)]
+        for t in tables
+    ]
+    chosen = _placed_search(found, memory_budget, 1.0)
+    return None if chosen is None else sum(o.host for o in chosen)
+
+
+def check_budget(
+    tables: Sequence[TableConfig], memory_budget: int, host_budget: int | None = None, **grid
+) -> None:
     """``ValueError`` (one line, naming the smallest budget that can be met) unless a plan
-    of ``tables`` fits ``memory_budget`` bytes."""
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
-        raise ValueError(
-            f"the memory budget must be an integer number of bytes, got {memory_budget!r}"
-        )
+    of ``tables`` fits ``memory_budget`` bytes on the device, and, given ``host_budget``, at
+    most that many bytes in host memory."""
+    for name, value in (("memory budget", memory_budget), ("host budget", host_budget)):
+        if value is None and name == "host budget":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"the {name} must be an integer number of bytes, got {value!r}")
+    if host_budget is not None:
+        need = least_host_bytes(tables, memory_budget, **grid)
+        if need is not None and need > host_budget:
+            raise ValueError(
+                f"a device budget of {_size(memory_budget)} with a host budget of "
+                f"{_size(host_budget)} cannot be met: with that device budget the tables need "
+                f"at least {_size(need)} of host memory"
+            )
+        if need is not None:
+            return
     least = smallest_budget(tables, **grid)
     if memory_budget < least:
         raise ValueError(
-            f"a budget of {memory_budget:,} bytes ({memory_budget / 2**20:.1f} MiB) cannot be "
-            f"met: the smallest that can is {least:,} bytes ({least / 2**20:.1f} MiB)"
+            f"a budget of {_size(memory_budget)} cannot be met: the smallest that can is "
+            f"{_size(least)}"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**20:.1f} MiB)"
 
 
 def plan(
@@ -131,12 +174,20 @@ def plan(
     memory_budget: int,
     ids_sample: Mapping[str, Sequence[int] | np.ndarray | torch.Tensor],
     *,
+    host_budget: int | None = None,
     batch_size: int = 1024,
     cache_ratios: Sequence[float] = CACHE_RATIOS,
     associativities: Sequence[int] = ASSOCIATIVITIES,
 ) -> dict:
     """The configuration of each table, among its :func:`candidates`, whose bytes sum to at
     most ``memory_budget`` with the smallest loss proxy.
+
+    With ``host_budget`` each table may also be placed in host memory (``placement="host"``:
+    its storage in pinned host memory, its cache on the device): ``memory_budget`` then bounds
+    the bytes on the device and ``host_budget`` those in host memory, and the placement is
+    chosen with the rest. A placement changes no value, so the proxy does not see it; of the
+    plans with the smallest proxy, one with the fewest bytes in host memory is chosen (a row
+    in host memory crosses PCIe on every miss). Without it every table is on the device.
 
     ``ids_sample[name]``: the ids table ``name`` looks up, in training order, ``batch_size``
     a step (a last partial step is left out). Each candidate's hits come from :func:`replay`
@@ -153,23 +204,30 @@ def plan(
     every table's bytes above its cheapest candidate, rounded up to a step of
     1/65536 of the spread between the cheapest and the dearest plan, with the budget above
     the cheapest plan as capacity. The grid does not depend on the budget, so a larger
-    budget never gives a larger proxy, and the rounding up means the plan fits.
+    budget never gives a larger proxy, and the rounding up means the plan fits. With a host
+    budget the second constraint is taken by a Lagrange multiplier: the search over the
+    device's grid minimises proxy + lambda * host bytes, and lambda is the smallest (found by
+    bisection from a tie-breaker's value) whose plan fits the host budget. That plan is the
+    best of those that use no more host memory than it does.
 
-    Returns a plain JSON-serialisable dict: ``budget``, ``total_bytes``, ``fp32_bytes`` (the
-    same tables in FP32 without cache), ``proxy``, ``batch_size`` and ``tables``, per table
-    ``name``, ``rows``, ``dim``, ``precision`` (as stored), ``cache_ratio``,
-    ``associativity``, ``policy``, ``cache_slots``, ``lookups`` (of the sample),
-    ``hit_rate`` (expected: the sample's) and ``bytes``; :func:`overrides` turns it into
-    per-table options. ``ValueError`` (one line) for a budget below
-    :func:`smallest_budget`, names that do not match, or ids out of a table's range."""
+    Returns a plain JSON-serialisable dict: ``budget`` (the device's), ``host_budget``,
+    ``total_bytes`` (``device_bytes`` + ``host_bytes``), ``fp32_bytes`` (the same tables in
+    FP32 without cache), ``proxy``, ``batch_size`` and ``tables``, per table ``name``,
+    ``rows``, ``dim``, ``precision`` (as stored), ``cache_ratio``, ``associativity``,
+    ``policy``, ``placement``, ``cache_slots``, ``lookups`` (of the sample), ``hit_rate``
+    (expected: the sample's), ``bytes``, ``device_bytes`` and ``host_bytes``;
+    :func:`overrides` turns it into per-table options. ``ValueError`` (one line) for budgets
+    no plan meets (:func:`check_budget`), names that do not match, or ids out of a table's
+    range."""
     grid = {"cache_ratios": cache_ratios, "associativities": associativities}
     names = [t.name for t in tables]
     if len(set(names)) != len(names) or set(names) != set(ids_sample):
         raise ValueError(
             f"ids_sample must name each table once: tables {names}, sample {sorted(ids_sample)}"
         )
-    check_budget(tables, memory_budget, **grid)
-    options, lookups = [], []
+    check_budget(tables, memory_budget, host_budget, **grid)
+    placements = ("device",) if host_budget is None else PLACEMENTS
+    found, lookups = [], []
     for table in tables:
         ids = torch.as_tensor(ids_sample[table.name], dtype=torch.int64).reshape(-1)
         ids = ids[: len(ids) - len(ids) % batch_size]
@@ -178,12 +236,18 @@ def plan(
                 f"table '{table.name}': the sample holds ids outside [0, {table.num_embeddings})"
             )
         lookups.append(len(ids))
-        options.append(_options(table, ids, batch_size, grid))
-    chosen = [o[k] for o, k in zip(options, _search(options, memory_budget))]
+        found.append(_measured(table, ids, batch_size, grid, placements))
+    if host_budget is None:
+        chosen = _placed_search(found, memory_budget, 0.0)
+    else:
+        chosen = _placed_plan(found, memory_budget, host_budget)
     scale = max(1, sum(n * t.embedding_dim for n, t in zip(lookups, tables)))
     return {
         "budget": memory_budget,
-        "total_bytes": sum(o.bytes for o in chosen),
+        "host_budget": host_budget,
+        "total_bytes": sum(o.bytes + o.host for o in chosen),
+        "device_bytes": sum(o.bytes for o in chosen),
+        "host_bytes": sum(o.host for o in chosen),
         "fp32_bytes": sum(fp32_bytes(t) for t in tables),
         "proxy": sum(o.error for o in chosen) / scale,
         "batch_size": batch_size,
@@ -196,10 +260,13 @@ def plan(
                 "cache_ratio": o.config.cache_ratio,
                 "associativity": o.config.associativity,
                 "policy": o.config.policy,
+                "placement": o.config.placement,
                 "cache_slots": o.config.num_slots,
                 "lookups": n,
                 "hit_rate": o.hits / n if n else 0.0,
-                "bytes": o.bytes,
+                "bytes": o.bytes + o.host,
+                "device_bytes": o.bytes,
+                "host_bytes": o.host,
             }
             for o, n in zip(chosen, lookups)
         ],
@@ -208,24 +275,36 @@ def plan(
 
 def overrides(plan: dict) -> dict[str, dict]:
     """A plan's choices as per-table options (``{name: {field: value}}`` for the fields of
-    :data:`PLANNED`), as a collection's ``per_table`` and ``RunConfig.tables`` take them."""
-    return {t["name"]: {k: t[k] for k in PLANNED} for t in plan["tables"]}
+    :data:`PLANNED`), as a collection's ``per_table`` and ``RunConfig.tables`` take them. (A
+    plan from before placements were planned has none: its tables are on the device.)"""
+    return {
+        t["name"]: {k: t.get(k, "device") if k == "placement" else t[k] for k in PLANNED}
+        for t in plan["tables"]
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class _Option:
     config: TableConfig
-    bytes: int
+    bytes: int  # on the device
+    host: int  # in host memory
     hits: int
     error: float  # misses * dim * rounding_noise: the table's share of the proxy, unscaled
 
 
-def _options(table: TableConfig, ids: torch.Tensor, batch_size: int, grid: dict) -> list:
-    """``table``'s candidates that no other beats in both bytes and error, cheapest first
-    (ties: the first candidate)."""
+def _tiers(config: TableConfig) -> tuple[int, int]:
+    """(bytes on the device, bytes in host memory) of a table with ``config``."""
+    m = memory_breakdown(config)
+    return m["device"], m["host"]
+
+
+def _measured(
+    table: TableConfig, ids: torch.Tensor, batch_size: int, grid: dict, placements
+) -> list[_Option]:
+    """Every candidate of ``table`` in ``placements``, with its bytes, hits and error."""
     hits = {}  # (sets, ways, policy) -> hits: a replay depends on nothing else
     found = []
-    for c in candidates(table, **grid):
+    for c in candidates(table, **grid, placements=placements):
         key = (c.num_sets, c.associativity, c.policy)
         if key not in hits:
             hits[key] = 0
@@ -242,12 +321,69 @@ def _options(table: TableConfig, ids: torch.Tensor, batch_size: int, grid: dict)
                 hits[key] = r[0]["hits"]
         misses = len(ids) - hits[key]
         error = misses * c.embedding_dim * rounding_noise(c.stored_precision)
-        found.append(_Option(c, memory_breakdown(c)["total"], hits[key], error))
+        found.append(_Option(c, *_tiers(c), hits[key], error))
+    return found
+
+
+def _frontier(found: list[_Option], lam: float) -> list[_Option]:
+    """The options of ``found`` that no other beats in both device bytes and error + ``lam``
+    x host bytes, cheapest first (ties: the first candidate), each with that sum as its
+    error."""
     kept = []
-    for o in sorted(found, key=lambda o: (o.bytes, o.error)):
-        if not kept or o.error < kept[-1].error:
-            kept.append(o)
+    for value, o in sorted(
+        ((o.error + lam * o.host, o) for o in found), key=lambda p: (p[1].bytes, p[0])
+    ):
+        if not kept or value < kept[-1].error:
+            kept.append(dataclasses.replace(o, error=value))
     return kept
+
+
+def _placed_search(found: list[list[_Option]], memory_budget: int, lam: float):
+    """Each table's option (of ``found``, one list a table) that minimises the summed error +
+    ``lam`` x host bytes with the device bytes within ``memory_budget`` (:func:`_search`); the
+    options as found (their own errors); None if even the cheapest exceed the budget."""
+    fronts = [_frontier(f, lam) for f in found]
+    if sum(f[0].bytes for f in fronts) > memory_budget:
+        return None
+    picks = _search(fronts, memory_budget)
+    by_config = [{o.config: o for o in f} for f in found]
+    return [mine[f[k].config] for mine, f, k in zip(by_config, fronts, picks)]
+
+
+# bisection steps of the host budget's multiplier (over about 20 decades: a ratio of 1.0000001)
+_LAMBDA_STEPS = 40
+
+
+def _placed_plan(found: list[list[_Option]], memory_budget: int, host_budget: int):
+    """The options of the smallest proxy with the device's bytes within ``memory_budget`` and
+    the host's within ``host_budget``, host bytes priced by a multiplier (see :func:`plan`)."""
+
+    def host(chosen) -> int:
+        return sum(o.host for o in chosen)
+
+    most_host = sum(max(o.host for o in f) for f in found) + 1
+    positive = [o.error for f in found for o in f if o.error > 0]
+    # a tie-breaker: below any error difference that matters, it prefers the device
+    lo = (min(positive) if positive else 1.0) * 1e-6 / most_host
+    chosen = _placed_search(found, memory_budget, lo)
+    if chosen is not None and host(chosen) <= host_budget:
+        return chosen
+    # above the summed errors, a host byte outweighs any proxy: the fewest host bytes
+    hi = sum(max(o.error for o in f) for f in found) + 1.0
+    best = _placed_search(found, memory_budget, hi)
+    if best is None or host(best) > host_budget:
+        raise ValueError(
+            f"a device budget of {_size(memory_budget)} with a host budget of "
+            f"{_size(host_budget)} cannot be met"
+        )
+    for _ in range(_LAMBDA_STEPS):
+        mid = math.sqrt(lo * hi)
+        chosen = _placed_search(found, memory_budget, mid)
+        if chosen is not None and host(chosen) <= host_budget:
+            hi, best = mid, chosen
+        else:
+            lo = mid
+    return best
 
 
 def _search(options: list[list[_Option]], memory_budget: int) -> list[int]:

@@ -173,7 +173,8 @@ class CachedTableEstimator(ShardEstimator):
     allocate: the :class:`~embcache.config.TableConfig` of its table with the shard's rows,
     through :func:`~embcache.memory.memory_breakdown` (low-precision rows, qparams, cache
     rows, tags, priorities and set floors, LFU counts, optimizer state), in device memory
-    (``hbm``) on CUDA and host memory (``ddr``) on CPU. Its speed is what TorchRec's perf
+    (``hbm``) on CUDA, but for a host-placed table's storage (host memory, ``ddr``), and in
+    host memory (``ddr``) on CPU. Its speed is what TorchRec's perf
     estimator gives FBGEMM's fused kernel for the same shard (it has no model of ours; the two
     step times are within a factor of about 1.2 on CPU, ``bench/results/embedding_step``; an
     unpooled collection's shards are estimated as pooled ones, TorchRec knowing unpooled
@@ -206,9 +207,11 @@ class CachedTableEstimator(ShardEstimator):
         for o in ours:
             config = o.module[1].embedding_bags[o.name].config
             for shard in o.shards:
-                nbytes = shard_bytes(config, shard.size[0])
-                shard.storage = Storage(
-                    hbm=nbytes if on_device else 0, ddr=0 if on_device else nbytes
+                m = memory_breakdown(shard_config(config, shard.size[0]))
+                shard.storage = (
+                    Storage(hbm=m["device"], ddr=m["host"])
+                    if on_device
+                    else Storage(hbm=0, ddr=m["total"])
                 )
 
 

@@ -15,6 +15,10 @@ leave the model's ``parameters()``; :class:`TableOptimizer` gives the training l
     tables = embcache.TableOptimizer(model)
     loss.backward(); dense.step(); tables.step(); dense.zero_grad(); tables.zero_grad()
 
+``placement="host"`` (for every table, or per table) keeps the swapped tables' rows in pinned
+host memory once the model is on a GPU, their caches in GPU memory (docs/design.md, "Host
+placement"): tables larger than the GPU then train behind their cache.
+
 ``max_norm`` and ``scale_grad_by_freq`` are not swapped yet: :func:`swap` refuses them,
 naming the module, rather than leave them.
 """
@@ -38,9 +42,14 @@ def swap(model: nn.Module, per_table: Mapping[str, Mapping] | None = None, **opt
     ``EmbeddingBagCollection`` and ``EmbeddingCollection`` of ``model`` by ours, carrying their
     weights; ``options`` apply
     to every table and ``per_table`` (by a module's name, or a collection's table name)
-    overrides them. Returns ``{table: {"rows", "precision", "cache_slots", "bytes_before",
-    "bytes_after"}}``. Refuses (``ValueError`` naming the module, before anything is replaced)
-    what it cannot swap: ``max_norm``, ``scale_grad_by_freq``."""
+    overrides them (any :class:`~embcache.config.TableConfig` field: ``precision``,
+    ``cache_ratio``, ``placement``, ...). The new tables are built in host memory: move the
+    model (``model.cuda()``) afterwards; a host-placed table then moves only its cache.
+    Returns ``{table: {"rows", "precision", "cache_slots", "placement", "bytes_before",
+    "bytes_after", "device_bytes_after", "host_bytes_after"}}`` (``bytes_after`` split by
+    where the bytes live). Refuses (``ValueError`` naming the module or table, before
+    anything is replaced) what it cannot swap: ``max_norm``, ``scale_grad_by_freq``, and
+    ``placement="host"`` where torch has no CUDA GPU."""
     per_table = dict(per_table or {})
     plans = []
     for name, module in model.named_modules():
@@ -55,13 +64,16 @@ def swap(model: nn.Module, per_table: Mapping[str, Mapping] | None = None, **opt
         setattr(model.get_submodule(parent) if parent else model, attr, new)
         tables = [new] if isinstance(new, CachedLowPrecisionEmbedding) else new.tables()
         for table in tables:
-            c = table.config
+            c, memory = table.config, table.memory_bytes()
             summary[c.name] = {
                 "rows": c.num_embeddings,
                 "precision": c.stored_precision,
                 "cache_slots": c.num_slots,
+                "placement": c.placement,
                 "bytes_before": c.num_embeddings * c.embedding_dim * 4,
-                "bytes_after": table.memory_bytes()["total"],
+                "bytes_after": memory["total"],
+                "device_bytes_after": memory["device"],
+                "host_bytes_after": memory["host"],
             }
     return summary
 
@@ -129,7 +141,7 @@ class TableOptimizer:
     def step(self) -> None:
         by_device: dict[torch.device, list] = {}
         for group in (unit.group for unit in self.units):
-            by_device.setdefault(group.tables[0].weights.device, []).append(group)
+            by_device.setdefault(group.tables[0].device, []).append(group)
         for groups in by_device.values():
             update_together(groups)
 

@@ -82,8 +82,8 @@ class CachedLowPrecisionUnpooledEmbedding(CachedLowPrecisionEmbedding):
         evaluation lookup: it counts nothing and takes no gradient."""
         with torch.no_grad():
             return self.group.lookup(
-                torch.full((1,), self.padding_idx, device=self.weights.device),  # (no copy)
-                torch.ones(1, dtype=torch.int64, device=self.weights.device),
+                torch.full((1,), self.padding_idx, device=self.device),  # (no copy)
+                torch.ones(1, dtype=torch.int64, device=self.device),
                 None,
                 [self.group.position(self)],
                 1,

@@ -108,6 +108,7 @@ def test_plan_and_evaluate_offer_only_what_they_use(capsys):
         "--out",
         "--split",
         "--device",
+        "--placement",
         "--nproc-per-node",
         "--no-progress",
     }

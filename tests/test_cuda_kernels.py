@@ -44,7 +44,7 @@ NOT_ON_CUDA = {
     "mark_sampled_rows",
 }
 # one implementation for every device (the CPU library's)
-ANY_DEVICE = {"fold_device_counts", "count_updates"}
+ANY_DEVICE = {"fold_device_counts", "count_updates", "state_placement"}
 STATE = STATE_TENSORS
 # The set floors are lower bounds that only the CPU commit tightens (a speed hint): not compared.
 COMPARED = tuple(k for k in STATE if k != "cache_set_floor")

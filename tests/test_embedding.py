@@ -359,10 +359,11 @@ def test_deepcopy_and_independent_tables():
 def test_python_mirrors_the_kernels_table_spec():
     """embcache.config mirrors csrc/include/embcache/table_spec.h, the one definition the C++
     ops and CUDA kernels compile: formats and their bits, optimizers, the associativity limit,
-    counters, state tensors (the table's buffers, in order) and the fields of a spec."""
+    counters, state tensors (the table's buffers, in order) with their tiers (storage or
+    cache: the seam of host placement) and the fields of a spec."""
     from embcache import config
 
-    formats, bits, optimizers, poolings, counters, state, fields, max_ways = (
+    formats, bits, optimizers, poolings, counters, state, tiers, fields, max_ways = (
         torch.ops.embcache.layout()
     )
     assert list(zip(formats, bits)) == list(config.PRECISION_BITS.items())
@@ -371,6 +372,8 @@ def test_python_mirrors_the_kernels_table_spec():
     assert max_ways == config.MAX_ASSOCIATIVITY
     assert tuple(counters) == config.COUNTERS
     assert tuple(state) == config.STATE_TENSORS
+    assert tuple(tiers) == config.STATE_TIERS
+    assert config.STORAGE_TENSORS == ("weights", "counts", "optimizer_state")
     assert tuple(fields) == config.SPEC_FIELDS
     m = CachedLowPrecisionEmbedding(3000, 4, cache_ratio=0.1, policy="lfu")
     assert [name for name, _ in m.named_buffers()] == list(config.STATE_TENSORS)

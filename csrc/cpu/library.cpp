@@ -1,7 +1,8 @@
 // The torch.ops.embcache library of `embcache._C`: the table ops' schemas (csrc/op_schemas.h;
 // each csrc/cpu/*.cpp registers its CPU kernels, csrc/cuda/binding.cpp the CUDA ones), the
 // constants of the table spec for Python to compare with its own, the huge-page advice for
-// host memory, and the fold of the commit counts into the counters (for every device).
+// host memory, and, for every device, the fold of the device counts into the counters and the
+// placement rule of a table's state.
 #include <Python.h>
 
 #include <torch/library.h>
@@ -28,20 +29,36 @@ std::vector<std::string> names(const char* const (&list)[N]) {
 }
 
 /// csrc/include/embcache/table_spec.h's lists, which embcache/config.py mirrors: (format
-/// names, their bits, optimizer names, pooling names, counter names, state tensor names, spec
-/// field names, the most ways a set may have).
+/// names, their bits, optimizer names, pooling names, counter names, state tensor names, each
+/// state tensor's tier, spec field names, the most ways a set may have).
 std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<std::string>,
            std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<std::string>, int64_t>
+           std::vector<std::string>, std::vector<std::string>, int64_t>
 layout() {
+  std::vector<std::string> tiers;
+  for (StateTier tier : kStateTensorTiers) tiers.push_back(kStateTierNames[tier]);
   return {names(kFormatNames),
           std::vector<int64_t>(std::begin(kFormatBits), std::end(kFormatBits)),
           names(kOptimizerNames),
           names(kPoolingNames),
           names(kCounterNames),
           names(kStateTensorNames),
+          tiers,
           names(kSpecFieldNames),
           kMaxWays};
+}
+
+/// Where each table's storage lies, "device" or "host" (kPlacementNames), by the rule every op
+/// checks its tables' state with (state_placement in csrc/tables.h), whatever the device: the
+/// error an op would raise otherwise. `state` holds kNumStateTensors tensors a table, as the
+/// ops take it. Reads no tensor's data.
+std::vector<std::string> state_placements(at::TensorList state) {
+  TORCH_CHECK(state.size() % kNumStateTensors == 0, "embcache: state must hold ",
+              kNumStateTensors, " tensors per table, got ", state.size());
+  std::vector<std::string> out;
+  for (size_t t = 0; t * kNumStateTensors < state.size(); ++t)
+    out.push_back(kPlacementNames[(int)state_placement(state.data() + t * kNumStateTensors, t)]);
+  return out;
 }
 
 /// Asks Linux to back the tensor's whole 2 MiB pages with transparent huge pages. Random
@@ -102,7 +119,8 @@ void count_updates(at::TensorList counters, at::IntArrayRef unique_rows) {
 TORCH_LIBRARY(embcache, m) {
   define_cache_ops(m);
   define_cpu_only_ops(m);
-  m.def("layout() -> (str[], int[], str[], str[], str[], str[], str[], int)", &layout);
+  m.def("layout() -> (str[], int[], str[], str[], str[], str[], str[], str[], int)", &layout);
+  m.def("state_placement(Tensor[] state) -> str[]");
   m.def("advise_huge_pages(Tensor t) -> bool");
 }
 
@@ -111,6 +129,7 @@ TORCH_LIBRARY_IMPL(embcache, CPU, m) { m.impl("advise_huge_pages", &advise_huge_
 TORCH_LIBRARY_IMPL(embcache, CompositeExplicitAutograd, m) {
   m.impl("fold_device_counts", &fold_device_counts);
   m.impl("count_updates", &count_updates);
+  m.impl("state_placement", &state_placements);
 }
 
 }  // namespace embcache

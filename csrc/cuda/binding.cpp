@@ -14,7 +14,12 @@ namespace gpu {
 inline bool on_device(const at::Tensor& t) { return t.device().is_cuda(); }
 inline Stream current_stream() { return (void*)c10::cuda::getCurrentCUDAStream().stream(); }
 constexpr const char* kDeviceName = "CUDA";
-#define EMBCACHE_DEVICE_GUARD(t) const c10::cuda::CUDAGuard device_guard_((t).device())
+/// The CUDA device of `t`, or none for a tensor in host memory (the pinned storage of a
+/// host-placed table, docs/design.md "Host placement"): the guard then keeps the current one.
+inline c10::optional<c10::Device> cuda_device_of(const at::Tensor& t) {
+  return t.is_cuda() ? c10::optional<c10::Device>(t.device()) : c10::nullopt;
+}
+#define EMBCACHE_DEVICE_GUARD(t) const c10::cuda::OptionalCUDAGuard device_guard_(cuda_device_of(t))
 
 // The kernels' scratch memory comes from PyTorch's caching allocator, ordered on the op's
 // stream: one pool for torch and the kernels.

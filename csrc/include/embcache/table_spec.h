@@ -52,12 +52,20 @@ enum DeviceCount {
   kNumDeviceCounts
 };
 
+/// The two tiers of a table's state (docs/design.md, "Host placement"): its storage (the stored
+/// rows and their per-row state, one entry per table row), which may lie in pinned host memory
+/// that a GPU reads and writes in place; and its cache, which lies on the op's device.
+#define EMBCACHE_STATE_TIERS(X) X(kStorage, storage) X(kCache, cache)
+
 /// A table's state tensors, in the order the ops take them (kNumStateTensors per table, table
-/// after table, in one Tensor[]); the names are those of the table module's buffers.
+/// after table, in one Tensor[]), each with its tier: X(enumerator, name, tier). The names are
+/// those of the table module's buffers; this list is the one place that says which tensor is
+/// storage and which is cache (embcache.config.STATE_TENSORS and STATE_TIERS mirror it).
 #define EMBCACHE_STATE_TENSORS(X)                                                              \
-  X(kWeights, weights) X(kCacheTags, cache_tags) X(kCacheRows, cache_rows)                    \
-  X(kCachePriority, cache_priority) X(kCacheSetFloor, cache_set_floor) X(kCounts, counts)     \
-  X(kOptimizerState, optimizer_state)
+  X(kWeights, weights, kStorage) X(kCacheTags, cache_tags, kCache)                            \
+  X(kCacheRows, cache_rows, kCache) X(kCachePriority, cache_priority, kCache)                 \
+  X(kCacheSetFloor, cache_set_floor, kCache) X(kCounts, counts, kStorage)                     \
+  X(kOptimizerState, optimizer_state, kStorage)
 
 /// The fields of a table's spec:
 ///   rows: the table's rows; dim: values per row; bits and qparams_fp16: the row format;
@@ -76,7 +84,10 @@ enum DeviceCount {
 enum Optimizer : int { EMBCACHE_OPTIMIZERS(EMBCACHE_ENUMERATOR) kNumOptimizers };
 enum Pooling : int { EMBCACHE_POOLINGS(EMBCACHE_ENUMERATOR) kNumPoolings };
 enum Counter : int { EMBCACHE_COUNTERS(EMBCACHE_ENUMERATOR) kNumCounters };
-enum StateTensor : int { EMBCACHE_STATE_TENSORS(EMBCACHE_ENUMERATOR) kNumStateTensors };
+enum StateTier : int { EMBCACHE_STATE_TIERS(EMBCACHE_ENUMERATOR) kNumStateTiers };
+#define EMBCACHE_STATE_ENUMERATOR(e, name, tier) e,
+enum StateTensor : int { EMBCACHE_STATE_TENSORS(EMBCACHE_STATE_ENUMERATOR) kNumStateTensors };
+#undef EMBCACHE_STATE_ENUMERATOR
 enum SpecField : int { EMBCACHE_SPEC_FIELDS(EMBCACHE_ENUMERATOR) kNumSpecFields };
 #undef EMBCACHE_ENUMERATOR
 
@@ -84,7 +95,14 @@ enum SpecField : int { EMBCACHE_SPEC_FIELDS(EMBCACHE_ENUMERATOR) kNumSpecFields 
 constexpr const char* kOptimizerNames[] = {EMBCACHE_OPTIMIZERS(EMBCACHE_NAME)};
 constexpr const char* kPoolingNames[] = {EMBCACHE_POOLINGS(EMBCACHE_NAME)};
 constexpr const char* kCounterNames[] = {EMBCACHE_COUNTERS(EMBCACHE_NAME)};
-constexpr const char* kStateTensorNames[] = {EMBCACHE_STATE_TENSORS(EMBCACHE_NAME)};
+constexpr const char* kStateTierNames[] = {EMBCACHE_STATE_TIERS(EMBCACHE_NAME)};
+#define EMBCACHE_STATE_NAME(e, name, tier) #name,
+#define EMBCACHE_STATE_TIER(e, name, tier) tier,
+constexpr const char* kStateTensorNames[] = {EMBCACHE_STATE_TENSORS(EMBCACHE_STATE_NAME)};
+/// Each state tensor's tier, in EMBCACHE_STATE_TENSORS order.
+constexpr StateTier kStateTensorTiers[] = {EMBCACHE_STATE_TENSORS(EMBCACHE_STATE_TIER)};
+#undef EMBCACHE_STATE_NAME
+#undef EMBCACHE_STATE_TIER
 constexpr const char* kSpecFieldNames[] = {EMBCACHE_SPEC_FIELDS(EMBCACHE_NAME)};
 #undef EMBCACHE_NAME
 #define EMBCACHE_FORMAT_NAME(name, bits) #name,

@@ -191,7 +191,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         training forward and the update add to them there, so that on a GPU they read nothing
         back, and :meth:`fold_counts` moves them into ``counters``. Made anew (after a fold)
         where the state has moved to another device."""
-        where = self._buffers["weights"].device  # not nn.Module.__getattr__: a per-step path
+        where = self._buffers["cache_tags"].device  # not nn.Module.__getattr__: a per-step path
         if self._device_counts.device != where:
             self.fold_counts()
             self._device_counts = torch.zeros(len(DEVICE_COUNTS), dtype=torch.int64, device=where)

@@ -63,7 +63,7 @@ inline std::vector<int64_t> cache_flush(at::TensorList state, const at::Tensor& 
   std::vector<int64_t> written;
   for (size_t t = 0; t < tables.spec.size(); ++t) {
     const at::Tensor* x = state.data() + t * kNumStateTensors;
-    EMBCACHE_DEVICE_GUARD(x[kWeights]);
+    EMBCACHE_DEVICE_GUARD(x[kCacheTags]);
     const RoundingStream s = tables.spec[t].stream(tables.counters[t][kSteps]);
     written.push_back(flush_cache(tables.spec[t], tables.state[t], s, current_stream()));
     x[kCacheRows].zero_();
@@ -82,11 +82,12 @@ inline unsigned long long* words(const at::Tensor& flags) {
   return reinterpret_cast<unsigned long long*>(flags.data_ptr<int64_t>());
 }
 
-/// Every tensor an op reads or writes on the device of the tables' weights.
+/// Every tensor an op reads or writes on the device of the tables' caches (a host-placed table's
+/// storage is in pinned host memory beside it: csrc/tables.h, state_placement).
 inline void check_same_device(const Tables& tables, at::TensorList state, const at::Tensor& x,
                               const char* what) {
-  TORCH_CHECK(tables.spec.empty() || x.device() == state[kWeights].device(), "embcache: ",
-              what, " is on ", x.device(), ", the tables on ", state[kWeights].device());
+  TORCH_CHECK(tables.spec.empty() || x.device() == state[kCacheTags].device(), "embcache: ",
+              what, " is on ", x.device(), ", the tables on ", state[kCacheTags].device());
 }
 
 /// The op's bags: nf features of `batch` bags over `offsets` (checked here: its length; its

@@ -32,13 +32,17 @@ and INT8 + LFU steps beside our uncached FP32 table (``rival``): each pair meets
 machine's drift together, which figures measured minutes apart do not.
 
 ``--device cuda`` runs the same on a GPU (tables in device memory; the ceiling is a
-device-to-device copy). Results: ``OUT/bandwidth.json``, ``bandwidth.md`` and ``bandwidth.png``
+device-to-device copy). ``--placement host`` runs issue 51's benchmark instead
+(bench/host_placement.py): a table in pinned host memory behind its cache on the GPU, the same
+without a cache, and on the device, into ``OUT/placement.json`` and ``placement.md``
+(``--quick``: its CPU rehearsal). Results: ``OUT/bandwidth.json``, ``bandwidth.md`` and ``bandwidth.png``
 (GB/s against hit rate, the ceilings as lines), under the command, commit, CPU (and GPU) and
 library versions. Examples:
 
     python bench/bandwidth.py --out bench/results/bandwidth
     python bench/bandwidth.py --device cuda --out bench/results/bandwidth_gpu
     python bench/bandwidth.py --dims 16 --precisions int8 --policies lfu --rows 100000  # quick
+    python bench/bandwidth.py --device cuda --placement host --out bench/results/placement_gpu
 """
 
 from __future__ import annotations
@@ -64,11 +68,22 @@ import embcache
 from embcache.config import PRECISION_BITS
 
 HIT_RATES = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+# --placement host's (bench/host_placement.py)
+HOST_HIT_RATES = (0.0, 0.5, 0.9, 0.95, 0.99, 1.0)
 CACHE_RATIO, WAYS = 0.05, 32
 WARMUP_STEPS, CALIBRATION_ROUNDS, CALIBRATION_STEPS, TOLERANCE = 8, 6, 4, 0.01
 # The cached table that also steps beside our uncached FP32 table (measure's rival): issue
 # 34's "at 90% hits and above, as fast as our FP32 table" is said of INT8 + LFU.
 RIVALED = ("int8", "lfu")
+# the options' defaults without --placement host (bench/host_placement.py has its own)
+DEVICE_DEFAULTS = {
+    "dims": "16,128",
+    "precisions": ",".join(f for f in PRECISION_BITS if f != "fp32"),
+    "policies": "lfu,lru",
+    "pooling": 8,
+    "steps": 5,
+    "rounds": 3,
+}
 
 
 def last_level_cache_bytes() -> int:
@@ -574,17 +589,33 @@ def markdown(results: dict, env: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    p.add_argument("--dims", default="16,128")
+    p.add_argument(
+        "--placement",
+        choices=["device", "host"],
+        default="device",
+        help="device: this benchmark, every table in the device's memory (the default); host: "
+        "issue 51's placement benchmark (bench/host_placement.py): a host-placed table behind "
+        "its cache, without one, and on the device, into OUT/placement.json and .md",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="with --placement host: a table of 20,000 rows, 64 bags of 4, 2 rounds of 2 steps "
+        "(a CPU rehearsal)",
+    )
+    p.add_argument("--dims", help="(default: 16,128; with --placement host 128)")
     p.add_argument(
         "--precisions",
-        default=",".join(f for f in PRECISION_BITS if f != "fp32"),
-        help="formats behind a cache (default: the low-precision ones, %(default)s)",
+        help="formats behind a cache (default: the low-precision ones, "
+        + ",".join(f for f in PRECISION_BITS if f != "fp32")
+        + "; with --placement host int8)",
     )
-    p.add_argument("--policies", default="lfu,lru")
+    p.add_argument("--policies", help="(default: lfu,lru; with --placement host lfu)")
     p.add_argument(
         "--hit-rates",
-        default=",".join(f"{h:g}" for h in HIT_RATES),
-        help="target hit rates, fractions in [0, 1] (default: %(default)s)",
+        help="target hit rates, fractions in [0, 1] (default: "
+        + ",".join(f"{h:g}" for h in HIT_RATES)
+        + "; with --placement host 0,0.5,0.9,0.95,0.99,1)",
     )
     p.add_argument(
         "--rows",
@@ -593,21 +624,35 @@ def main() -> None:
         "L2 cache on a GPU)",
     )
     p.add_argument("--bags", type=int, help="bags per step (default: 2048, 16384 on a GPU)")
-    p.add_argument("--pooling", type=int, default=8, help="ids per bag (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pooling", type=int, help="ids per bag (default: 8)")
+    p.add_argument("--steps", type=int, help="timed steps per round (default: 5; host: 10)")
+    p.add_argument("--rounds", type=int, help="(default: 3; with --placement host 5)")
     p.add_argument("--out", type=Path, help="write bandwidth.json, .md and .png here")
     args = p.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bandwidth.py: --device cuda, but torch sees no CUDA device")
-    bags = args.bags or (16384 if device.type == "cuda" else 2048)
+    host = args.placement == "host"
+    default_hit_rates = HOST_HIT_RATES if host else HIT_RATES
+    hit_rates = args.hit_rates or ",".join(f"{h:g}" for h in default_hit_rates)
     try:
-        targets = [float(h) for h in args.hit_rates.split(",")]
+        targets = [float(h) for h in hit_rates.split(",")]
     except ValueError:
-        p.error(f"--hit-rates: {args.hit_rates!r} is not a comma-separated list of numbers")
+        p.error(f"--hit-rates: {hit_rates!r} is not a comma-separated list of numbers")
     if not all(0.0 <= t <= 1.0 for t in targets):
-        p.error(f"--hit-rates: {args.hit_rates} are not all fractions in [0, 1] (90% is 0.9)")
+        p.error(f"--hit-rates: {hit_rates} are not all fractions in [0, 1] (90% is 0.9)")
+    if args.quick and not host:
+        p.error("--quick is a size of --placement host")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bandwidth.py: --device cuda, but torch sees no CUDA device")
+    if host:
+        import host_placement
+
+        args.hit_rates, args.script = targets, __file__
+        host_placement.main(args)
+        return
+    for key, value in DEVICE_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    device = torch.device(args.device)
+    bags = args.bags or (16384 if device.type == "cuda" else 2048)
     clock = Clock(device)
     env = environment(__file__, threads=torch.get_num_threads(), gpu=device.type == "cuda")
     where = env.get("gpu", env["cpu_model"]) + (" (device memory)" if device.type == "cuda" else "")

@@ -250,3 +250,149 @@ def test_huge_page_share_of_a_tensor():
         also = _common.huge_page_share(advised)
         assert also is not None and 0.0 <= also <= 1.0
     assert _common.huge_page_share(torch.empty(0)) is None
+
+
+def _strict(path: Path) -> dict:
+    def refuse(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_placement_rehearsal_reports_every_engine_its_host_bytes_and_issue_51s_targets(tmp_path):
+    """bench/bandwidth.py --placement host (bench/host_placement.py) at its CPU rehearsal size:
+    a rehearsal (the host tables built on the device), every engine at every target hit rate,
+    the host bytes a step by the module's rule, and issue 51 item 4's targets as figure,
+    compared figure and the median of per-round ratios."""
+    import host_placement as hp
+
+    argv = ["--device", "cpu", "--placement", "host", "--quick", "--out", str(tmp_path)]
+    _run("bandwidth.py", argv, tmp_path / "placement.json")
+    result = _strict(tmp_path / "placement.json")
+    assert result["rehearsal"] is True and result["rounds"] == result["steps"] == 2
+    assert result["hit_rates"] == [0.0, 0.5, 0.9, 0.95, 0.99, 1.0]
+    (name, run), *others = result["runs"].items()
+    assert not others and name == "dim 128, int8 + 5% 32-way LFU cache"
+    assert (run["rows"], run["bags"], run["pooling"]) == (20_000, 64, 4)
+    assert run["lookups"] == 256 and set(run["build_seconds"]) == set(hp.ENGINES)
+    row_bytes = 128 + 4  # INT8 codes and FP16 scale and bias
+    assert [pt["target"] for pt in run["points"]] == result["hit_rates"]
+    for pt in run["points"]:
+        e = pt["engines"]
+        assert list(e) == list(hp.ENGINES)
+        assert [e[n]["placement"] for n in hp.ENGINES] == ["host", "host", "device"]
+        assert {e[n]["placement_used"] for n in hp.ENGINES} == {"device"}
+        # the two cached tables are one table: same ids, same hits
+        assert e[hp.HOST_CACHED]["hit_rate"] == e[hp.DEVICE_CACHED]["hit_rate"]
+        assert abs(e[hp.HOST_CACHED]["hit_rate"] - pt["target"]) <= 0.05, pt
+        assert e[hp.HOST_UNCACHED]["hit_rate"] == 0.0
+        for n, x in e.items():
+            assert len(x["forward_ms_rounds"]) == len(x["step_ms_rounds"]) == 2
+            assert x["step_ms"] == statistics.median(x["step_ms_rounds"]) > 0
+            assert x["forward_lookups_per_s"] == pytest.approx(256 / x["forward_ms"] * 1e3)
+            b = x["host_bytes"]
+            parts = b["forward_read"] + b["update_read"] + b["update_write"]
+            assert b["total"] == pytest.approx(parts) and b["total"] > 0
+            assert x["pcie_bytes"] == (b["total"] if n != hp.DEVICE_CACHED else 0.0)
+        # without a cache every lookup reads its row, every updated row is read and written
+        b = e[hp.HOST_UNCACHED]["host_bytes"]
+        assert b["forward_read"] == 256 * row_bytes
+        timed = result["rounds"] * result["steps"]  # a step's bytes: the mean over these
+        assert b["update_read"] == b["update_write"] and b["update_read"] * timed % row_bytes == 0
+        if pt["target"] == 1.0:  # all hits: no stored row read; LFU counts still move
+            assert e[hp.HOST_CACHED]["host_bytes"]["forward_read"] == 0
+    targets = result["targets"]
+    assert [(t["hit_rate_target"], t["phase"]) for t in targets] == [
+        (0.95, "forward"),
+        (0.95, "step"),
+        (1.0, "forward"),
+        (1.0, "step"),
+    ]
+    points = {pt["target"]: pt["engines"] for pt in run["points"]}
+    for t in targets:
+        versus = hp.HOST_UNCACHED if t["hit_rate_target"] == 0.95 else hp.DEVICE_CACHED
+        assert t["compared_with"] == versus and t["run"] == name
+        assert (t["goal"], t["paper"]) == (
+            (10.0, 25.8) if versus == hp.HOST_UNCACHED else (0.8, None)
+        )
+        e = points[t["hit_rate_target"]]
+        ms = f"{t['phase']}_ms_rounds"
+        expected = [a / b for a, b in zip(e[versus][ms], e[hp.HOST_CACHED][ms])]
+        assert t["ratio_rounds"] == pytest.approx(expected)
+        assert t["ratio"] == statistics.median(t["ratio_rounds"])
+        assert t["met"] == (t["ratio"] >= t["goal"])
+        assert t["figure"] == e[hp.HOST_CACHED][f"{t['phase']}_lookups_per_s"]
+    md = (tmp_path / "placement.md").read_text().splitlines()
+    assert md[2] == f"Command: `python bench/bandwidth.py {' '.join(argv)}`  "
+    assert any(line.startswith("**Rehearsal**") for line in md)
+    table = md.index("## Issue 51's targets")
+    assert len([line for line in md[table:] if line.startswith("| host + cache / ")]) == 4
+
+
+def test_placement_mode_refuses_quick_without_it():
+    done = subprocess.run(
+        [sys.executable, "bench/bandwidth.py", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "--quick is a size of --placement host" in done.stderr
+
+
+def test_filled_table_has_the_same_rows_whatever_its_cache():
+    """bench/_common.filled_table: the table's rows drawn in blocks (of 1,000 rows here),
+    the same for the same seed with or without a cache, within the table's initial bound, and
+    the table trains."""
+    import torch
+
+    a, seconds = _common.filled_table(5000, 16, "cpu", block_rows=1000, mode="sum")
+    b, _ = _common.filled_table(5000, 16, "cpu", block_rows=1000, mode="sum", cache_ratio=0.0)
+    assert set(seconds) == {"allocate", "move", "fill"}
+    assert torch.equal(a.weights, b.weights) and a.weights.any()
+    assert a.current_weight().abs().max() <= 5000**-0.5 * 1.01
+    assert a.config.num_slots > 0 and b.config.num_slots == 0
+    out = a(torch.arange(0, 4000, 2), torch.arange(0, 2000, 4))
+    out.backward(torch.ones_like(out))
+    a.step()
+    assert a.stats()["steps"] == 1
+
+
+def test_beyond_gpu_rows_and_its_zipf_stream(monkeypatch):
+    """bench/beyond_gpu.py's default rows (FP32 just past the GPU's memory: 170M rows at dim 128
+    on an 80 GB H100) and its id stream (in range, skewed as its law says)."""
+    import torch
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)  # the script sets it on import
+    import beyond_gpu as bg
+
+    h100, h200 = 85_031_714_816, 150_121_545_728  # torch.cuda.mem_get_info()[1]
+    assert bg.default_rows(h100, 128) == 170_000_000
+    assert bg.default_rows(h200, 128) == 300_000_000
+    assert bg.default_rows(10**9, 16) * 16 * 4 > 10**9
+    z = bg.Zipf(100_003, 1.05, 200_000, torch.device("cpu"))
+    ids = z.batch()
+    assert ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < 100_003
+    counts = torch.bincount(ids, minlength=100_003).sort(descending=True).values
+    top = counts[:5000].sum().item() / ids.numel()
+    assert abs(top - z.top_share(5000)) < 0.02 and 0.5 < top < 1.0
+
+
+def test_beyond_gpu_rehearsal_writes_its_figures(tmp_path):
+    argv = ["--device", "cpu", "--quick", "--seconds", "1", "--window", "0.5"]
+    argv += ["--out", str(tmp_path)]
+    r = _run("beyond_gpu.py", argv, tmp_path / "beyond_gpu.json")
+    assert _strict(tmp_path / "beyond_gpu.json") == r
+    assert r["rehearsal"] is True and r["table"]["placement_used"] == "device"
+    assert r["table"]["rows"] == 200_000 and r["table"]["cache_slots"] == 9984
+    assert r["steps"] == sum(w["steps"] for w in r["windows"]) > 0
+    assert r["samples_per_s"] == pytest.approx(r["steps"] * r["bags"] / r["seconds"])
+    assert 0.0 < r["hit_rate"] <= r["top_rows_share"] + 0.02
+    assert r["last_window"] == r["windows"][-1]
+    assert set(r["build_seconds"]) == {"allocate", "move", "fill"}
+    m = r["memory"]
+    assert m["table"]["total"] == m["table"]["device"] > 0 and m["table"]["host"] == 0
+    assert m["fp32_bytes"] == 200_000 * 128 * 4
+    assert "pinned_max_round_threshold_mb:1024" in m["alloc_conf"]
+    md = (tmp_path / "beyond_gpu.md").read_text()
+    assert "samples/s, hit rate" in md and "**Rehearsal**" in md

@@ -284,3 +284,46 @@ def test_groups_updated_together_from_arrays_sized_for_every_lookup(emulated, mo
     for a, b in ((ours.first, theirs.first), (ours.second, theirs.second)):
         assert _same(_bytes(a), _bytes(b))
         assert _counts(a) == _counts(b)
+
+
+@needs_emulator
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_multi_hot_bags_of_every_mode_train_as_on_the_cpu(emulated, mode):
+    """Multi-hot, feature-major ids with empty bags (and per-sample weights with sum), INT4
+    rows, LRU, AdaGrad: the emulated kernels' padded backward and update give the CPU ops'
+    tables and statistics."""
+
+    def module():
+        torch.manual_seed(0)
+        tables = [BagTable("x", 900, 8, ("f0", "f1"), mode=mode), BagTable("y", 400, 4, mode=mode)]
+        return CachedLowPrecisionEmbeddingBags(
+            tables,
+            precision="int4",
+            cache_ratio=0.1,
+            associativity=4,
+            policy="lru",
+            optimizer="adagrad",
+            lr=0.05,
+            min_rows_for_low_precision=0,
+        )
+
+    ours, theirs = module(), module()
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    for _ in range(4):
+        lengths = torch.randint(0, 4, (3 * 6,), generator=gen)
+        ids = torch.cat(
+            [
+                torch.randint(0, rows, (int(lengths[f * 6 : (f + 1) * 6].sum()),), generator=gen)
+                for f, rows in enumerate((900, 900, 400))
+            ]
+        )
+        psw = torch.rand(ids.numel(), generator=gen) if mode == "sum" else None
+        for m, ops in ((ours, None), (theirs, embcache.group._ops.cpu_ops)):
+            with pytest.MonkeyPatch.context() as patch:
+                if ops is not None:
+                    patch.setattr(embcache.group, "_ops", ops)
+                out = m(ids, lengths, psw)
+                (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+                m.step()
+    assert _same(_bytes(ours), _bytes(theirs))
+    assert _counts(ours) == _counts(theirs)

@@ -580,22 +580,21 @@ def _start_hinted(
     forward's slot hints (if every group has them) and value bounds."""
     backwards = [b for _, b in selections]
     hinted = all(b.slots.numel() or not b.rows.numel() for b in backwards)
-    ranges, row_base, value_base = [], 0, 0
-    for b in backwards:  # each group's ranges, moved past the groups before it
-        r = b.ranges
-        if row_base or value_base:
-            r = r.clone()
-            r[:, :2] += row_base
-            r[:, 2] += value_base
-        ranges.append(r)
-        row_base, value_base = row_base + b.rows.numel(), value_base + b.grads.numel()
+    ranges = _joined([b.ranges for b in backwards])
+    if len(backwards) > 1:  # each group's ranges moved past the arrays of the groups before it
+        bases, row_base, value_base = [], 0, 0
+        for b in backwards:
+            bases += [[row_base, row_base, value_base]] * len(b.ranges)
+            row_base, value_base = row_base + b.rows.numel(), value_base + b.grads.numel()
+        # from pageable memory the copy is staged before it returns: nothing waits
+        ranges = ranges + torch.tensor(bases).to(ranges.device, non_blocking=True)
     return _launch(
         [(g, g._every) for g, _ in selections],
         _joined([b.rows for b in backwards]),
         _joined([b.grads for b in backwards]),
         _joined([b.occurrences for b in backwards]),
         _joined([b.slots for b in backwards]) if hinted else _NO_HINT,
-        _joined(ranges),
+        ranges,
         [x for b in backwards for x in b.bounds],
         gate,
         commit,

@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 from _common import environment, environment_markdown, filled_table, torch_device, write_text
 from bandwidth import CACHE_RATIO, WARMUP_STEPS, WAYS, Trace, calibrate, default_rows
-from kernel_bench import Engine, timed
+from kernel_bench import Engine, spread, timed
 
 LR = 0.01
 HOST_CACHED, HOST_UNCACHED, DEVICE_CACHED = "host + cache", "host, no cache", "device + cache"
@@ -244,10 +244,6 @@ def targets(points: list[dict]) -> list[dict]:
     return rows
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
 def markdown(result: dict) -> str:
     lines = [
         f"# A host-placed table behind its cache ({result['where']})",
@@ -275,7 +271,7 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {t['target']} | {t['run']} | {100 * t['hit_rate']:.1f}% | "
             f"{t['figure'] / 1e6:.3g}M {t['unit']} | {t['compared_with']}: "
-            f"{t['compared_value'] / 1e6:.3g}M | {_spread(t['ratio_rounds'], '.2f')} | "
+            f"{t['compared_value'] / 1e6:.3g}M | {spread(t['ratio_rounds'], '.2f')} | "
             f"{t['goal']:g} | {paper} | {'yes' if t['met'] else 'no'} |"
         )
     for run, r in result["runs"].items():

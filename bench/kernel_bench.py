@@ -436,7 +436,8 @@ def _cell(x, fmt: str = ".3g") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
+    """``median (min-max)`` of ``values``, each in ``fmt``."""
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
@@ -448,7 +449,7 @@ def markdown(result: dict) -> str:
         "",
         result["note"],
         "",
-        f"Device-to-device copy: {_spread(result['copy_gbs_rounds'], '.0f')} GB/s "
+        f"Device-to-device copy: {spread(result['copy_gbs_rounds'], '.0f')} GB/s "
         "(bytes read plus written; median and range).",
         "",
         "## Issue 50's targets",
@@ -461,7 +462,7 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {t['target']} | {t['run']} | {t['engine']} ({100 * t['hit_rate']:.1f}%) | "
             f"{t['figure']:.3g} {t['unit']} | {t['compared_with']}: {t['compared_value']:.3g} "
-            f"{t['unit']} | {_spread(t['ratio_rounds'], '.2f')} | {t['goal']:g} | "
+            f"{t['unit']} | {spread(t['ratio_rounds'], '.2f')} | {t['goal']:g} | "
             f"{'yes' if t['met'] else 'no'} |"
         )
     for run, r in result["runs"].items():
@@ -482,8 +483,8 @@ def markdown(result: dict) -> str:
         for name, e in r["engines"].items():
             hit = None if e["hit_rate"] is None else 100 * e["hit_rate"]
             lines.append(
-                f"| {name} | {_spread(e['forward_ms_rounds'], '.3g')} | "
-                f"{e['forward_gbs']:.3g} | {_spread(e['step_ms_rounds'], '.3g')} | "
+                f"| {name} | {spread(e['forward_ms_rounds'], '.3g')} | "
+                f"{e['forward_gbs']:.3g} | {spread(e['step_ms_rounds'], '.3g')} | "
                 f"{_cell(e['step_gbs'])} | {_cell(hit, '.1f')} | {_cell(e['syncs'], 'g')} | "
                 f"{_cell(e['launches'], 'g')} | {_cell(e['device_ms'])} | "
                 f"{_cell(e['kernel_share'], '.0%')} |"

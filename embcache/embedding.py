@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import functools
 import math
 import operator
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -279,15 +282,18 @@ class CachedLowPrecisionEmbedding(nn.Module):
             self.counts.zero_()
             self.optimizer_state.zero_()
 
-    def _write_rows(self, first: int, blocks: Iterator[tuple[int, torch.Tensor]] | None) -> None:
-        """Store FP32 rows, rounded to nearest: each block (source row ``r``, rows) goes to
-        this table's rows from ``r - first`` on; ``blocks=None`` stores this table's initial
-        rows (:func:`_initial_blocks`). Blocks are at most 2^16 rows, so no FP32 copy of the
-        table exists at once."""
+    def _write_rows(
+        self, first: int, blocks: Iterator[tuple[int, Callable[[], torch.Tensor]]] | None
+    ) -> None:
+        """Store FP32 rows, rounded to nearest: each block (source row ``r``, a function that
+        makes its rows) goes to this table's rows from ``r - first`` on; ``blocks=None``
+        stores this table's initial rows (:func:`_initial_blocks`). Blocks are at most 2^16
+        rows, made on several threads a few blocks ahead (:func:`_made_ahead`: drawing random
+        rows is one thread's work per block), so no FP32 copy of the table exists at once."""
         cfg = self.config
         if blocks is None:
             blocks = _initial_blocks(cfg, 0, cfg.num_embeddings, self.padding_idx)
-        for start, block in blocks:
+        for start, block in _made_ahead(blocks):
             at = start - first
             ids = torch.arange(at, at + block.shape[0], dtype=torch.int64)
             try:  # no step: rounded to nearest
@@ -793,16 +799,18 @@ def _state_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 def _initial_blocks(
     config: TableConfig, start: int, stop: int, padding_idx: int | None = None
-) -> Iterator[tuple[int, torch.Tensor]]:
+) -> Iterator[tuple[int, Callable[[], torch.Tensor]]]:
     """Rows ``[start, stop)`` of the initial FP32 values of a table with ``config``, as
-    (first row, rows) blocks: uniform in ``±sqrt(1 / rows)``, the 2^16 rows from
-    ``c * 2^16`` on drawn by a generator seeded by (seed, table id, ``c``), and row
-    ``padding_idx`` zero (as nn.EmbeddingBag's; every format stores zero exactly). So any
-    row range is drawn without drawing the rows before it, and a row-wise shard built on its
-    own holds the rows the whole table would."""
+    (first row, a function that draws the rows) blocks: uniform in ``±sqrt(1 / rows)``, the
+    2^16 rows from ``c * 2^16`` on drawn by a generator seeded by (seed, table id, ``c``), and
+    row ``padding_idx`` zero (as nn.EmbeddingBag's; every format stores zero exactly). So any
+    row range is drawn without drawing the rows before it, a row-wise shard built on its own
+    holds the rows the whole table would, and blocks may be drawn in any order, on any
+    thread."""
     rows, dim = config.num_embeddings, config.embedding_dim
     bound = math.sqrt(1.0 / rows)
-    for chunk in range(start // _INIT_CHUNK_ROWS, -(-stop // _INIT_CHUNK_ROWS)):
+
+    def draw(chunk: int, a: int, b: int) -> torch.Tensor:
         lo = chunk * _INIT_CHUNK_ROWS
         hi = min(lo + _INIT_CHUNK_ROWS, rows)
         seed = ((config.seed * 1_000_003 + config.table_id) * 1_000_003 + chunk) % (1 << 63)
@@ -810,11 +818,39 @@ def _initial_blocks(
         block = torch.empty(hi - lo, dim).uniform_(-bound, bound, generator=gen)
         if padding_idx is not None and lo <= padding_idx < hi:
             block[padding_idx - lo] = 0.0
-        a, b = max(lo, start), min(hi, stop)
-        yield a, block[a - lo : b - lo]
+        return block[a - lo : b - lo]
+
+    for chunk in range(start // _INIT_CHUNK_ROWS, -(-stop // _INIT_CHUNK_ROWS)):
+        lo = chunk * _INIT_CHUNK_ROWS
+        a, b = max(lo, start), min(lo + _INIT_CHUNK_ROWS, rows, stop)
+        yield a, functools.partial(draw, chunk, a, b)
 
 
-def _weight_blocks(weight: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """``weight``'s rows as FP32 (first row, rows) blocks of at most 2^16 rows."""
+def _weight_blocks(weight: torch.Tensor) -> Iterator[tuple[int, Callable[[], torch.Tensor]]]:
+    """``weight``'s rows as FP32 (first row, a function that makes the rows) blocks of at
+    most 2^16 rows."""
+
+    def fp32(start: int) -> torch.Tensor:
+        return weight[start : start + _INIT_CHUNK_ROWS].detach().float().contiguous()
+
     for start in range(0, weight.shape[0], _INIT_CHUNK_ROWS):
-        yield start, weight[start : start + _INIT_CHUNK_ROWS].detach().float().contiguous()
+        yield start, functools.partial(fp32, start)
+
+
+def _made_ahead(
+    blocks: Iterator[tuple[int, Callable[[], torch.Tensor]]],
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``blocks``' (first row, rows), in order, each made by its function on one of
+    ``torch.get_num_threads()`` threads, at most twice as many blocks ahead of the one
+    returned (torch's ops release the GIL)."""
+    workers = max(1, torch.get_num_threads())
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        ahead: collections.deque = collections.deque()
+        for start, make in blocks:
+            ahead.append((start, pool.submit(make)))
+            if len(ahead) >= 2 * workers:
+                first, made = ahead.popleft()
+                yield first, made.result()
+        while ahead:
+            first, made = ahead.popleft()
+            yield first, made.result()

@@ -250,7 +250,7 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
       starts((n + 1) * 8, stream);
   // Lookups of no valid bag (bad offsets) keep keys of all ones: past every feature, so that
   // no sum reads them (the error bits stop the update that would use the rest).
-  dev_fill(keys.p, 0xff, n * 8, stream);
+  if (n > 0) dev_fill(keys.p, 0xff, n * 8, stream);
   if (bags.nb > 0 && batch > 0)
     EC_LAUNCH(dedup_keys_kernel, grid_threads(bags.nb), block_dim(), stream, bags, batch,
               keys.as<uint64_t>(), pos.as<int64_t>(), bag_of.as<int64_t>(), errors);

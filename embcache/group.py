@@ -383,7 +383,7 @@ class TableGroup:
     def _forget_inputs(self, inputs: list[InputCheck]) -> None:
         """Drops these forwards' input checks from those still to be read: an update has read
         them."""
-        if inputs:
+        if inputs and self._unchecked:
             ids = {id(i) for i in inputs}
             self._unchecked = collections.deque(i for i in self._unchecked if id(i) not in ids)
 
@@ -410,11 +410,9 @@ class TableGroup:
         gradients used, the caches maybe changed, each table's sample of touched rows told."""
         counts = [e - s for s, e in zip(row_starts, row_starts[1:])]
         _ops.count_updates([self._counters[t] for t in chosen], counts)
+        self._backward = None  # (handed over already where not every table was chosen)
         if chosen == self._every:
-            self._backward = None
             self._inputs.clear()
-        else:
-            self._hand_over()
         for t in chosen:
             self._parts[t].clear()
         self._mark_touched(chosen, rows, row_starts)
@@ -495,16 +493,15 @@ class PendingUpdate:
     ranges. :meth:`finish` reads them (unless given) and does what follows: nothing if
     nothing was to be updated."""
 
-    def __init__(self, taken, rows, ranges, verdict, gate, inputs, commit) -> None:
+    def __init__(self, taken, rows, ranges, verdict, gate, gate_words, inputs, commit) -> None:
         self.taken = taken  # [(group, positions)], the tables in the op's order
         self.rows, self.commit = rows, commit
         self.inputs: list[InputCheck] = inputs
-        self.gate_words = 0 if gate is None else gate.numel()
-        parts = [] if gate is None else [gate]
-        parts += [i.errors for i in inputs]
-        if verdict is not None:
-            parts += [verdict.reshape(-1), ranges.reshape(-1)]
-        self.words = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        self.gate_words = gate_words  # the caller's, at the head of ``gate`` (then the inputs')
+        self.words = torch.empty(0, dtype=torch.int64)  # (nothing to update: nothing to read)
+        if taken:
+            parts = [] if gate is None else [gate]
+            self.words = torch.cat(parts + [verdict.reshape(-1), ranges.reshape(-1)])
 
     def finish(self, words: Sequence[int] | None = None) -> bool:
         """Whether the update was applied. Raises, having changed nothing: a forward's input
@@ -553,8 +550,9 @@ def _launch(taken, rows, grads, occ, hints, ranges, bounds, gate, commit) -> Pen
     """One ``multi_update`` of the tables ``taken`` ([(group, positions)]), gated by ``gate``
     and by the input errors of the forwards behind their gradients."""
     inputs = [i for g, _ in taken for i in g._inputs]
-    full_gate = None
-    if gate is not None or inputs:
+    gate_words = 0 if gate is None else gate.numel()
+    full_gate = gate
+    if inputs:
         full_gate = torch.cat(([] if gate is None else [gate]) + [i.errors for i in inputs])
     verdict = _ops.multi_update(
         [x for g, c in taken for x in g.state(c)],
@@ -570,7 +568,7 @@ def _launch(taken, rows, grads, occ, hints, ranges, bounds, gate, commit) -> Pen
         full_gate,
         commit,
     )
-    return PendingUpdate(taken, rows, ranges, verdict, gate, inputs, commit)
+    return PendingUpdate(taken, rows, ranges, verdict, full_gate, gate_words, inputs, commit)
 
 
 def _start_hinted(
@@ -619,7 +617,7 @@ def _start_merged(
             taken.append((group, mine))
             flat += [group._merged(t) for t in mine]
     if not flat:
-        return PendingUpdate([], None, [0], None, None, [], commit)
+        return PendingUpdate([], None, None, None, None, 0, [], commit)
     ranges, first, value = [], 0, 0
     for p in flat:
         ranges.append([first, first + p.rows.numel(), value])

@@ -23,6 +23,7 @@ from embcache import (
 from embcache.config import STATE_TENSORS, STORAGE_TENSORS
 from embcache.multi_table import BagTable
 from embcache.serialization import load
+from tests._runs import SMALL_RUN
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available()
@@ -31,17 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 OPS = torch.ops.embcache
 ROWS, DIM = 5000, 12
-SMALL = [
-    "--synthetic-scale",
-    "0.001",
-    "--synthetic-rows",
-    "20000",
-    "--batch-size",
-    "256",
-    "--eval-every",
-    "0",
-    "--no-progress",
-]
+SMALL = SMALL_RUN
 
 
 def _table(placement: str, device="cuda", **options) -> CachedLowPrecisionEmbedding:

@@ -16,20 +16,9 @@ from dlrm.data import batches
 from dlrm.data.synthetic import SyntheticCriteo
 from dlrm.distributed import ONE_PROCESS
 from dlrm.run_dir import latest_checkpoint
+from tests._runs import SMALL_RUN
 
-SMALL = [
-    "--synthetic-scale",
-    "0.001",
-    "--synthetic-rows",
-    "20000",
-    "--batch-size",
-    "256",
-    "--eval-every",
-    "0",
-    "--no-progress",
-    "--threads",
-    "1",
-]
+SMALL = [*SMALL_RUN, "--threads", "1"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

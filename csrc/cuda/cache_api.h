@@ -127,7 +127,7 @@ struct UpdateTable {
   TableSpec t;
   TableState state;
   int64_t row_start, row_end, value_start, step;
-  int64_t set_start;  // the table's first set in the op's numbering of sets (commit_updates)
+  int64_t set_start;  // the table's first set in the op's numbering of sets (update_tables)
   unsigned long long* device_counts;  // its DeviceCount words, the commit's from kCommitHits
 };
 
@@ -146,26 +146,21 @@ struct UpdateRows {
 /// (set << 31 | priority) keys of 64 bits.
 constexpr int64_t kMaxCommitSets = (int64_t(1) << 33) - 1;
 
-/// The update's first phase (changes nothing), for nt tables in one launch: every unique
-/// row's slot, new value and new optimizer state. Table t's flags: flags[2t] |= error bits;
-/// flags[2t + 1] = min(flags[2t + 1], a row whose new value cannot be stored): the caller
-/// sets those to ~0 first.
-void compute_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r, const float* g,
-                     float* fresh, float* fresh_state, int64_t* slots,
-                     unsigned long long* flags, Stream stream);
-
-/// The update's second phase, for nt tables in a few launches, all doing nothing unless every
-/// table's verdict (compute_updates' flags) is clean and the ngate words of `gate` are 0 (a
-/// decision made on the device): writes what compute_updates computed: optimizer state, LFU
-/// counts, then one warp per touched set decides the insert/evict/bypass rule (one sort
-/// orders every table's candidates) and one warp per unique row writes it into its slot or
-/// its table row. Table t's device_counts += its unique hits, insertions and evictions, on
-/// the device. Throws, before any launch, if the cached tables have more than kMaxCommitSets
-/// sets together.
-void commit_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r,
-                    const float* fresh, const float* fresh_state, const int64_t* slots,
-                    const int64_t* occ, const unsigned long long* verdict, const int64_t* gate,
-                    int64_t ngate, Stream stream);
+/// The update of nt tables in a few launches, in two phases. First (changing nothing) every
+/// unique row's slot, new value and new optimizer state, into fresh, fresh_state and slots;
+/// table t's verdict: verdict[2t] |= error bits, verdict[2t + 1] = min(verdict[2t + 1], a row
+/// whose new value cannot be stored) (the caller sets those to ~0 first). Then, if `commit`,
+/// the commit, whose launches all do nothing unless every table's verdict is clean and the
+/// ngate words of `gate` are 0 (a decision made on the device): optimizer state, LFU counts,
+/// then one warp per touched set decides the insert/evict/bypass rule (one sort orders every
+/// table's candidates) and one warp per unique row writes it into its slot or its table row.
+/// Table t's device_counts += its unique hits, insertions and evictions, on the device.
+/// Throws, before any launch, if a commit's cached tables have more than kMaxCommitSets sets
+/// together.
+void update_tables(const UpdateTable* tables, int64_t nt, const UpdateRows& r, const float* g,
+                   float* fresh, float* fresh_state, int64_t* slots, const int64_t* occ,
+                   unsigned long long* verdict, bool commit, const int64_t* gate, int64_t ngate,
+                   Stream stream);
 
 }  // namespace EMBCACHE_GPU_NS
 }  // namespace embcache

@@ -183,7 +183,7 @@ multi_dedup_backward(const at::Tensor& indices, const at::Tensor& offsets,
 
 /// As on the CPU: every table's update is computed and checked (into buffers), and committed
 /// only if every table can take it and the gate is all 0; that decision is made on the
-/// device (commit_updates' `go`), so nothing is read back: the verdict is returned.
+/// device (update_tables' `go`), so nothing is read back: the verdict is returned.
 inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
                                const at::Tensor& unique_rows, const at::Tensor& grads,
                                const at::Tensor& occurrences, const at::Tensor& slot_hints,
@@ -215,16 +215,12 @@ inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
   // The verdict: table t's [error bits, the smallest row it cannot store (~0: none)] at 2t.
   const at::Tensor verdict = flag_words(unique_rows, 2 * nt);
   verdict.view({nt, 2}).select(1, 1).fill_(-1);
-  compute_updates(parts.data(), nt, r, grads.data_ptr<float>(), fresh.data_ptr<float>(),
-                  fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(), words(verdict),
-                  current_stream());
-  if (commit) {
-    const bool gated = gate.has_value() && gate->numel() > 0;
-    commit_updates(parts.data(), nt, r, fresh.data_ptr<float>(), fresh_state.data_ptr<float>(),
-                   slots.data_ptr<int64_t>(), occurrences.data_ptr<int64_t>(), words(verdict),
-                   gated ? gate->data_ptr<int64_t>() : nullptr, gated ? gate->numel() : 0,
-                   current_stream());
-  }
+  const bool gated = gate.has_value() && gate->numel() > 0;
+  update_tables(parts.data(), nt, r, grads.data_ptr<float>(), fresh.data_ptr<float>(),
+                fresh_state.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                occurrences.data_ptr<int64_t>(), words(verdict), commit,
+                gated ? gate->data_ptr<int64_t>() : nullptr, gated ? gate->numel() : 0,
+                current_stream());
   return verdict.view({nt, 2});
 }
 

@@ -455,7 +455,7 @@ class MixedPrecisionTrainer:
                     self._backup.restore()
                 if self.protocol_embedding is not None:
                     self.protocol_embedding.zero_grad()
-                if refused is not None and not found_inf:
+                if refused is not None:
                     raise StepRefusedError(self.report.steps + 1, refused)
             else:
                 if not stepped:

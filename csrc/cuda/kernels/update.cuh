@@ -315,33 +315,13 @@ inline int bit_length(uint64_t n) {
   return bits;
 }
 
-/// The op's tables in device memory, their rows placed from the ranges (place_tables_kernel).
-struct PlacedTables {
-  DeviceArray<UpdateTable> d;
-  PlacedTables(const UpdateTable* tables, int64_t nt, const UpdateRows& r, unsigned long long* flags,
-               Stream stream)
-      : d(tables, nt, stream) {
-    EC_LAUNCH(place_tables_kernel, 1, block_dim(), stream, const_cast<UpdateTable*>(d.get()), nt,
-              r.ranges, r.n, r.grads_numel, flags);
-  }
-};
-
-void compute_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r, const float* g,
-                     float* fresh, float* fresh_state, int64_t* slots,
-                     unsigned long long* flags, Stream stream) {
+void update_tables(const UpdateTable* tables, int64_t nt, const UpdateRows& r, const float* g,
+                   float* fresh, float* fresh_state, int64_t* slots, const int64_t* occ,
+                   unsigned long long* verdict, bool commit, const int64_t* gate, int64_t ngate,
+                   Stream stream) {
   if (nt == 0) return;
-  const PlacedTables placed(tables, nt, r, flags, stream);
-  if (r.n == 0) return;
-  EC_LAUNCH(compute_update_kernel, grid_warps(r.n), block_dim(), stream, placed.d.get(), nt,
-            r.rows, r.n, g, fresh, fresh_state, r.state_stride, slots, flags);
-}
-
-void commit_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r,
-                    const float* fresh, const float* fresh_state, const int64_t* slots,
-                    const int64_t* occ, const unsigned long long* verdict, const int64_t* gate,
-                    int64_t ngate, Stream stream) {
-  const int64_t n = r.n;
-  if (nt == 0 || n == 0) return;
+  // The tables, their sets numbered for the commit's one sort, in device memory once for
+  // both phases; their rows are placed there (place_tables_kernel).
   std::vector<UpdateTable> numbered(tables, tables + nt);
   int64_t sets = 0;
   bool any_lfu = false;
@@ -350,18 +330,23 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r,
     sets += t.t.num_sets;
     any_lfu = any_lfu || t.t.lfu();
   }
-  if (sets > kMaxCommitSets)
+  if (commit && sets > kMaxCommitSets)
     throw std::runtime_error("embcache (cuda): the cached tables of one update have " +
                              std::to_string(sets) + " sets together, more than the " +
                              std::to_string(kMaxCommitSets) + " one commit can order");
-  // (the verdict already holds any range's error: placing them again flags nothing new)
-  const PlacedTables placed(numbered.data(), nt, r, const_cast<unsigned long long*>(verdict),
-                            stream);
-  const UpdateTable* d = placed.d.get();
+  const DeviceArray<UpdateTable> placed(numbered.data(), nt, stream);
+  const UpdateTable* d = placed.get();
+  EC_LAUNCH(place_tables_kernel, 1, block_dim(), stream, const_cast<UpdateTable*>(d), nt,
+            r.ranges, r.n, r.grads_numel, verdict);
+  const int64_t n = r.n;
+  if (n == 0) return;
+  EC_LAUNCH(compute_update_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n, g,
+            fresh, fresh_state, r.state_stride, slots, verdict);
+  if (!commit) return;
   Scratch go_word(sizeof(int), stream);
   const int* go = go_word.as<int>();
-  EC_LAUNCH(decide_commit_kernel, 1, block_dim(), stream, verdict, nt, gate, ngate,
-            go_word.as<int>());
+  EC_LAUNCH(decide_commit_kernel, 1, block_dim(), stream, (const unsigned long long*)verdict, nt,
+            gate, ngate, go_word.as<int>());
   const uint64_t no_set = (uint64_t)sets;
   // dest and evicted (decide_sets_kernel), -1 (every byte 0xff): each row to the table.
   Scratch moves(n * 16, stream);
@@ -370,22 +355,22 @@ void commit_updates(const UpdateTable* tables, int64_t nt, const UpdateRows& r,
   int64_t* evicted = dest + n;
   if (sets == 0) {
     EC_LAUNCH(commit_rows_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n,
-              fresh_state, r.state_stride, occ, no_set, (uint64_t*)nullptr, (int64_t*)nullptr,
-              go);
+              (const float*)fresh_state, r.state_stride, occ, no_set, (uint64_t*)nullptr,
+              (int64_t*)nullptr, go);
   } else {
     Scratch keys(n * 8, stream), vals(n * 8, stream);
     EC_LAUNCH(commit_rows_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n,
-              fresh_state, r.state_stride, occ, no_set, keys.as<uint64_t>(), vals.as<int64_t>(),
-              go);
+              (const float*)fresh_state, r.state_stride, occ, no_set, keys.as<uint64_t>(),
+              vals.as<int64_t>(), go);
     // Only the bits that vary: the priority's (LFU) and the set's, up to no_set.
     sort_pairs_u64_i64(keys.as<uint64_t>(), vals.as<int64_t>(), n, any_lfu ? 0 : 31,
                        31 + bit_length(no_set), stream);
-    EC_LAUNCH(decide_sets_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, slots,
-              (const uint64_t*)keys.as<uint64_t>(), (const int64_t*)vals.as<int64_t>(), n,
-              no_set, dest, evicted, go);
+    EC_LAUNCH(decide_sets_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows,
+              (const int64_t*)slots, (const uint64_t*)keys.as<uint64_t>(),
+              (const int64_t*)vals.as<int64_t>(), n, no_set, dest, evicted, go);
   }
-  EC_LAUNCH(write_rows_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n, fresh,
-            (const int64_t*)dest, (const int64_t*)evicted, go);
+  EC_LAUNCH(write_rows_kernel, grid_warps(n), block_dim(), stream, d, nt, r.rows, n,
+            (const float*)fresh, (const int64_t*)dest, (const int64_t*)evicted, go);
 }
 
 }  // namespace EMBCACHE_GPU_NS

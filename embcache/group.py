@@ -39,6 +39,7 @@ _ERROR_BITS = (
     (2, "offsets must start at 0, not decrease and end at len(indices)"),
     (1, "an index is out of range"),
     (4, "unique rows must be ascending and in range"),
+    (8, "row ranges must be ascending, disjoint and within the arrays"),
 )
 
 

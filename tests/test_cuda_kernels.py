@@ -724,6 +724,35 @@ def test_refused_inputs_change_nothing(backend):
     # rows are not committed
     verdict = unsorted(b.ops, twin.dev, b.to, twin.dev_counters, twin.dev_commit)
     assert verdict[0, 0].item() == 4  # kBadUniqueRows
+    # a table's rows said to run past the arrays: refused on the CPU, flagged on the device
+    # (kBadRanges), and not committed either way
+    past = torch.tensor([[0, 4, 0]])
+    with pytest.raises(RuntimeError, match="row_ranges of table 0"):
+        CPU.multi_update(
+            twin._args(twin.cpu),
+            twin.specs,
+            rows,
+            grads.flatten(),
+            occ,
+            none,
+            past,
+            [-1.0],
+            [twin.cpu_counters],
+            [twin.cpu_commit],
+        )
+    verdict = b.ops.multi_update(
+        twin._args(twin.dev),
+        twin.specs,
+        b.to(rows),
+        b.to(grads.flatten()),
+        b.to(occ),
+        b.to(none),
+        b.to(past),
+        [-1.0],
+        [twin.dev_counters],
+        [twin.dev_commit],
+    )
+    assert verdict[0, 0].item() == 8
     twin.compare_state("after refused calls")
 
 

@@ -1,12 +1,12 @@
 """Issue 51 item 5: one table whose FP32 size exceeds the memory of the GPU it trains on.
 
 One table of ``--rows`` rows x dim 128 (``--dim``), INT8 (``--precision``) with
-``placement="host"``: its stored rows and LFU counts in pinned host memory, read and written in
-place by the CUDA kernels, its 5% 32-way LFU FP32 cache (``--cache-ratio``, ``--ways``,
-``--policy``) in GPU memory. By default ``rows`` is the smallest multiple of 10M whose FP32
+``placement="host"``: its stored rows in pinned host memory, read and written in place by the
+CUDA kernels, its 5% 32-way LFU FP32 cache (``--cache-ratio``, ``--ways``, ``--policy``) and
+LFU counts in GPU memory. By default ``rows`` is the smallest multiple of 10M whose FP32
 table (rows x dim x 4 bytes) is larger than the GPU's whole memory (``torch.cuda.mem_get_info``):
-on an 80 GB H100 (79.2 GiB) 170M rows, 87 GB at FP32, 22.4 GB of INT8 rows and 0.34 GB of
-counts in host memory, a 4.35 GB cache on the GPU; on a 141 GB H200 300M rows. Before building,
+on an 80 GB H100 (79.2 GiB) 170M rows, 87 GB at FP32, 22.4 GB of INT8 rows in host memory, a 4.35 GB
+cache and 0.34 GB of counts on the GPU; on a 141 GB H200 300M rows. Before building,
 the host's available memory (``/proc/meminfo``) must hold the storage with a tenth to spare.
 
 **Build.** The table's own initialisation draws its rows on the CPU with one generator per

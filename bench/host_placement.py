@@ -29,16 +29,17 @@ an FP32 row, a miss its stored row), and the bytes a step reads and writes in ho
 
 **Host bytes a step** (``host_bytes``), counted from the table's own counters over the timed
 steps (``stats()``: lookups, hits, unique rows, unique misses, evictions, bypasses) by what the
-CUDA kernels (``csrc/cuda/kernels``) read and write in a host table's storage, with ``R`` the
-stored row's bytes (payload and qparams: 132 at INT8, dim 128), ``S`` the optimizer state's
-bytes a row (0 for SGD) and ``C`` the LFU count's (2; 0 without a cache):
+CUDA kernels (``csrc/cuda/kernels``) read and write in a host table's storage
+(``TableConfig.storage_tensors``: the stored rows, and AdaGrad's per-element state; the LFU
+counts and row-wise accumulators stay on the GPU), with ``R`` the stored row's bytes (payload
+and qparams: 132 at INT8, dim 128) and ``S`` the per-element optimizer state's bytes a row
+(``4 x dim`` for AdaGrad, else 0):
 
 * forward read: ``misses x R`` (every lookup that misses dequantizes its stored row);
 * update read: ``unique_misses x R`` (the optimizer reads an uncached row's stored value
-  again), plus ``unique_rows x (S + 2C)`` (the state; the count read by its increment and by
-  the set's decision);
+  again), plus ``unique_rows x S``;
 * update write: ``(bypasses + evictions) x R`` (a row that does not enter the cache is
-  rounded into the table; so is the row an insertion evicts), plus ``unique_rows x (S + C)``.
+  rounded into the table; so is the row an insertion evicts), plus ``unique_rows x S``.
 
 An inserted row's value goes into the cache only; a hit reads no host memory. These are bytes
 the kernels access, an upper bound of what crosses PCIe (the GPU's L2 may serve a row read twice
@@ -132,13 +133,13 @@ def build(rows: int, dim: int, device: torch.device, precision: str, policy: str
 def host_bytes(config, delta: dict, steps: int) -> dict:
     """Bytes a step reads and writes in a table's storage (module docstring), from the
     table's counters' ``delta`` over ``steps`` steps."""
-    row, state = config.row_bytes, config.optimizer_state_width * 4
-    count = config.counts_dtype.itemsize if config.keeps_counts else 0
+    row = config.row_bytes
+    state = config.optimizer_state_width * 4 if "optimizer_state" in config.storage_tensors else 0
     unique = delta["unique_rows"]
     parts = {
         "forward_read": (delta["lookups"] - delta["hits"]) * row,
-        "update_read": delta["unique_misses"] * row + unique * (state + 2 * count),
-        "update_write": (delta["bypasses"] + delta["evictions"]) * row + unique * (state + count),
+        "update_read": delta["unique_misses"] * row + unique * state,
+        "update_write": (delta["bypasses"] + delta["evictions"]) * row + unique * state,
     }
     parts = {k: v / steps for k, v in parts.items()}
     parts["total"] = sum(parts.values())

@@ -76,29 +76,32 @@ inline std::string memory_of(const at::Tensor& v) {
 }
 
 /// Where table `t`'s state tensors `x` (kNumStateTensors, in EMBCACHE_STATE_TENSORS order)
-/// lie, checked by their tiers (kStateTensorTiers), the seam between storage and cache:
+/// lie, checked by their tiers (state_tier: the optimizer's values a row are optimizer_state's
+/// elements over weights' rows), the seam between storage and cache:
 ///   * its cache tensors on one device, the op's: that of cache_tags;
 ///   * its storage tensors all in one place: on that same device (Placement::kDevice), or,
 ///     where that device is not the CPU, in pinned host memory (Placement::kHost: weights
-///     pinned, and the others with them). A storage tensor without elements (the counts of a
-///     table that keeps none, an SGD table's optimizer state) has no memory to place, so a
-///     CPU one goes with pinned weights.
+///     pinned, and the others with them). A storage tensor without elements has no memory to
+///     place, so a CPU one goes with pinned weights.
 /// On the CPU (and on the warp emulator, whose "device" is the CPU) a table is therefore all
 /// CPU tensors, pinned or not, as before. Otherwise one error naming the table and the tensor.
 inline Placement state_placement(const at::Tensor* x, size_t t) {
   const at::Device op = x[kCacheTags].device();
   const bool host = !op.is_cpu() && x[kWeights].is_cpu() && x[kWeights].is_pinned();
+  const int64_t rows = x[kWeights].size(0);
+  const int64_t width = rows > 0 ? x[kOptimizerState].numel() / rows : 0;
   for (int i = 0; i < kNumStateTensors; ++i) {
     const at::Tensor& v = x[i];
-    if (kStateTensorTiers[i] == kCache) {
+    if (state_tier(i, width) == kCache) {
       TORCH_CHECK(v.device() == op, "embcache: table ", t, ": ", kStateTensorNames[i], " is on ",
-                  memory_of(v), ": a table's cache tensors must all be on the device of its "
+                  memory_of(v), ": a table's cache tensors (its cache, LFU counts and an "
+                  "optimizer state of one value a row) must all be on the device of its "
                   "cache_tags, ", op);
     } else if (host) {
       TORCH_CHECK(v.is_cpu() && (v.numel() == 0 || v.is_pinned()), "embcache: table ", t, ": ",
                   kStateTensorNames[i], " is on ", memory_of(v),
                   ": its weights are in pinned host memory, and a table's storage (weights, "
-                  "counts, optimizer_state) must all be there");
+                  "and an optimizer state of a value an element) must all be there");
     } else {
       TORCH_CHECK(v.device() == op, "embcache: table ", t, ": ", kStateTensorNames[i], " is on ",
                   memory_of(v), ": a table's storage must be on the device of its cache, ", op,

@@ -26,8 +26,9 @@ MAX_ASSOCIATIVITY = 32
 ROUNDINGS = ("nearest", "stochastic")
 POLICIES = ("lru", "lfu")
 LFU_COUNT_BITS = (16, 32, 8)
-# Where a table's storage (STORAGE_TENSORS) lies: with its cache on the table's device, or in
-# pinned host memory that a GPU reads and writes in place (docs/design.md, "Host placement")
+# Where a table's storage (TableConfig.storage_tensors) lies: with its cache on the table's
+# device, or in pinned host memory that a GPU reads and writes in place (docs/design.md, "Host
+# placement")
 PLACEMENTS = ("device", "host")
 # TableConfig fields newer than some checkpoints, with the value those checkpoints' tables had
 ADDED_FIELDS = {"lfu_count_bits": 32, "placement": "device"}
@@ -59,9 +60,10 @@ COUNTERS = (
 # when read)
 DEVICE_COUNTS = ("lookups", "hits", "unique_hits", "insertions", "evictions")
 # as csrc/include/embcache/table_spec.h: EMBCACHE_STATE_TENSORS, a table's state tensors (the
-# table module's buffers) in the order the ops take them, and each one's tier: "storage" (the
-# stored rows and their per-row state: in pinned host memory for placement="host") or "cache"
-# (on the table's device whatever its placement)
+# table module's buffers) in the order the ops take them, and each one's tier: "storage" (what
+# is as wide as the rows: in pinned host memory for placement="host") or "cache" (on the
+# table's device whatever its placement); optimizer_state's is per-element state's
+# (TableConfig.storage_tensors applies state_tier's rule)
 STATE_TENSORS = (
     "weights",
     "cache_tags",
@@ -71,8 +73,7 @@ STATE_TENSORS = (
     "counts",
     "optimizer_state",
 )
-STATE_TIERS = ("storage", "cache", "cache", "cache", "cache", "storage", "storage")
-STORAGE_TENSORS = tuple(n for n, tier in zip(STATE_TENSORS, STATE_TIERS) if tier == "storage")
+STATE_TIERS = ("storage", "cache", "cache", "cache", "cache", "cache", "storage")
 # as csrc/include/embcache/table_spec.h: EMBCACHE_SPEC_FIELDS, the fields of TableConfig.spec()
 SPEC_FIELDS = (
     "rows",
@@ -105,10 +106,11 @@ class TableConfig:
     TorchRec's, SUM, while :class:`~embcache.CachedLowPrecisionEmbedding` defaults to
     ``nn.EmbeddingBag``'s, mean.
 
-    ``placement`` says where the table's storage (its stored rows, LFU counts and optimizer
-    state: :data:`STORAGE_TENSORS`) lives when the table is on a GPU: ``"device"``, in GPU
+    ``placement`` says where the table's storage (its stored rows, and AdaGrad's per-element
+    state: :attr:`storage_tensors`) lives when the table is on a GPU: ``"device"``, in GPU
     memory with its cache, or ``"host"``, in pinned host memory that the GPU reads and writes
-    in place, the cache staying in GPU memory. It changes where bytes live, never their
+    in place, the cache (with the LFU counts and row-wise AdaGrad's accumulators) staying in
+    GPU memory. It changes where bytes live, never their
     values, so it is not part of a table's identity: a checkpoint loads across placements.
     """
 
@@ -245,6 +247,19 @@ class TableConfig:
     def optimizer_state_width(self) -> int:
         """FP32 accumulators per row: 0 (SGD), 1 (row-wise AdaGrad), dim (AdaGrad)."""
         return {"sgd": 0, "rowwise_adagrad": 1, "adagrad": self.embedding_dim}[self.optimizer]
+
+    @property
+    def storage_tensors(self) -> tuple[str, ...]:
+        """The state tensors of the storage tier, in pinned host memory for
+        ``placement="host"`` (csrc/include/embcache/table_spec.h, ``state_tier``): those of
+        :data:`STATE_TIERS`'s storage tier, but an optimizer state of at most one value a row,
+        which every update reads and writes (for a cached row too), goes with the cache."""
+        per_row_state = self.optimizer_state_width <= 1
+        return tuple(
+            name
+            for name, tier in zip(STATE_TENSORS, STATE_TIERS)
+            if tier == "storage" and not (name == "optimizer_state" and per_row_state)
+        )
 
     def spec(self) -> torch.Tensor:
         """The table as the ops take it: one int64 per field of :data:`SPEC_FIELDS`, lr and eps

@@ -19,7 +19,6 @@ from embcache.config import (
     COUNTERS,
     DEVICE_COUNTS,
     STATE_TENSORS,
-    STORAGE_TENSORS,
     WHERE_FIELDS,
     TableConfig,
 )
@@ -67,9 +66,10 @@ class CachedLowPrecisionEmbedding(nn.Module):
       configuration, step count and statistics as extra state) resumes a run bit-identically.
     * Evaluation forwards (``module.eval()``) and refused calls change no state at all.
     * With ``placement="host"`` (docs/design.md, "Host placement") the storage tensors
-      (``weights``, ``counts``, ``optimizer_state``: :data:`embcache.config.STORAGE_TENSORS`)
-      are allocated in pinned host memory and stay there when the module moves to a GPU,
-      whose kernels read and write them in place; the cache tensors move. Such a table needs
+      (``weights``, and AdaGrad's per-element ``optimizer_state``:
+      :attr:`~embcache.config.TableConfig.storage_tensors`) are allocated in pinned host
+      memory and stay there when the module moves to a GPU, whose kernels read and write them
+      in place; the cache tensors (with the LFU counts and row-wise accumulators) move. Such a table needs
       CUDA: where torch has none it is refused when built.
 
     The kernels see a table through ``spec`` (its configuration packed once,
@@ -220,7 +220,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         def state(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
             if device is not None:
                 return torch.empty(shape, dtype=dtype, device=device)
-            if pinned and name in STORAGE_TENSORS:
+            if pinned and name in cfg.storage_tensors:
                 return torch.empty(shape, dtype=dtype, pin_memory=True)
             return _state_tensor(shape, dtype)
 
@@ -249,7 +249,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         if self.config.placement != "host":
             return super()._apply(fn, recurse)
         buffers = self._buffers
-        storage = {k: buffers[k] for k in STORAGE_TENSORS}
+        storage = {k: buffers[k] for k in self.config.storage_tensors}
         for k in storage:  # nn.Module._apply passes None buffers by, keeping their order
             buffers[k] = None
         try:
@@ -269,7 +269,7 @@ class CachedLowPrecisionEmbedding(nn.Module):
         buffers = self.__dict__.get("_buffers", {})
         tags = buffers.get("cache_tags")
         if self.config.placement == "host" and tags is not None and tags.device.type == "cuda":
-            for k in STORAGE_TENSORS:
+            for k in self.config.storage_tensors:
                 buffers[k] = _host_storage(buffers[k])
 
     def _reset_state(self) -> None:

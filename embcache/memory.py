@@ -4,7 +4,7 @@ compression factor all use."""
 
 from __future__ import annotations
 
-from embcache.config import STORAGE_TENSORS, TableConfig
+from embcache.config import TableConfig
 
 # the state tensor (embcache.config.STATE_TENSORS) that holds each component of the bytes
 COMPONENT_TENSORS = {
@@ -24,8 +24,8 @@ def memory_breakdown(config: TableConfig) -> dict:
     table payload and qparams, FP32 cache rows, int32 tags and priorities per slot, an int32
     priority floor per set, int32 LFU counts per table row, FP32 optimizer accumulators for
     every row; ``total`` is their sum. ``device`` and ``host`` split ``total`` by where it
-    lives: ``host`` is the storage (stored rows, LFU counts, optimizer state) of a table with
-    ``placement="host"``, in pinned host memory; ``device`` is the rest, in the memory of the
+    lives: ``host`` is the storage (:attr:`TableConfig.storage_tensors`: the stored rows, and
+    AdaGrad's per-element state) of a table with ``placement="host"``, in pinned host memory; ``device`` is the rest, in the memory of the
     device the table runs on (host memory too for a table on the CPU)."""
     rows, dim, slots = config.num_embeddings, config.embedding_dim, config.num_slots
     parts = {
@@ -40,7 +40,8 @@ def memory_breakdown(config: TableConfig) -> dict:
     }
     host = 0
     if config.placement == "host":
-        host = sum(b for k, b in parts.items() if COMPONENT_TENSORS[k] in STORAGE_TENSORS)
+        storage = config.storage_tensors
+        host = sum(b for k, b in parts.items() if COMPONENT_TENSORS[k] in storage)
     parts["total"] = sum(parts.values())
     parts["device"] = parts["total"] - host
     parts["host"] = host

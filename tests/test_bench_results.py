@@ -292,15 +292,15 @@ def test_placement_rehearsal_reports_every_engine_its_host_bytes_and_issue_51s_t
             assert x["forward_lookups_per_s"] == pytest.approx(256 / x["forward_ms"] * 1e3)
             b = x["host_bytes"]
             parts = b["forward_read"] + b["update_read"] + b["update_write"]
-            assert b["total"] == pytest.approx(parts) and b["total"] > 0
+            assert b["total"] == pytest.approx(parts)
             assert x["pcie_bytes"] == (b["total"] if n != hp.DEVICE_CACHED else 0.0)
         # without a cache every lookup reads its row, every updated row is read and written
         b = e[hp.HOST_UNCACHED]["host_bytes"]
         assert b["forward_read"] == 256 * row_bytes
         timed = result["rounds"] * result["steps"]  # a step's bytes: the mean over these
         assert b["update_read"] == b["update_write"] and b["update_read"] * timed % row_bytes == 0
-        if pt["target"] == 1.0:  # all hits: no stored row read; LFU counts still move
-            assert e[hp.HOST_CACHED]["host_bytes"]["forward_read"] == 0
+        if pt["target"] == 1.0:  # all hits, SGD: nothing in host memory is read or written
+            assert e[hp.HOST_CACHED]["host_bytes"]["total"] == 0
     targets = result["targets"]
     assert [(t["hit_rate_target"], t["phase"]) for t in targets] == [
         (0.95, "forward"),

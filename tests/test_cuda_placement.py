@@ -20,7 +20,7 @@ from embcache import (
     TableOptimizer,
     swap,
 )
-from embcache.config import STATE_TENSORS, STORAGE_TENSORS
+from embcache.config import STATE_TENSORS
 from embcache.multi_table import BagTable
 from embcache.serialization import load
 from tests._runs import SMALL_RUN
@@ -44,7 +44,7 @@ def _table(placement: str, device="cuda", **options) -> CachedLowPrecisionEmbedd
 
 def _assert_host_placed(m: CachedLowPrecisionEmbedding) -> None:
     for name, t in zip(STATE_TENSORS, m.state_tensors()):
-        if name in STORAGE_TENSORS:
+        if name in m.config.storage_tensors:
             assert t.device.type == "cpu" and (t.numel() == 0 or t.is_pinned()), name
         else:
             assert t.device.type == "cuda", name
@@ -89,12 +89,16 @@ def test_storage_lies_in_pinned_host_memory_and_the_cache_on_the_gpu():
     built_there = _table("host")
     _assert_host_placed(built_there)
     m = _table("host", device="cpu")
-    storage = [t.data_ptr() for t in (m.weights, m.counts, m.optimizer_state) if t.numel()]
+    def storage_addresses() -> list[int]:
+        tensors = [getattr(m, name) for name in m.config.storage_tensors]
+        return [t.data_ptr() for t in tensors if t.numel()]
+
+    storage = storage_addresses()
     assert all(t.device.type == "cpu" for t in m.state_tensors())
     assert m.weights.is_pinned()  # pinned from the start: moving copies none of it
     m.cuda()
     _assert_host_placed(m)
-    assert [t.data_ptr() for t in (m.weights, m.counts, m.optimizer_state) if t.numel()] == storage
+    assert storage_addresses() == storage
     m.cpu()  # on the CPU it is all CPU
     assert all(t.device.type == "cpu" for t in m.state_tensors())
     assert OPS.state_placement(list(m.state_tensors())) == ["device"]

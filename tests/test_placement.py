@@ -23,7 +23,7 @@ from embcache import (
     plan,
     swap,
 )
-from embcache.config import ADDED_FIELDS, STATE_TENSORS, STORAGE_TENSORS
+from embcache.config import ADDED_FIELDS, STATE_TENSORS
 from embcache.multi_table import BagTable
 from embcache.planner import (
     candidates,
@@ -144,15 +144,21 @@ def _state(m: CachedLowPrecisionEmbedding, meta=()) -> list[torch.Tensor]:
     ]
 
 
-def test_the_ops_rule_of_where_a_tables_state_lies():
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
+def test_the_ops_rule_of_where_a_tables_state_lies(optimizer):
     """``state_placement`` applies the rule every op checks its tables' state with: the cache
-    on one device, the op's; the storage with it or (only beside a device that is not the
-    CPU) all of it in pinned host memory. The CPU build has no second memory space to offer,
-    so the refusals are reached with meta tensors standing for a device's."""
-    m = CachedLowPrecisionEmbedding(3000, 8, cache_ratio=0.1, policy="lfu", optimizer="adagrad")
+    (with the LFU counts and an optimizer state of one value a row) on one device, the op's;
+    the storage (the stored rows, and AdaGrad's per-element state) with it or (only beside a
+    device that is not the CPU) all of it in pinned host memory. The CPU build has no second
+    memory space to offer, so the refusals are reached with meta tensors standing for a
+    device's. The op's tiers are the configuration's (``storage_tensors``)."""
+    m = CachedLowPrecisionEmbedding(3000, 8, cache_ratio=0.1, policy="lfu", optimizer=optimizer)
+    storage = m.config.storage_tensors
+    per_element = optimizer == "adagrad"
+    assert storage == (("weights", "optimizer_state") if per_element else ("weights",))
     assert OPS.state_placement(_state(m)) == ["device"]  # all on the CPU
     assert OPS.state_placement(_state(m, STATE_TENSORS)) == ["device"]  # all on one device
-    cache = [n for n in STATE_TENSORS if n not in STORAGE_TENSORS]
+    cache = [n for n in STATE_TENSORS if n not in storage]
 
     def refused(state, table, tensor, why):
         with pytest.raises(RuntimeError) as e:
@@ -162,13 +168,15 @@ def test_the_ops_rule_of_where_a_tables_state_lies():
 
     # the storage in ordinary host memory beside a device: neither with the cache nor pinned
     refused(_state(m, cache), 0, "weights", "or all of it in pinned host memory")
-    # the storage split: a part of it elsewhere
-    refused(_state(m, ["counts"]), 0, "counts", "storage must be on the device of its cache")
-    refused(_state(m, ["optimizer_state"]), 0, "optimizer_state", "storage must be on")
-    # the cache split
-    refused(_state(m, ["cache_rows"]), 0, "cache_rows", "cache tensors must all be on the device")
+    # the cache split: the counts and a per-row optimizer state are the cache's
+    refused(_state(m, ["cache_rows"]), 0, "cache_rows", "must all be on the device of its cache_tags")
+    refused(_state(m, ["counts"]), 0, "counts", "must all be on the device of its cache_tags")
+    if per_element:  # the storage split: a part of it elsewhere
+        refused(_state(m, ["optimizer_state"]), 0, "optimizer_state", "storage must be on")
+    else:
+        refused(_state(m, ["optimizer_state"]), 0, "optimizer_state", "must all be on the device")
     # on the CPU there is no other place: the storage must be with the cache
-    refused(_state(m, ["weights", "counts", "optimizer_state"]), 0, "weights", "its cache, cpu")
+    refused(_state(m, storage), 0, "weights", "its cache, cpu")
     # the table is named by its place in the op's list
     refused(_state(m) + _state(m, ["cache_priority"]), 1, "cache_priority", "all be on")
     # and the ops check their tables with it before anything is read or written
@@ -184,15 +192,16 @@ def test_the_ops_rule_of_where_a_tables_state_lies():
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int2"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
 def test_memory_splits_into_device_and_host_bytes_by_tier(precision, policy, optimizer):
-    """A host-placed table's host bytes are its storage tensors' (weights, counts, optimizer
-    state), its device bytes its cache tensors'; a table on the device has no host bytes. The
-    tensors' bytes are the same whatever the placement, so a device table measures both."""
+    """A host-placed table's host bytes are its storage tensors' (weights, and AdaGrad's
+    state), its device bytes its cache tensors' (with the LFU counts); a table on the device has
+    no host bytes. The tensors' bytes are the same whatever the placement, so a device table
+    measures both."""
     options = dict(precision=precision, policy=policy, optimizer=optimizer, cache_ratio=0.1)
     m = CachedLowPrecisionEmbedding(3000, 12, **options)
     nbytes = {name: t.nbytes for name, t in zip(STATE_TENSORS, m.state_tensors())}
-    storage = sum(nbytes[n] for n in STORAGE_TENSORS)
+    storage = sum(nbytes[n] for n in m.config.storage_tensors)
     on_device = m.memory_bytes()
     assert on_device["device"] == on_device["total"] == sum(nbytes.values())
     assert on_device["host"] == 0
@@ -323,11 +332,18 @@ def test_a_placed_plan_is_the_best_using_no_more_host_memory(ids, one_thread):
 
 
 def test_budgets_that_cannot_be_met_together_are_refused_naming_the_host_memory_needed():
-    need = least_host_bytes(TABLES, 1)
+    # what no placement takes off the device: row-wise AdaGrad's accumulators (t_1's)
+    least_device = sum(
+        min(memory_breakdown(c)["device"] for c in candidates(t, placements=("device", "host")))
+        for t in TABLES
+    )
+    assert least_device == 40_000 * 4
+    assert least_host_bytes(TABLES, least_device - 1) is None
+    need = least_host_bytes(TABLES, least_device)
     assert need > 0
-    check_budget(TABLES, 1, need)  # a device budget of a byte: every table in host memory
+    check_budget(TABLES, least_device, need)  # every table in host memory, but that state
     with pytest.raises(ValueError) as e:
-        check_budget(TABLES, 1, need - 1)
+        check_budget(TABLES, least_device, need - 1)
     message = str(e.value)
     assert len(message.splitlines()) == 1
     assert f"the tables need at least {need:,} bytes" in message and "of host memory" in message

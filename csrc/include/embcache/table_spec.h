@@ -52,19 +52,23 @@ enum DeviceCount {
   kNumDeviceCounts
 };
 
-/// The two tiers of a table's state (docs/design.md, "Host placement"): its storage (the stored
-/// rows and their per-row state, one entry per table row), which may lie in pinned host memory
-/// that a GPU reads and writes in place; and its cache, which lies on the op's device.
+/// The two tiers of a table's state (docs/design.md, "Host placement"): its storage (what is
+/// as wide as its rows: the stored rows, and AdaGrad's per-element state), which may lie in
+/// pinned host memory that a GPU reads and writes in place; and its cache, which lies on the
+/// op's device, with the values of at most one a row (LFU counts, row-wise AdaGrad's
+/// accumulators) that every update reads and writes, for cached rows too.
 #define EMBCACHE_STATE_TIERS(X) X(kStorage, storage) X(kCache, cache)
 
 /// A table's state tensors, in the order the ops take them (kNumStateTensors per table, table
 /// after table, in one Tensor[]), each with its tier: X(enumerator, name, tier). The names are
-/// those of the table module's buffers; this list is the one place that says which tensor is
-/// storage and which is cache (embcache.config.STATE_TENSORS and STATE_TIERS mirror it).
+/// those of the table module's buffers; this list and state_tier are the one place that says
+/// which tensor is storage and which is cache (embcache.config.STATE_TENSORS, STATE_TIERS and
+/// TableConfig.storage_tensors mirror them). optimizer_state's tier is that of per-element
+/// state; state_tier places a state of one value a row in the cache's.
 #define EMBCACHE_STATE_TENSORS(X)                                                              \
   X(kWeights, weights, kStorage) X(kCacheTags, cache_tags, kCache)                            \
   X(kCacheRows, cache_rows, kCache) X(kCachePriority, cache_priority, kCache)                 \
-  X(kCacheSetFloor, cache_set_floor, kCache) X(kCounts, counts, kStorage)                     \
+  X(kCacheSetFloor, cache_set_floor, kCache) X(kCounts, counts, kCache)                       \
   X(kOptimizerState, optimizer_state, kStorage)
 
 /// The fields of a table's spec:
@@ -103,6 +107,14 @@ constexpr const char* kStateTensorNames[] = {EMBCACHE_STATE_TENSORS(EMBCACHE_STA
 constexpr StateTier kStateTensorTiers[] = {EMBCACHE_STATE_TENSORS(EMBCACHE_STATE_TIER)};
 #undef EMBCACHE_STATE_NAME
 #undef EMBCACHE_STATE_TIER
+
+/// State tensor `i`'s tier in a table whose optimizer keeps `state_width` values a row: its
+/// kStateTensorTiers entry, but an optimizer state of at most one value a row is read and
+/// written for every updated row, cached or not, so it goes with the cache: a hit then
+/// touches no host memory, for 4 bytes a row on the device.
+constexpr StateTier state_tier(int i, int64_t state_width) {
+  return i == kOptimizerState && state_width <= 1 ? kCache : kStateTensorTiers[i];
+}
 constexpr const char* kSpecFieldNames[] = {EMBCACHE_SPEC_FIELDS(EMBCACHE_NAME)};
 #undef EMBCACHE_NAME
 #define EMBCACHE_FORMAT_NAME(name, bits) #name,

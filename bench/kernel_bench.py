@@ -132,13 +132,15 @@ class Engine:
     outside the clock; ``forward`` them; then, if there is an ``optimizer`` (``step``,
     ``zero_grad``), the backward of the output's gradient and the optimizer's step (the
     ceilings only read, several batches a call). ``cached``: our tables, whose counters give
-    the hit rate."""
+    the hit rate. ``prefetch``, if any, is given the next prepared batch after each forward
+    (as dlrm's trainer gives it), within the step's time."""
 
     forward: Callable
     optimizer: object | None = None
     cached: list = dataclasses.field(default_factory=list)
     prepare: Callable = lambda ids: ids
     batches: int = 1
+    prefetch: Callable | None = None
 
     def update(self, out: torch.Tensor, grad: torch.Tensor) -> None:
         if self.optimizer is not None:
@@ -254,10 +256,12 @@ def timed(engine: Engine, batches: list, grad: torch.Tensor, device: torch.devic
     ``engine.batches`` batches)."""
     inputs = [engine.prepare(ids) for ids in batches]
     marks = []
-    for x in inputs:
+    for i, x in enumerate(inputs):
         start = mark(device)
         out = engine.forward(x)
         middle = mark(device)
+        if engine.prefetch is not None and i + 1 < len(inputs):
+            engine.prefetch(inputs[i + 1])
         engine.update(out, grad)
         marks.append((start, middle, mark(device)))
     synchronize(device)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "embcache/rounding_probe.h"
+#include "embcache/stage.h"
 #include "embcache/table_spec.h"
 
 namespace embcache {
@@ -422,6 +423,39 @@ inline void check_lookups(const at::Tensor& indices, const c10::optional<at::Ten
     TORCH_CHECK(psw->numel() == indices.numel(),
                 "embcache: per_sample_weights must have one weight per index");
   }
+}
+
+/// A stage (stage_misses' outputs), checked: int64 keys [entries] and uint8 rows [entries,
+/// stride] on `device`, the stride a multiple of 16 (rows stay aligned to their values) and
+/// the rows starting at a 16-byte boundary; `entries`, if not negative, the lookups it must
+/// be the stage of. Returns the entries.
+inline int64_t check_stage(const at::Tensor& keys, const at::Tensor& rows, int64_t entries,
+                           const DeviceKind& device) {
+  device.check(keys, at::kLong, "staged_keys");
+  device.check(rows, at::kByte, "staged_rows");
+  const int64_t n = keys.numel();
+  TORCH_CHECK(keys.dim() == 1 && rows.dim() == 2 && rows.size(0) == n && rows.size(1) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
+              "embcache: a stage is int64 keys [n] and uint8 rows [n, a multiple of 16] "
+              "starting at a 16-byte boundary, got ", keys.sizes(), " and ", rows.sizes());
+  TORCH_CHECK(entries < 0 || n == entries, "embcache: the stage holds ", n,
+              " entries, for as many lookups; this call has ", entries);
+  return n;
+}
+
+/// unstage_rows's arguments, checked: a stage's keys, an update's int64 unique rows and its
+/// row ranges [parts, 3] on `device`, and for each table position of the stage a part or -1.
+inline void check_unstage_args(const at::Tensor& keys, const at::Tensor& rows,
+                               const at::Tensor& ranges, at::IntArrayRef range_of,
+                               const DeviceKind& device) {
+  device.check(keys, at::kLong, "staged_keys");
+  device.check(rows, at::kLong, "unique_rows");
+  device.check(ranges, at::kLong, "row_ranges");
+  TORCH_CHECK(ranges.dim() == 2 && ranges.size(1) == 3,
+              "embcache: row_ranges must be [parts, 3], got ", ranges.sizes());
+  for (int64_t r : range_of)
+    TORCH_CHECK(r >= -1 && r < ranges.size(0), "embcache: range_of_table holds ", r,
+                ", not a part of the ", ranges.size(0), " row ranges or -1");
 }
 
 /// quantize_rows's arguments, checked, and how it rounds.

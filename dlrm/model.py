@@ -173,6 +173,17 @@ class DLRM(nn.Module):
     def dense_dtype(self) -> torch.dtype:
         return self.bottom_mlp[0].weight.dtype
 
+    def prefetch(self, sparse) -> None:
+        """Stages the table rows that a coming forward of ``sparse`` (as :meth:`forward`
+        takes it) will miss, while the current batch trains, where the collection can
+        (embcache's ``prefetch``: host-placed tables on a GPU); else nothing."""
+        prefetch = getattr(self.embedding_collection, "prefetch", None)
+        if prefetch is None:
+            return
+        if self._keyed and isinstance(sparse, Tensor):
+            sparse = kjt_from_ids(sparse, self._feature_names)
+        prefetch(sparse)
+
     def forward(self, dense: Tensor, sparse) -> Tensor:
         """Logits ``[B]`` of the dense features ``[B, 13]`` and ``sparse``: the ids ``[B, n]``
         (int32 or int64, one per feature), or, for a collection with TorchRec's interface, also any

@@ -233,10 +233,14 @@ def _train_here(cfg: RunConfig, out_dir: Path, resume: bool, ranks, plan=None) -
                 start_batch=progress["batch"],
                 part=ranks.part,
             )
-            for batch in data_batches.on_device(batches, device):
+            for batch, following in data_batches.with_next(data_batches.on_device(batches, device)):
                 try:
                     out = trainer.train_step(
-                        batch.dense, batch.ids, batch.labels, stop=stop.signal is not None
+                        batch.dense,
+                        batch.ids,
+                        batch.labels,
+                        stop=stop.signal is not None,
+                        next_sparse=None if following is None else following.ids,
                     )
                 except StepRefusedError as e:
                     diverged = {"step": e.step, "reason": str(e)}

@@ -113,6 +113,12 @@ class CachedLowPrecisionEmbeddingBagCollection(CachedLowPrecisionEmbeddingBags):
             keys=self.feature_names, length_per_key=self.feature_dims(), values=pooled
         )
 
+    def prefetch(self, features: KeyedJaggedTensor) -> None:  # type: ignore[override]
+        """Stages the misses of a coming :meth:`forward` of ``features`` (see
+        :meth:`CachedLowPrecisionEmbeddingBags.prefetch`)."""
+        features = self._in_feature_order(features)
+        super().prefetch(features.values(), features.lengths())
+
     def _in_feature_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` with its keys in the collection's feature order (permuted if need be,
         extra keys dropped); a ValueError for a variable batch size or a missing feature."""

@@ -414,6 +414,18 @@ class CachedLowPrecisionEmbedding(nn.Module):
             self._check_values(indices, offs)  # raises the error that names the table
             raise
 
+    def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
+        """Starts bringing the stored rows that a coming :meth:`forward` of ``input`` (and
+        ``offsets``) will miss into GPU memory, on a side stream, while the current batch
+        trains, for a host-placed table; call it after the current forward, before its
+        update (:meth:`CachedLowPrecisionEmbeddingBags.prefetch` says more). Changes no
+        value; a table in device memory, or on the CPU, does nothing."""
+        if not self.group.staged_positions(self.device):
+            return
+        indices, offs, _ = self._bags(input, offsets, None)
+        lengths = offs[1:] - offs[:-1]
+        self.group.prefetch(indices, lengths, [self.group.position(self)], offs.numel() - 1)
+
     def _check_values(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
         """Every index in range, offsets from 0 up to len(indices) without decreasing: else
         a ValueError naming the table. (Run when the C++ forward has refused them, and

@@ -97,6 +97,38 @@ def _error_text(bits: int) -> str:
     return next(text for bit, text in _ERROR_BITS if bits & bit)
 
 
+class Stage(NamedTuple):
+    """Copies of the stored rows a coming forward's lookups miss (``stage_misses``; docs/
+    design.md, "Prefetch"): ``keys`` and ``rows`` on the tables' device, ``lookups`` the
+    number of lookups it was made for, ``done`` the CUDA event its staging recorded on the
+    side stream (None where it ran on the caller's stream)."""
+
+    keys: torch.Tensor
+    rows: torch.Tensor
+    lookups: int
+    done: object
+
+    def wait(self) -> None:
+        """Orders the current stream's later work after the staging (no host wait)."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.keys.device).wait_event(self.done)
+
+
+# the side stream of each CUDA device that stages on it (TableGroup.prefetch)
+_STAGING_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _staging_stream(device: torch.device):
+    """The side stream staging runs on, on a CUDA device (made at its first use); None
+    elsewhere (staging then runs in order with everything else)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STAGING_STREAMS:
+        _STAGING_STREAMS[index] = torch.cuda.Stream(index)
+    return _STAGING_STREAMS[index]
+
+
 class _Backward(NamedTuple):
     """One backward's gradient for every feature as multi_dedup_backward made it: feature f's
     unique rows are ``rows[ranges[f, 0]:ranges[f, 1]]`` (int64 [features, 3] on the rows'
@@ -106,7 +138,8 @@ class _Backward(NamedTuple):
     their gradients a block of rows x dim values of the 1-D ``grads`` from ``ranges[f, 2]``,
     blocks in feature order (zero past the last).
     Also what the forward saw: each feature's table (its position in the group), the group's
-    cache epoch, and each feature's largest |value| read."""
+    cache epoch, each feature's largest |value| read, and the :class:`Stage` it read misses
+    from (or None), which holds the same rows at the update while the epoch is unchanged."""
 
     feature_tables: list[int]
     rows: torch.Tensor
@@ -116,6 +149,7 @@ class _Backward(NamedTuple):
     ranges: torch.Tensor
     epoch: int
     bounds: list[float]
+    stage: Stage | None
 
 
 class TableGroup:
@@ -143,6 +177,8 @@ class TableGroup:
         # gradient (which its update's gate includes), and recent ones (checked as they finish)
         self._inputs: list[InputCheck] = []
         self._unchecked: collections.deque[InputCheck] = collections.deque()
+        self._stage: Stage | None = None  # prefetch's, for the next forward of its lookups
+        self._parts_stage: tuple[Stage, int] | None = None  # _hand_over's
         for t in self.tables:
             t.group = self
 
@@ -159,6 +195,7 @@ class TableGroup:
         state["_table_refs"] = self.tables
         state["_touch"] = None  # rebuilt from the tables' samples
         state["_inputs"], state["_unchecked"] = [], collections.deque()  # (events do not pickle)
+        state["_stage"] = state["_parts_stage"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -194,8 +231,58 @@ class TableGroup:
 
     def cache_changed(self) -> None:
         """Tells the group that a table's cache may have changed outside its ops (a load, a
-        copy of rows): the forward's slot hints are stale."""
+        copy of rows): the forward's slot hints are stale, and so is a stage."""
         self._epoch += 1
+        self._stage = None
+
+    def staged_positions(self, device: torch.device) -> list[int]:
+        """The tables whose misses :meth:`prefetch` stages: the host-placed ones, on a GPU
+        (their misses cross PCIe; a table in device memory gains nothing from a copy)."""
+        if device.type != "cuda":
+            return []
+        return [i for i, t in enumerate(self.tables) if t.config.placement == "host"]
+
+    def prefetch(
+        self, indices: torch.Tensor, lengths: torch.Tensor, feature_tables: list[int], batch: int
+    ) -> None:
+        """Stages the misses of a coming forward (arguments as :meth:`lookup`'s) of the
+        host-placed tables: on a GPU, on a side stream, copies of the stored rows its lookups
+        will not find cached, read there by the next forward of as many lookups and by the
+        update of its gradient in place of the tables' rows across PCIe (docs/design.md,
+        "Prefetch"). The same values either way: an update launched before that forward
+        marks the copies of the rows it may write stale, and a stale or missing copy is read
+        from the table. Nothing waits for the device; a table in device memory, or a group
+        on the CPU, stages nothing."""
+        staged = self.staged_positions(indices.device)
+        if not staged:
+            return
+        side = _staging_stream(indices.device)
+        args = (self.state(), self.specs, indices, lengths, feature_tables, batch, staged)
+        if side is None:
+            keys, rows = _ops.stage_misses(*args)
+            self._stage = Stage(keys, rows, indices.numel(), None)
+            return
+        main = torch.cuda.current_stream(indices.device)
+        side.wait_stream(main)  # the inputs, and every update launched so far
+        with torch.cuda.stream(side):
+            keys, rows = _ops.stage_misses(*args)
+            done = torch.cuda.Event()
+            done.record(side)
+        for t in (indices, lengths):
+            t.record_stream(side)
+        for t in (keys, rows):
+            t.record_stream(main)
+        self._stage = Stage(keys, rows, indices.numel(), done)
+
+    def _take_stage(self, lookups: int) -> Stage | None:
+        """The prefetched stage if it was made for this many lookups (it is then the
+        forward's), ordered before the current stream's later work."""
+        stage = self._stage
+        if stage is None or stage.lookups != lookups:
+            return None
+        self._stage = None
+        stage.wait()
+        return stage
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -224,6 +311,7 @@ class TableGroup:
         :meth:`check_inputs`. ``check`` then raises the ValueError that names the table and
         the value."""
         self._check_finished_inputs()
+        stage = self._take_stage(indices.numel())
         pooled, offsets, slots, bounds, argmax, errors = _ops.multi_lookup_forward(
             self.state(),
             self.specs,
@@ -233,6 +321,8 @@ class TableGroup:
             feature_tables,
             batch,
             self.device_counts() if training else [],
+            None if stage is None else stage.keys,
+            None if stage is None else stage.rows,
         )
         pending = None
         if errors.numel():
@@ -256,6 +346,7 @@ class TableGroup:
             argmax,
             self._epoch,
             pending,
+            stage,
         )
         return _Lookup.apply(anchor, psw_input, lookup)
 
@@ -294,6 +385,9 @@ class TableGroup:
         if b is None:
             return
         self._backward = None
+        # the parts' stage: this backward's, if the parts hold nothing else
+        alone = not any(self._parts) and b.stage is not None
+        self._parts_stage = (b.stage, b.epoch) if alone else None
         dims = [self._dims[t] for t in b.feature_tables]
         for (first, end, value), t, dim in zip(b.ranges.tolist(), b.feature_tables, dims):
             g = b.grads[value : value + (end - first) * dim].view(end - first, dim)
@@ -381,6 +475,13 @@ class TableGroup:
         )
         return b if usable else None
 
+    def _merged_stage(self) -> Stage | None:
+        """The stage the tables' parts may read: that of their one backward's forward, while
+        no cache has changed since it (as :meth:`_whole_backward`'s)."""
+        if self._parts_stage is None or self._parts_stage[1] != self._epoch:
+            return None
+        return self._parts_stage[0]
+
     def _forget_inputs(self, inputs: list[InputCheck]) -> None:
         """Drops these forwards' input checks from those still to be read: an update has read
         them."""
@@ -458,6 +559,7 @@ class TableGroup:
             self._counters if every else [self._counters[t] for t in chosen],
         )
         self._epoch += 1
+        self._stage = None
         return written
 
 
@@ -547,14 +649,23 @@ class PendingUpdate:
         return True
 
 
-def _launch(taken, rows, grads, occ, hints, ranges, bounds, gate, commit) -> PendingUpdate:
+def _launch(
+    taken, rows, grads, occ, hints, ranges, bounds, gate, commit, stages=None
+) -> PendingUpdate:
     """One ``multi_update`` of the tables ``taken`` ([(group, positions)]), gated by ``gate``
-    and by the input errors of the forwards behind their gradients."""
+    and by the input errors of the forwards behind their gradients; ``stages``: each group's
+    :class:`Stage` its gradient's forward read (or None), read again for uncached rows. The
+    groups' prefetched stages are waited for (the update must not write rows while they are
+    copied) and their copies of the rows it may write marked stale."""
     inputs = [i for g, _ in taken for i in g._inputs]
     gate_words = 0 if gate is None else gate.numel()
     full_gate = gate
     if inputs:
         full_gate = torch.cat(([] if gate is None else [gate]) + [i.errors for i in inputs])
+    staged = _staged_arguments(taken, stages)
+    for g, _ in taken:
+        if g._stage is not None:
+            g._stage.wait()
     verdict = _ops.multi_update(
         [x for g, c in taken for x in g.state(c)],
         _joined([g.specs[c] if c != g._every else g.specs for g, c in taken]),
@@ -568,8 +679,31 @@ def _launch(taken, rows, grads, occ, hints, ranges, bounds, gate, commit) -> Pen
         [x for g, c in taken for x in g.device_counts(c)],
         full_gate,
         commit,
+        *staged,
     )
+    at = 0
+    for g, chosen in taken:
+        if g._stage is not None:
+            range_of = [-1] * len(g._every)
+            for i, t in enumerate(chosen):
+                range_of[t] = at + i
+            _ops.unstage_rows(g._stage.keys, rows, ranges, range_of)
+        at += len(chosen)
     return PendingUpdate(taken, rows, ranges, verdict, full_gate, gate_words, inputs, commit)
+
+
+def _staged_arguments(taken, stages) -> tuple:
+    """multi_update's stage arguments for the tables ``taken``: the stage of the first group
+    that has one (``stages``, one per group or None), with each table's position in it (-1
+    for another group's tables, which read their rows from their tables); none if no group
+    has one."""
+    chosen = next((i for i, s in enumerate(stages or ()) if s is not None), None)
+    if chosen is None:
+        return ()
+    positions = []
+    for i, (_, tables) in enumerate(taken):
+        positions += tables if i == chosen else [-1] * len(tables)
+    return stages[chosen].keys, stages[chosen].rows, positions
 
 
 def _start_hinted(
@@ -597,6 +731,7 @@ def _start_hinted(
         [x for b in backwards for x in b.bounds],
         gate,
         commit,
+        [b.stage for b in backwards],
     )
 
 
@@ -619,6 +754,7 @@ def _start_merged(
             flat += [group._merged(t) for t in mine]
     if not flat:
         return PendingUpdate([], None, None, None, None, 0, [], commit)
+    stages = [group._merged_stage() for group, _ in taken]
     ranges, first, value = [], 0, 0
     for p in flat:
         ranges.append([first, first + p.rows.numel(), value])
@@ -634,6 +770,7 @@ def _start_merged(
         [-1.0] * len(flat),
         gate,
         commit,
+        stages,
     )
 
 
@@ -645,14 +782,14 @@ class _Lookup(torch.autograd.Function):
     forward made and saw: (group, feature tables, pooled, ids, offsets, float32 per-sample
     weights or None, every lookup's slot, each feature's value bound, the max-pooled
     features' argmax (no columns without them), the cache epoch, the forward's
-    :class:`InputCheck` or None). The ids and weights may be
+    :class:`InputCheck` or None, the :class:`Stage` it read or None). The ids and weights may be
     the caller's tensors, so they are saved (autograd refuses a backward after they change in
     place); the rest are the forward's own, kept on ``ctx``."""
 
     @staticmethod
     def forward(ctx, anchor, psw_input, lookup):
         (ctx.group, ctx.feature_tables, pooled, indices, ctx.offsets, psw) = lookup[:6]
-        ctx.slots, ctx.bounds, ctx.argmax, ctx.epoch, ctx.pending = lookup[6:]
+        ctx.slots, ctx.bounds, ctx.argmax, ctx.epoch, ctx.pending, ctx.stage = lookup[6:]
         ctx.psw_dtype = None if psw_input is None else psw_input.dtype
         ctx.save_for_backward(indices, *(() if psw is None else (psw,)))
         return pooled
@@ -674,7 +811,17 @@ class _Lookup(torch.autograd.Function):
             if errors.numel():  # a GPU's: its sort's own check of the forward's input
                 checks.append(InputCheck.of(errors, ctx.pending and ctx.pending.check, copy=False))
             group._store(
-                _Backward(feature_tables, rows, grads, occ, row_slots, ranges, ctx.epoch, bounds),
+                _Backward(
+                    feature_tables,
+                    rows,
+                    grads,
+                    occ,
+                    row_slots,
+                    ranges,
+                    ctx.epoch,
+                    bounds,
+                    ctx.stage,
+                ),
                 checks,
             )
         grad_psw = None

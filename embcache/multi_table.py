@@ -145,6 +145,41 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
         them. Ids are int64 or int32; ``per_sample_weights``, if given, one per id, of the
         ids' shape (read as float32). All tables run in one table-batched C++ call. Bad input raises a
         ValueError naming the table, feature and value, and changes nothing."""
+        values, lengths, psw, batch = self._lookups(ids, lengths, per_sample_weights)
+        try:
+            return self._group.lookup(
+                values,
+                lengths,
+                psw,
+                self._feature_tables,
+                batch,
+                self.training,
+                check=lambda: self.check_input(values, lengths, batch),
+            )
+        except RuntimeError:
+            self.check_input(values, lengths, batch)  # raises the error that names the table
+            raise
+
+    def prefetch(self, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
+        """Starts bringing the stored rows that a coming :meth:`forward` of ``ids`` (and
+        ``lengths``, as it takes them) will miss into GPU memory, on a side stream, while the
+        current batch trains: for host-placed tables (``placement="host"``), whose misses
+        otherwise cross PCIe in the forward and again in the update. Call it with the next
+        batch after the current step's forward (the next forward of as many ids takes it),
+        before its backward and update. It changes no value (docs/design.md, "Prefetch") and waits for nothing; for
+        tables in device memory, or on the CPU, it does nothing."""
+        values, lengths, _, batch = self._lookups(ids, lengths, None)
+        self._group.prefetch(values, lengths, self._feature_tables, batch)
+
+    def _lookups(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor | None,
+        per_sample_weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """:meth:`forward`'s input as the group takes it: int64 ids feature-major, the bags'
+        lengths, float32 per-sample weights (or None) and the batch; ValueError if its shapes
+        or types are wrong."""
         features = len(self.feature_names)
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32, got {ids.dtype}")
@@ -181,19 +216,7 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
         psw = None if per_sample_weights is None else per_sample_weights.detach().float()
         if psw is not None and psw.numel() != values.numel():
             raise ValueError(f"{psw.numel()} per-sample weights for {values.numel()} ids")
-        try:
-            return self._group.lookup(
-                values,
-                lengths,
-                None if psw is None else psw.reshape(-1).contiguous(),
-                self._feature_tables,
-                batch,
-                self.training,
-                check=lambda: self.check_input(values, lengths, batch),
-            )
-        except RuntimeError:
-            self.check_input(values, lengths, batch)  # raises the error that names the table
-            raise
+        return values, lengths, None if psw is None else psw.reshape(-1).contiguous(), batch
 
     def _one_id_lengths(self, n: int, device: torch.device) -> torch.Tensor:
         """Lengths of ``n`` bags of one id each (kept: the per-step path of one-hot input)."""

@@ -11,3 +11,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Runs embcache.group's cache ops on the emulated CUDA kernels for the test's duration
+    (tests/_emulated.py)."""
+    import embcache.group
+    from tests._emulated import Emulated
+
+    monkeypatch.setattr(embcache.group, "_ops", Emulated(embcache.group._ops))

@@ -280,10 +280,14 @@ def test_placement_rehearsal_reports_every_engine_its_host_bytes_and_issue_51s_t
     for pt in run["points"]:
         e = pt["engines"]
         assert list(e) == list(hp.ENGINES)
-        assert [e[n]["placement"] for n in hp.ENGINES] == ["host", "host", "device"]
+        assert [e[n]["placement"] for n in hp.ENGINES] == ["host", "host", "host", "device"]
         assert {e[n]["placement_used"] for n in hp.ENGINES} == {"device"}
-        # the two cached tables are one table: same ids, same hits
-        assert e[hp.HOST_CACHED]["hit_rate"] == e[hp.DEVICE_CACHED]["hit_rate"]
+        # the three cached tables are one table: same ids, same hits (prefetch changes nothing)
+        cached = (hp.HOST_CACHED, hp.HOST_PREFETCH, hp.DEVICE_CACHED)
+        assert len({e[n]["hit_rate"] for n in cached}) == 1
+        staged, plain = e[hp.HOST_PREFETCH]["host_bytes"], e[hp.HOST_CACHED]["host_bytes"]
+        assert staged["update_write"] == plain["update_write"]  # a row read once, ahead:
+        assert staged["forward_read"] + staged["update_read"] <= plain["forward_read"]
         assert abs(e[hp.HOST_CACHED]["hit_rate"] - pt["target"]) <= 0.05, pt
         assert e[hp.HOST_UNCACHED]["hit_rate"] == 0.0
         for n, x in e.items():
@@ -302,11 +306,11 @@ def test_placement_rehearsal_reports_every_engine_its_host_bytes_and_issue_51s_t
         if pt["target"] == 1.0:  # all hits, SGD: nothing in host memory is read or written
             assert e[hp.HOST_CACHED]["host_bytes"]["total"] == 0
     targets = result["targets"]
-    assert [(t["hit_rate_target"], t["phase"]) for t in targets] == [
-        (0.95, "forward"),
-        (0.95, "step"),
-        (1.0, "forward"),
-        (1.0, "step"),
+    assert [(t["hit_rate_target"], t["engine"], t["phase"]) for t in targets] == [
+        (at, engine, phase)
+        for at in (0.95, 1.0)
+        for engine in (hp.HOST_CACHED, hp.HOST_PREFETCH)
+        for phase in ("forward", "step")
     ]
     points = {pt["target"]: pt["engines"] for pt in run["points"]}
     for t in targets:
@@ -317,16 +321,19 @@ def test_placement_rehearsal_reports_every_engine_its_host_bytes_and_issue_51s_t
         )
         e = points[t["hit_rate_target"]]
         ms = f"{t['phase']}_ms_rounds"
-        expected = [a / b for a, b in zip(e[versus][ms], e[hp.HOST_CACHED][ms])]
+        expected = [a / b for a, b in zip(e[versus][ms], e[t["engine"]][ms])]
         assert t["ratio_rounds"] == pytest.approx(expected)
         assert t["ratio"] == statistics.median(t["ratio_rounds"])
         assert t["met"] == (t["ratio"] >= t["goal"])
-        assert t["figure"] == e[hp.HOST_CACHED][f"{t['phase']}_lookups_per_s"]
+        assert t["figure"] == e[t["engine"]][f"{t['phase']}_lookups_per_s"]
     md = (tmp_path / "placement.md").read_text().splitlines()
     assert md[2] == f"Command: `python bench/bandwidth.py {' '.join(argv)}`  "
     assert any(line.startswith("**Rehearsal**") for line in md)
     table = md.index("## Issue 51's targets")
     assert len([line for line in md[table:] if line.startswith("| host + cache / ")]) == 4
+    assert (
+        len([line for line in md[table:] if line.startswith("| host + cache + prefetch / ")]) == 4
+    )
 
 
 def test_placement_mode_refuses_quick_without_it():

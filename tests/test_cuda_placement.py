@@ -89,6 +89,7 @@ def test_storage_lies_in_pinned_host_memory_and_the_cache_on_the_gpu():
     built_there = _table("host")
     _assert_host_placed(built_there)
     m = _table("host", device="cpu")
+
     def storage_addresses() -> list[int]:
         tensors = [getattr(m, name) for name in m.config.storage_tensors]
         return [t.data_ptr() for t in tensors if t.numel()]
@@ -138,6 +139,27 @@ def test_a_host_placed_table_trains_bit_identically_to_one_on_the_device(
     device, host = _table("device", **options), _table("host", **options)
     _step_both(device, host, 8)
     _assert_host_placed(host)
+    _assert_same_tables(device, host)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_prefetching_on_a_side_stream_changes_no_value(optimizer):
+    """A host table given each next batch after its forward (the stage made on the side
+    stream, read by the next forward and its update) trains as the device table without,
+    bit for bit, and stages rows."""
+    device, host = _table("device", optimizer=optimizer), _table("host", optimizer=optimizer)
+    batches = list(_batches(8, seed=1))
+    staged = 0
+    for s, (idx, off, grad) in enumerate(batches):
+        outs = [m(idx.cuda(), off.cuda()) for m in (device, host)]
+        if s + 1 < len(batches):
+            host.prefetch(batches[s + 1][0].cuda(), batches[s + 1][1].cuda())
+            staged += int((host.group._stage.keys != (1 << 63) - 1).sum())
+        for m, out in zip((device, host), outs):
+            out.backward(grad.cuda())
+            m.step()
+        assert torch.equal(outs[0], outs[1]), f"step {s}"
+    assert staged > 0
     _assert_same_tables(device, host)
 
 

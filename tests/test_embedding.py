@@ -373,7 +373,10 @@ def test_python_mirrors_the_kernels_table_spec():
     assert tuple(counters) == config.COUNTERS
     assert tuple(state) == config.STATE_TENSORS
     assert tuple(tiers) == config.STATE_TIERS
-    assert tuple(n for n, t in zip(state, tiers) if t == "storage") == ("weights", "optimizer_state")
+    assert tuple(n for n, t in zip(state, tiers) if t == "storage") == (
+        "weights",
+        "optimizer_state",
+    )
     assert tuple(fields) == config.SPEC_FIELDS
     m = CachedLowPrecisionEmbedding(3000, 4, cache_ratio=0.1, policy="lfu")
     assert [name for name, _ in m.named_buffers()] == list(config.STATE_TENSORS)

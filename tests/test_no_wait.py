@@ -15,36 +15,11 @@ import embcache
 import embcache.group
 from dlrm.mixed_precision.trainer import MixedPrecisionTrainer, StepRefusedError
 from embcache import BagTable, CachedLowPrecisionEmbeddingBags, EmbeddingUpdateError
+from tests._emulated import EMU, comparable_stats, needs_emulator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-try:
-    import embcache._cuda_emu  # noqa: F401
-
-    EMU = torch.ops.embcache_emu
-except ImportError:  # pragma: no cover
-    EMU = None
-
-needs_emulator = pytest.mark.skipif(EMU is None, reason="embcache._cuda_emu was not built")
-
-CACHE_OPS = {"multi_lookup_forward", "multi_dedup_backward", "multi_update", "cache_flush"}
 TABLES = [BagTable("t_a", 900, 8, ("f_0", "f_1")), BagTable("t_b", 400, 8, ("f_2",))]
-
-
-class _Emulated:
-    """torch.ops.embcache with the cache ops served by the emulated CUDA kernels."""
-
-    def __init__(self, cpu_ops):
-        self.cpu_ops = cpu_ops
-
-    def __getattr__(self, name):
-        return getattr(EMU if name in CACHE_OPS else self.cpu_ops, name)
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    """Runs embcache.group on the emulated kernels for the test's duration."""
-    monkeypatch.setattr(embcache.group, "_ops", _Emulated(embcache.group._ops))
 
 
 def _module(seed=0, tables=TABLES, **options):
@@ -68,15 +43,6 @@ def _batch(gen, batch=32):
 
 def _bytes(module):
     return {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
-
-
-def _counts(module):
-    """The tables' statistics but the precision probes, which only the CPU ops measure."""
-    probes = ("probed_", "rounding_error", "rounded_up", "expected_up")
-    return {
-        name: {k: v for k, v in stats.items() if not k.startswith(probes)}
-        for name, stats in module.stats().items()
-    }
 
 
 def _same(a, b):
@@ -114,8 +80,11 @@ def test_the_emulated_step_is_the_cpu_step_and_reads_nothing_back(emulated):
             theirs.step()
     assert waits == [(0, 0, 0)] * 6
     assert _same(_bytes(ours), _bytes(theirs))
-    assert _counts(ours) == _counts(theirs)
-    assert _counts(ours)["t_a"]["steps"] == 6 and _counts(ours)["t_a"]["lookups"] == 6 * 64
+    assert comparable_stats(ours) == comparable_stats(theirs)
+    assert (
+        comparable_stats(ours)["t_a"]["steps"] == 6
+        and comparable_stats(ours)["t_a"]["lookups"] == 6 * 64
+    )
 
 
 @needs_emulator
@@ -172,7 +141,7 @@ def test_a_gate_stops_the_update_on_the_device(emulated):
     assert module.start_step(torch.zeros(2, dtype=torch.int64)).finish() is True
     twin.step()
     assert _same(_bytes(module), _bytes(twin))
-    assert _counts(module) == _counts(twin)
+    assert comparable_stats(module) == comparable_stats(twin)
 
 
 @needs_emulator
@@ -283,7 +252,7 @@ def test_groups_updated_together_from_arrays_sized_for_every_lookup(emulated, mo
             embcache.TableOptimizer(theirs).step()
     for a, b in ((ours.first, theirs.first), (ours.second, theirs.second)):
         assert _same(_bytes(a), _bytes(b))
-        assert _counts(a) == _counts(b)
+        assert comparable_stats(a) == comparable_stats(b)
 
 
 @needs_emulator
@@ -326,4 +295,4 @@ def test_multi_hot_bags_of_every_mode_train_as_on_the_cpu(emulated, mode):
                 (out * torch.arange(out.numel()).view_as(out)).sum().backward()
                 m.step()
     assert _same(_bytes(ours), _bytes(theirs))
-    assert _counts(ours) == _counts(theirs)
+    assert comparable_stats(ours) == comparable_stats(theirs)

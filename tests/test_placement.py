@@ -169,7 +169,9 @@ def test_the_ops_rule_of_where_a_tables_state_lies(optimizer):
     # the storage in ordinary host memory beside a device: neither with the cache nor pinned
     refused(_state(m, cache), 0, "weights", "or all of it in pinned host memory")
     # the cache split: the counts and a per-row optimizer state are the cache's
-    refused(_state(m, ["cache_rows"]), 0, "cache_rows", "must all be on the device of its cache_tags")
+    refused(
+        _state(m, ["cache_rows"]), 0, "cache_rows", "must all be on the device of its cache_tags"
+    )
     refused(_state(m, ["counts"]), 0, "counts", "must all be on the device of its cache_tags")
     if per_element:  # the storage split: a part of it elsewhere
         refused(_state(m, ["optimizer_state"]), 0, "optimizer_state", "storage must be on")

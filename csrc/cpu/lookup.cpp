@@ -336,13 +336,14 @@ class FeatureOffsets {
 /// |value| its lookups read (float32; multi_update's value bound), and the max-pooled
 /// features' argmax (csrc/op_schemas.h); bad input raises, so its errors are empty. Adds
 /// each feature's lookups and hits to its table's device_counts. Features run in parallel,
-/// costliest first.
+/// costliest first. A stage is ignored: on the CPU none holds anything (stage_misses).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Tensor& indices,
                      const at::Tensor& lengths,
                      const c10::optional<at::Tensor>& per_sample_weights,
                      at::IntArrayRef feature_table, int64_t batch,
-                     at::TensorList device_counts) {
+                     at::TensorList device_counts, const c10::optional<at::Tensor>& /*staged_keys*/,
+                     const c10::optional<at::Tensor>& /*staged_rows*/) {
   const Tables tables = op_tables(state, specs, {}, true, kCpu);
   const std::vector<int64_t*> counts =
       tables_device_counts(device_counts, state, tables.spec.size(), true, kCpu);

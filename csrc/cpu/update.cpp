@@ -103,13 +103,16 @@ bool surely_storable(const TableSpec& t, const float* g, int64_t n, double value
 /// counters[t][kSteps] + 1; its commit adds to its device_counts and its probe counters (as
 /// op_schemas.h says). Returns the verdict: per table no error bits (bad unique rows raise
 /// here) and the smallest row it cannot store, or -1. With commit false, or a non-zero word
-/// in the gate, it stops after the check.
+/// in the gate, it stops after the check. Stages are ignored: on the CPU none holds anything.
 at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
                         const at::Tensor& unique_rows, const at::Tensor& grads,
                         const at::Tensor& occurrences, const at::Tensor& slot_hints,
                         const at::Tensor& row_ranges, at::ArrayRef<double> value_bounds,
                         at::TensorList counters, at::TensorList device_counts,
-                        const c10::optional<at::Tensor>& gate, bool commit) {
+                        const c10::optional<at::Tensor>& gate, bool commit,
+                        const c10::optional<at::Tensor>& /*staged_keys*/,
+                        const c10::optional<at::Tensor>& /*staged_rows*/,
+                        at::IntArrayRef /*staged_table*/) {
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
                                    row_ranges, value_bounds, counters, device_counts, gate, kCpu,
                                    true);

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "embcache/rowquant.h"
+#include "embcache/stage.h"
 #include "embcache/table_spec.h"
 
 #ifndef EMBCACHE_GPU_NS
@@ -84,13 +85,50 @@ struct Bags {
   const float* psw;
 };
 
+/// A stage as a kernel reads it (embcache/stage.h): n entries, keys ascending, the copy of
+/// the first entry of each key at rows + k * stride; `table` is the position of the table
+/// whose rows the kernel looks for. keys null: no stage (every miss reads the table).
+struct Stage {
+  const int64_t* keys;
+  const uint8_t* rows;
+  int64_t n, stride, table;
+};
+constexpr Stage kNoStage{nullptr, nullptr, 0, 0, 0};
+
+/// One table of a staging (stage_misses): where its rows are, and whether to stage them (a
+/// host-placed table's; a table in device memory gains nothing from a copy).
+struct StagedTable {
+  TableSpec t;
+  TableState state;
+  bool staged;
+};
+
+/// Stages the misses of nf features (feature f: bags [f * batch, (f + 1) * batch) of `bags`,
+/// which holds them all, in tables[feature_table[f]]): every lookup of a staged table whose
+/// row is valid and not cached gets the key stage_key(position, row), the others
+/// kNoStagedRow; the keys (n = bags.n, prefilled kNoStagedRow by the caller) are sorted and
+/// the first entry of each key gets a copy of the row's stored bytes at rows + k * stride
+/// (stride: at least the widest row, a multiple of 16). Lookups are not checked here: the
+/// forward reports bad ones, and an invalid row or bag stages nothing.
+void stage_misses(const StagedTable* tables, int64_t nt, const Bags& bags, int64_t batch,
+                  int64_t nf, const int64_t* feature_table, int64_t* keys, uint8_t* rows,
+                  int64_t stride, Stream stream);
+
+/// Marks stale (stale_key) every entry of a stage (keys[0..n)) whose row an update of the
+/// table at its position may have written: the table's part of the update is
+/// row_ranges[range_of[t]] (-1: the update has none) of its unique `rows` (nrows of them).
+/// Entries keep their order.
+void unstage_rows(int64_t* keys, int64_t n, const int64_t* rows, int64_t nrows,
+                  const int64_t* ranges, const int64_t* range_of, int64_t nt, Stream stream);
+
 /// The forward: the bags pooled from table `t` (by t.pooling) into out[b * out_stride + j];
 /// for max, the position in idx of each element's lookup into argmax[b * argmax_stride + j]
-/// (-1 for an empty bag; argmax is not read otherwise). *errors |= error bits; unless `counts`
+/// (-1 for an empty bag; argmax is not read otherwise). A miss reads its row from `stage`
+/// where it holds a fresh copy, else from the table. *errors |= error bits; unless `counts`
 /// is null, counts[0] += the bags' lookups and counts[1] += those that found their row cached
 /// (a table's device counts from kDeviceLookups).
-void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
-               int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
+void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, const Stage& stage,
+               float* out, int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
                unsigned long long* errors, unsigned long long* counts, Stream stream);
 
 /// Where dedup_features writes its outputs, allocated by the caller for n lookups: every
@@ -122,13 +160,15 @@ void dedup_features(const Bags& bags, int64_t batch, int64_t nf, const int64_t* 
 /// occurrences and slots at the same positions; their gradients and new values
 /// [row_end - row_start, dim] start at value_start of `g` and `fresh`; `step` is the
 /// update's number (it keys the rounding and is LRU's priority). The row fields are placed
-/// on the device from the op's ranges (UpdateRows); the host leaves them 0.
+/// on the device from the op's ranges (UpdateRows); the host leaves them 0. An uncached row's
+/// value is read from `stage` where it holds a fresh copy, else from the table.
 struct UpdateTable {
   TableSpec t;
   TableState state;
   int64_t row_start, row_end, value_start, step;
   int64_t set_start;  // the table's first set in the op's numbering of sets (update_tables)
   unsigned long long* device_counts;  // its DeviceCount words, the commit's from kCommitHits
+  Stage stage;
 };
 
 /// The rows of a batched update, on the device: n unique rows (`rows`, ascending within each

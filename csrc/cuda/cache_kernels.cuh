@@ -7,4 +7,5 @@
 #include "kernels/dedup.cuh"
 #include "kernels/lookup.cuh"
 #include "kernels/rows.cuh"
+#include "kernels/stage.cuh"
 #include "kernels/update.cuh"

@@ -106,6 +106,23 @@ inline Bags op_bags(const at::Tensor& indices, const at::Tensor& offsets,
               nf * batch, indices.numel(), psw ? psw->data_ptr<float>() : nullptr};
 }
 
+/// The bags' offsets (int64, the end appended) from their lengths, checked: 1-D int32 or
+/// int64 on the device.
+inline at::Tensor offsets_of(const at::Tensor& lengths) {
+  TORCH_CHECK(lengths.dim() == 1 && on_device(lengths) &&
+                  (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
+              "embcache: lengths must be a 1-D int32 or int64 ", kDeviceName, " tensor");
+  return at::cat({at::zeros({1}, lengths.options().dtype(at::kLong)), lengths.cumsum(0, at::kLong)});
+}
+
+/// Table position t's view of a stage, or none.
+inline Stage stage_of(const c10::optional<at::Tensor>& keys, const c10::optional<at::Tensor>& rows,
+                      int64_t t) {
+  if (!keys.has_value()) return kNoStage;
+  return Stage{keys->data_ptr<int64_t>(), rows->data_ptr<uint8_t>(), keys->numel(), rows->size(1),
+               t};
+}
+
 /// The forward: every feature's bags launched on the stream, each adding its lookups and
 /// hits to its table's device counts; nothing is read back (the error bits are returned).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -113,7 +130,8 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
                      const at::Tensor& lengths,
                      const c10::optional<at::Tensor>& per_sample_weights,
                      at::IntArrayRef feature_table, int64_t batch,
-                     at::TensorList device_counts) {
+                     at::TensorList device_counts, const c10::optional<at::Tensor>& staged_keys,
+                     const c10::optional<at::Tensor>& staged_rows) {
   EMBCACHE_DEVICE_GUARD(indices);
   const Tables tables = op_tables(state, specs, {}, true, kDevice);
   const std::vector<int64_t*> counts =
@@ -125,12 +143,11 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
       argmax_columns(feature_table, spec, per_sample_weights.has_value());
   TORCH_CHECK(argmax_col[nf] == 0 || indices.numel() <= INT32_MAX,
               "embcache: at most 2^31 - 1 lookups per call with max pooling");
-  TORCH_CHECK(lengths.dim() == 1 && on_device(lengths) &&
-                  (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
-              "embcache: lengths must be a 1-D int32 or int64 ", kDeviceName, " tensor");
   check_same_device(tables, state, indices, "indices");
-  const at::Tensor offsets =
-      at::cat({at::zeros({1}, lengths.options().dtype(at::kLong)), lengths.cumsum(0, at::kLong)});
+  TORCH_CHECK(staged_keys.has_value() == staged_rows.has_value(),
+              "embcache: a stage is staged_keys and staged_rows together");
+  if (staged_keys.has_value()) check_stage(*staged_keys, *staged_rows, indices.numel(), kDevice);
+  const at::Tensor offsets = offsets_of(lengths);
   Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
   at::Tensor out = at::empty({batch, col[nf]}, indices.options().dtype(at::kFloat));
   at::Tensor argmax = at::empty({batch, argmax_col[nf]}, indices.options().dtype(at::kInt));
@@ -139,13 +156,63 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
     const int64_t t = feature_table[f];
     bags.first = f * batch;
     bags.nb = batch;
-    pool_bags(spec[t], tables.state[t], bags, out.data_ptr<float>() + col[f], col[nf],
+    pool_bags(spec[t], tables.state[t], bags, stage_of(staged_keys, staged_rows, t),
+              out.data_ptr<float>() + col[f], col[nf],
               argmax.data_ptr<int32_t>() + argmax_col[f], argmax_col[nf], words(errors),
               counts.empty() ? nullptr : (unsigned long long*)counts[t] + kDeviceLookups,
               current_stream());
   }
   return {out, offsets, at::empty({0}, indices.options().dtype(at::kInt)),
           at::empty({0}, at::kFloat), argmax, errors};
+}
+
+/// The stage of the lookups' misses in the tables `staged_tables` (stage_misses): keys
+/// sorted, the first entry of each key a copy of its row; nothing is read back.
+inline std::tuple<at::Tensor, at::Tensor> stage_misses(at::TensorList state,
+                                                       const at::Tensor& specs,
+                                                       const at::Tensor& indices,
+                                                       const at::Tensor& lengths,
+                                                       at::IntArrayRef feature_table,
+                                                       int64_t batch,
+                                                       at::IntArrayRef staged_tables) {
+  EMBCACHE_DEVICE_GUARD(indices);
+  const Tables tables = op_tables(state, specs, {}, true, kDevice);
+  const int64_t nf = (int64_t)feature_table.size(), nt = (int64_t)tables.spec.size();
+  feature_columns(feature_table, tables.spec);
+  TORCH_CHECK(nt <= kMaxStagedTables, "embcache: at most ", kMaxStagedTables,
+              " tables per stage, got ", nt);
+  check_same_device(tables, state, indices, "indices");
+  const at::Tensor offsets = offsets_of(lengths);  // (the bags point into it)
+  const Bags bags = op_bags(indices, offsets, c10::nullopt, nf, batch);
+  std::vector<StagedTable> staged(nt);
+  for (int64_t t = 0; t < nt; ++t) staged[t] = StagedTable{tables.spec[t], tables.state[t], false};
+  int64_t widest = 0;
+  for (int64_t t : staged_tables) {
+    TORCH_CHECK(t >= 0 && t < nt, "embcache: staged_tables holds ", t, ", not a table of ", nt);
+    staged[t].staged = true;
+    widest = std::max<int64_t>(widest, tables.spec[t].f.row_bytes());
+  }
+  const int64_t n = indices.numel(), stride = (widest + 15) / 16 * 16;
+  const at::Tensor keys = at::full({n}, kNoStagedRow, indices.options());
+  const at::Tensor rows = at::empty({n, stride}, indices.options().dtype(at::kByte));
+  if (stride > 0)
+    EMBCACHE_GPU_NS::stage_misses(staged.data(), nt, bags, batch, nf, feature_table.data(),
+                                  keys.data_ptr<int64_t>(), rows.data_ptr<uint8_t>(), stride,
+                                  current_stream());
+  return {keys, rows};
+}
+
+/// unstage_rows on the device: nothing read back.
+inline void unstage_rows(const at::Tensor& keys, const at::Tensor& unique_rows,
+                         const at::Tensor& row_ranges, at::IntArrayRef range_of_table) {
+  EMBCACHE_DEVICE_GUARD(keys);
+  check_unstage_args(keys, unique_rows, row_ranges, range_of_table, kDevice);
+  TORCH_CHECK(unique_rows.device() == keys.device() && row_ranges.device() == keys.device(),
+              "embcache: the stage and the update must be on one device");
+  EMBCACHE_GPU_NS::unstage_rows(keys.data_ptr<int64_t>(), keys.numel(),
+                                unique_rows.data_ptr<int64_t>(), unique_rows.numel(),
+                                row_ranges.data_ptr<int64_t>(), range_of_table.data(),
+                                (int64_t)range_of_table.size(), current_stream());
 }
 
 /// The backward, read back nowhere: outputs sized for every lookup a unique row (grads for
@@ -190,7 +257,10 @@ inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
                                const at::Tensor& row_ranges,
                                at::ArrayRef<double> value_bounds, at::TensorList counters,
                                at::TensorList device_counts,
-                               const c10::optional<at::Tensor>& gate, bool commit) {
+                               const c10::optional<at::Tensor>& gate, bool commit,
+                               const c10::optional<at::Tensor>& staged_keys,
+                               const c10::optional<at::Tensor>& staged_rows,
+                               at::IntArrayRef staged_table) {
   EMBCACHE_DEVICE_GUARD(unique_rows);
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,
                                    row_ranges, value_bounds, counters, device_counts, gate,
@@ -199,12 +269,19 @@ inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nt = (int64_t)spec.size();
   check_same_device(tables, state, unique_rows, "unique_rows");
+  TORCH_CHECK(staged_keys.has_value() == staged_rows.has_value() &&
+                  (int64_t)staged_table.size() == (staged_keys.has_value() ? nt : 0),
+              "embcache: a stage is staged_keys, staged_rows and a staged_table entry per table");
+  if (staged_keys.has_value()) check_stage(*staged_keys, *staged_rows, -1, kDevice);
   // Every table's part of the op (UpdateTable; its rows placed on the device from row_ranges)
   std::vector<UpdateTable> parts(nt);
   int64_t state_stride = 0;
   for (int64_t t = 0; t < nt; ++t) {
+    const Stage stage = staged_keys.has_value() && staged_table[t] >= 0
+                            ? stage_of(staged_keys, staged_rows, staged_table[t])
+                            : kNoStage;
     parts[t] = UpdateTable{spec[t], tables.state[t], 0, 0, 0, tables.counters[t][kSteps] + 1, 0,
-                           (unsigned long long*)a.device_counts[t]};
+                           (unsigned long long*)a.device_counts[t], stage};
     state_stride = std::max(state_stride, spec[t].state_width());
   }
   const UpdateRows r{unique_rows.data_ptr<int64_t>(), unique_rows.numel(),
@@ -238,4 +315,6 @@ inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
     m.impl("multi_dedup_backward", &o::multi_dedup_backward);         \
     m.impl("multi_update", &o::multi_update);                         \
     m.impl("cache_flush", &o::cache_flush);                           \
+    m.impl("stage_misses", &o::stage_misses);                         \
+    m.impl("unstage_rows", &o::unstage_rows);                         \
   } while (0)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ from dlrm.data.criteo import (
     dataset_fingerprint,
     file_digests,
 )
+
+T = TypeVar("T")
 
 SPLITS = ("train", "val", "test")
 log = logging.getLogger(__name__)
@@ -170,6 +172,17 @@ def iterate_batches(
             rows = np.array_split(rows, part[1])[part[0]]
         rows = slice(rows[0], rows[-1] + 1) if order is None and len(rows) else rows
         yield make_batch(ds.dense[rows], ds.sparse[rows], ds.labels[rows])
+
+
+def with_next(items: Iterable[T]) -> Iterator[tuple[T, T | None]]:
+    """Each item with the one after it (None after the last): one item read ahead, so that a
+    step can start preparing the next (the trainer's prefetch)."""
+    source = iter(items)
+    current = next(source, None)
+    while current is not None:
+        following = next(source, None)
+        yield current, following
+        current = following
 
 
 def on_device(batches: Iterable[Batch], device: torch.device) -> Iterator[Batch]:

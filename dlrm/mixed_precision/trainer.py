@@ -378,7 +378,9 @@ class MixedPrecisionTrainer:
         (wall time on this process: the device is not synchronized between phases)."""
         return dict(self._clock.seconds)
 
-    def train_step(self, dense: Tensor, sparse, labels: Tensor, stop: bool = False) -> dict:
+    def train_step(
+        self, dense: Tensor, sparse, labels: Tensor, stop: bool = False, next_sparse=None
+    ) -> dict:
         """One training step. Returns ``loss`` (the unscaled FP32 loss, a 0-d tensor on the
         model's device: reading it waits for the step, so a loop reads it only when it logs), ``skipped``, ``scale``
         (the S this step used), ``max_abs_grad`` and ``min_abs_nonzero_grad`` (over the unscaled
@@ -386,11 +388,16 @@ class MixedPrecisionTrainer:
         possibly inf or NaN), and ``stop``: whether any rank passed ``stop`` (this process's
         wish to end after this step), the same on every rank, carried by the step's one
         decision all-reduce. Raises :class:`StepRefusedError`, having changed nothing, if the
-        step's new values cannot be stored."""
+        step's new values cannot be stored. ``next_sparse``: the next step's sparse input, if
+        known, whose table rows the model may start staging once this step's forward is
+        launched (the model's ``prefetch``)."""
         clock = self._clock
         clock.start()
         scale = self.scaler.scale
         logits = self.model(dense, sparse)
+        prefetch = getattr(self.model, "prefetch", None)
+        if next_sparse is not None and prefetch is not None:
+            prefetch(next_sparse)
         loss = F.binary_cross_entropy_with_logits(
             logits.float().reshape(-1), labels.float().reshape(-1)
         )

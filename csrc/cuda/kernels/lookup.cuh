@@ -1,7 +1,7 @@
 // The forward kernel (docs/contract.md §4.3 step 1): one warp per bag.
 #pragma once
 
-#include "common.cuh"
+#include "stage.cuh"
 
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
@@ -10,12 +10,14 @@ namespace EMBCACHE_GPU_NS {
 /// tile of Chunks * 32 elements at a time); bag b is written to out[b * out_stride + j].
 /// Max: each element the maximum by csrc/cpu/lookup.cpp's rule (max_bags), the position of
 /// its lookup written to argmax[b * argmax_stride + j] (-1 for an empty bag); else the sum,
-/// the mean if `mean`. *errors |= error bits; unless counts is null, counts[0] += the bags'
+/// the mean if `mean`. A miss reads its row from `stage` where it holds a fresh copy, else
+/// from the table w. *errors |= error bits; unless counts is null, counts[0] += the bags'
 /// lookups (by the warp of bag 0) and counts[1] += cache hits.
 template <int Chunks, bool Max>
 __device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_rows,
                                                const int32_t* tags, const float* cache_rows,
-                                               const Bags& bags, const RowFormat& f,
+                                               const Bags& bags, const Stage& stage,
+                                               const RowFormat& f,
                                                const SetDivisor& sets, int64_t ways, bool mean,
                                                float* out, int64_t out_stride, int32_t* argmax,
                                                int64_t argmax_stride, unsigned long long* errors,
@@ -72,7 +74,8 @@ __device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_row
             if (j < dim) add(k, v[j], s);
           }
         } else {
-          const uint8_t* r = w + row * f.row_bytes();
+          const uint8_t* staged = staged_row(stage, row);
+          const uint8_t* r = staged ? staged : w + row * f.row_bytes();
           float scale = 0.f, bias = 0.f;
           if (f.is_int()) load_qparams(f, r, &scale, &bias);
 #pragma unroll
@@ -100,36 +103,36 @@ __device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_row
 /// pool_bags_warp of sums or means.
 template <int Chunks>
 __global__ void pool_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
-                                 const float* cache_rows, Bags bags, RowFormat f,
+                                 const float* cache_rows, Bags bags, Stage stage, RowFormat f,
                                  SetDivisor sets, int64_t ways, bool mean, float* out,
                                  int64_t out_stride, unsigned long long* errors,
                                  unsigned long long* counts) {
-  pool_bags_warp<Chunks, false>(w, num_rows, tags, cache_rows, bags, f, sets, ways, mean, out,
+  pool_bags_warp<Chunks, false>(w, num_rows, tags, cache_rows, bags, stage, f, sets, ways, mean, out,
                                 out_stride, nullptr, 0, errors, counts);
 }
 
 /// pool_bags_warp of maxima.
 template <int Chunks>
 __global__ void max_bags_kernel(const uint8_t* w, int64_t num_rows, const int32_t* tags,
-                                const float* cache_rows, Bags bags, RowFormat f,
+                                const float* cache_rows, Bags bags, Stage stage, RowFormat f,
                                 SetDivisor sets, int64_t ways, float* out, int64_t out_stride,
                                 int32_t* argmax, int64_t argmax_stride,
                                 unsigned long long* errors, unsigned long long* counts) {
-  pool_bags_warp<Chunks, true>(w, num_rows, tags, cache_rows, bags, f, sets, ways, false, out,
+  pool_bags_warp<Chunks, true>(w, num_rows, tags, cache_rows, bags, stage, f, sets, ways, false, out,
                                out_stride, argmax, argmax_stride, errors, counts);
 }
 
-void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, float* out,
-               int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
+void pool_bags(const TableSpec& t, const TableState& state, const Bags& bags, const Stage& stage,
+               float* out, int64_t out_stride, int32_t* argmax, int64_t argmax_stride,
                unsigned long long* errors, unsigned long long* counts, Stream stream) {
   if (bags.nb == 0) return;
   if (t.pooling == kMax)
     EC_LAUNCH_TILED(max_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
-                    state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
+                    state.weights, t.rows, state.cache_tags, state.cache_rows, bags, stage, t.f,
                     t.set_divisor, t.ways, out, out_stride, argmax, argmax_stride, errors, counts);
   else
     EC_LAUNCH_TILED(pool_bags_kernel, t.f.dim, grid_warps(bags.nb), block_dim(), stream,
-                    state.weights, t.rows, state.cache_tags, state.cache_rows, bags, t.f,
+                    state.weights, t.rows, state.cache_tags, state.cache_rows, bags, stage, t.f,
                     t.set_divisor, t.ways, t.pooling == kMean, out, out_stride, errors, counts);
 }
 

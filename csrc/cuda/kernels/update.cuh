@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "common.cuh"
+#include "stage.cuh"
 #include "embcache/optimizer.h"
 
 namespace embcache {
@@ -50,7 +50,7 @@ __device__ __forceinline__ int64_t table_of_set(const UpdateTable* tables, int64
 }
 
 /// The first phase: one warp per unique row finds its slot (ballot), fetches the value
-/// (cache row or dequantized table row) and applies the optimizer into fresh and fresh_state
+/// (cache row, or the dequantized row of the table's stage or of the table) and applies the optimizer into fresh and fresh_state
 /// (row u's state at u * state_stride). Table k's flags[2k] |= error bits; flags[2k + 1] =
 /// min(row that cannot be stored).
 __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, const int64_t* rows,
@@ -73,7 +73,8 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
     const int64_t slot = warp_find_slot(T.state.cache_tags, T.t.set_divisor, T.t.ways, row);
     if (lane == 0) slots[u] = slot;
     const float* cv = slot >= 0 ? T.state.cache_rows + slot * dim : nullptr;
-    const uint8_t* tr = T.state.weights + row * f.row_bytes();
+    const uint8_t* staged = slot < 0 ? staged_row(T.stage, row) : nullptr;
+    const uint8_t* tr = staged ? staged : T.state.weights + row * f.row_bytes();
     float scale = 0.f, bias = 0.f;
     if (slot < 0 && f.is_int()) load_qparams(f, tr, &scale, &bias);
     const float* gu = g + T.value_start + i * dim;

@@ -5,6 +5,8 @@ run the group's cache ops on ``torch.ops.embcache_emu`` and the rest on the CPU 
 import pytest
 import torch
 
+from embcache import CachedLowPrecisionEmbeddingBags
+
 try:
     import embcache._cuda_emu  # noqa: F401
 
@@ -42,3 +44,19 @@ def comparable_stats(module) -> dict:
         name: {k: v for k, v in stats.items() if not k.startswith(probes)}
         for name, stats in module.stats().items()
     }
+
+
+def small_bags(tables, seed: int = 0, **options) -> CachedLowPrecisionEmbeddingBags:
+    """The emulator tests' module of ``tables``: INT8 behind a 10% 4-way LFU cache, row-wise
+    AdaGrad (``options`` override), its rows drawn after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    defaults = dict(
+        precision="int8",
+        cache_ratio=0.1,
+        associativity=4,
+        policy="lfu",
+        min_rows_for_low_precision=0,
+        optimizer="rowwise_adagrad",
+        lr=0.05,
+    )
+    return CachedLowPrecisionEmbeddingBags(tables, **{**defaults, **options})

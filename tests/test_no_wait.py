@@ -15,7 +15,7 @@ import embcache
 import embcache.group
 from dlrm.mixed_precision.trainer import MixedPrecisionTrainer, StepRefusedError
 from embcache import BagTable, CachedLowPrecisionEmbeddingBags, EmbeddingUpdateError
-from tests._emulated import EMU, comparable_stats, needs_emulator
+from tests._emulated import EMU, comparable_stats, needs_emulator, small_bags
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,17 +23,7 @@ TABLES = [BagTable("t_a", 900, 8, ("f_0", "f_1")), BagTable("t_b", 400, 8, ("f_2
 
 
 def _module(seed=0, tables=TABLES, **options):
-    torch.manual_seed(seed)
-    options = {"optimizer": "rowwise_adagrad", "lr": 0.05, **options}
-    return CachedLowPrecisionEmbeddingBags(
-        tables,
-        precision="int8",
-        cache_ratio=0.1,
-        associativity=4,
-        policy="lfu",
-        min_rows_for_low_precision=0,
-        **options,
-    )
+    return small_bags(tables, seed, **options)
 
 
 def _batch(gen, batch=32):

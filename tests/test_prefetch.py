@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import embcache.group
-from embcache import BagTable, CachedLowPrecisionEmbedding, CachedLowPrecisionEmbeddingBags
+from embcache import BagTable, CachedLowPrecisionEmbedding
 from embcache.group import TableGroup
-from tests._emulated import EMU, comparable_stats, needs_emulator
+from tests._emulated import EMU, comparable_stats, needs_emulator, small_bags
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), needs_emulator]
 
@@ -33,18 +33,8 @@ def staging(emulated, monkeypatch):
 
 
 def _module(seed=0, **options):
-    torch.manual_seed(seed)
     per_table = {"t_c": {"precision": "int4", "cache_ratio": 0.0}}  # odd row bytes, no cache
-    options = {"optimizer": "rowwise_adagrad", "lr": 0.05, **options}
-    return CachedLowPrecisionEmbeddingBags(
-        TABLES,
-        precision="int8",
-        cache_ratio=0.1,
-        associativity=4,
-        min_rows_for_low_precision=0,
-        per_table=per_table,
-        **options,
-    )
+    return small_bags(TABLES, seed, per_table=per_table, **options)
 
 
 def _batch(gen, batch=24):

@@ -27,7 +27,9 @@ of two (docs/design.md, "Host placement": 22.4 GB would take 32 GB): this script
 step (16384), every id drawn from a Zipf-like law over the rows: rank ``k`` (0 the most
 frequent) with probability proportional to ``(k + 1)^-s`` (``--zipf`` s, default 1.05; drawn by
 the continuous law's inverse CDF in FP64 on the GPU), the ranks scattered over the rows by a
-multiplication modulo the row count. A fixed output gradient (``randn x 0.01``). After
+multiplication modulo the row count. A fixed output gradient (``randn x 0.01``). Each step
+prefetches the next batch after its forward, as ``dlrm train`` does (``--no-prefetch``: not;
+docs/design.md, "Prefetch"). After
 ``WARMUP_STEPS`` steps, training runs for ``--seconds`` (60) in windows of ``--window`` seconds
 (10; the device synchronized at each window's end, when the table's counters are read): per
 window its steps, samples (bags)/s, lookups/s and hit rate, and the cache's insertions,
@@ -185,7 +187,8 @@ def markdown(r: dict) -> str:
         f"'{t['placement_used']}', a {t['cache_ratio']:.0%} {t['ways']}-way "
         f"{t['policy'].upper()} cache ({t['cache_slots']:,} slots), {t['optimizer']}; "
         f"{r['bags']} bags of {r['pooling']} ids a step, Zipf s = {r['zipf']} "
-        f"(an ideal cache of that size would hit {r['top_rows_share']:.1%}).",
+        f"(an ideal cache of that size would hit {r['top_rows_share']:.1%}); "
+        f"{'the next batch prefetched' if r['prefetch'] else 'no prefetch'}.",
         "",
         (
             f"FP32 size {m['fp32_bytes'] / gb:.1f} GB against the GPU's "
@@ -234,6 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bags", type=int, help="bags a step (default: 16384)")
     p.add_argument("--pooling", type=int, default=8)
     p.add_argument("--zipf", type=float, default=1.05, help="the law's exponent s")
+    p.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stage the next batch's misses during each step (default: %(default)s)",
+    )
     p.add_argument("--seconds", type=float, help="seconds of timed training (default: 60)")
     p.add_argument("--window", type=float, help="seconds a window (default: 10)")
     p.add_argument("--quick", action="store_true", help="a small rehearsal (CPU)")
@@ -283,8 +292,14 @@ def main(argv: list[str] | None = None) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
 
+    upcoming = [zipf.batch()]  # the next step's ids, drawn a step ahead
+
     def step() -> None:
-        table(zipf.batch(), offsets).backward(grad)
+        out = table(upcoming.pop(), offsets)
+        upcoming.append(zipf.batch())
+        if args.prefetch:
+            table.prefetch(upcoming[0], offsets)
+        out.backward(grad)
         table.step()
 
     for _ in range(WARMUP_STEPS):
@@ -330,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
             "optimizer": cfg.optimizer,
             "row_bytes": cfg.row_bytes,
         },
+        "prefetch": args.prefetch,
         "bags": args.bags,
         "pooling": args.pooling,
         "zipf": args.zipf,

@@ -391,6 +391,7 @@ def test_beyond_gpu_rehearsal_writes_its_figures(tmp_path):
     r = _run("beyond_gpu.py", argv, tmp_path / "beyond_gpu.json")
     assert _strict(tmp_path / "beyond_gpu.json") == r
     assert r["rehearsal"] is True and r["table"]["placement_used"] == "device"
+    assert r["prefetch"] is True  # as dlrm train trains: the next batch prefetched
     assert r["table"]["rows"] == 200_000 and r["table"]["cache_slots"] == 9984
     assert r["steps"] == sum(w["steps"] for w in r["windows"]) > 0
     assert r["samples_per_s"] == pytest.approx(r["steps"] * r["bags"] / r["seconds"])

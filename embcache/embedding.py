@@ -424,7 +424,8 @@ class CachedLowPrecisionEmbedding(nn.Module):
             return
         indices, offs, _ = self._bags(input, offsets, None)
         lengths = offs[1:] - offs[:-1]
-        self.group.prefetch(indices, lengths, [self.group.position(self)], offs.numel() - 1)
+        position = [self.group.position(self)]
+        self.group.prefetch(indices, lengths, position, offs.numel() - 1, self.training)
 
     def _check_values(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
         """Every index in range, offsets from 0 up to len(indices) without decreasing: else

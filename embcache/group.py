@@ -100,12 +100,14 @@ def _error_text(bits: int) -> str:
 class Stage(NamedTuple):
     """Copies of the stored rows a coming forward's lookups miss (``stage_misses``; docs/
     design.md, "Prefetch"): ``keys`` and ``rows`` on the tables' device, ``lookups`` the
-    number of lookups it was made for, ``done`` the CUDA event its staging recorded on the
-    side stream (None where it ran on the caller's stream)."""
+    number of lookups and ``training`` the mode of the forward it was made for, ``done`` the
+    CUDA event its staging recorded on the side stream (None where it ran on the caller's
+    stream)."""
 
     keys: torch.Tensor
     rows: torch.Tensor
     lookups: int
+    training: bool
     done: object
 
     def wait(self) -> None:
@@ -243,13 +245,19 @@ class TableGroup:
         return [i for i, t in enumerate(self.tables) if t.config.placement == "host"]
 
     def prefetch(
-        self, indices: torch.Tensor, lengths: torch.Tensor, feature_tables: list[int], batch: int
+        self,
+        indices: torch.Tensor,
+        lengths: torch.Tensor,
+        feature_tables: list[int],
+        batch: int,
+        training: bool,
     ) -> None:
         """Stages the misses of a coming forward (arguments as :meth:`lookup`'s) of the
         host-placed tables: on a GPU, on a side stream, copies of the stored rows its lookups
-        will not find cached, read there by the next forward of as many lookups and by the
-        update of its gradient in place of the tables' rows across PCIe (docs/design.md,
-        "Prefetch"). The same values either way: an update launched before that forward
+        will not find cached, read there by the next forward of as many lookups in the same
+        mode (training or not: an evaluation between two training steps leaves the next
+        step's stage) and by the update of its gradient in place of the tables' rows across
+        PCIe (docs/design.md, "Prefetch"). The same values either way: an update launched before that forward
         marks the copies of the rows it may write stale, and a stale or missing copy is read
         from the table. Nothing waits for the device; a table in device memory, or a group
         on the CPU, stages nothing."""
@@ -260,7 +268,7 @@ class TableGroup:
         args = (self.state(), self.specs, indices, lengths, feature_tables, batch, staged)
         if side is None:
             keys, rows = _ops.stage_misses(*args)
-            self._stage = Stage(keys, rows, indices.numel(), None)
+            self._stage = Stage(keys, rows, indices.numel(), training, None)
             return
         main = torch.cuda.current_stream(indices.device)
         side.wait_stream(main)  # the inputs, and every update launched so far
@@ -272,13 +280,13 @@ class TableGroup:
             t.record_stream(side)
         for t in (keys, rows):
             t.record_stream(main)
-        self._stage = Stage(keys, rows, indices.numel(), done)
+        self._stage = Stage(keys, rows, indices.numel(), training, done)
 
-    def _take_stage(self, lookups: int) -> Stage | None:
-        """The prefetched stage if it was made for this many lookups (it is then the
-        forward's), ordered before the current stream's later work."""
+    def _take_stage(self, lookups: int, training: bool) -> Stage | None:
+        """The prefetched stage if it was made for a forward of this many lookups in this
+        mode (it is then the forward's), ordered before the current stream's later work."""
         stage = self._stage
-        if stage is None or stage.lookups != lookups:
+        if stage is None or (stage.lookups, stage.training) != (lookups, training):
             return None
         self._stage = None
         stage.wait()
@@ -311,7 +319,7 @@ class TableGroup:
         :meth:`check_inputs`. ``check`` then raises the ValueError that names the table and
         the value."""
         self._check_finished_inputs()
-        stage = self._take_stage(indices.numel())
+        stage = self._take_stage(indices.numel(), training)
         pooled, offsets, slots, bounds, argmax, errors = _ops.multi_lookup_forward(
             self.state(),
             self.specs,

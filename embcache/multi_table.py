@@ -165,11 +165,11 @@ class CachedLowPrecisionEmbeddingBags(nn.Module):
         ``lengths``, as it takes them) will miss into GPU memory, on a side stream, while the
         current batch trains: for host-placed tables (``placement="host"``), whose misses
         otherwise cross PCIe in the forward and again in the update. Call it with the next
-        batch after the current step's forward (the next forward of as many ids takes it),
-        before its backward and update. It changes no value (docs/design.md, "Prefetch") and waits for nothing; for
+        batch after the current step's forward (the next forward of as many ids, in the
+        module's present mode, takes it), before its backward and update. It changes no value (docs/design.md, "Prefetch") and waits for nothing; for
         tables in device memory, or on the CPU, it does nothing."""
         values, lengths, _, batch = self._lookups(ids, lengths, None)
-        self._group.prefetch(values, lengths, self._feature_tables, batch)
+        self._group.prefetch(values, lengths, self._feature_tables, batch, self.training)
 
     def _lookups(
         self,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import embcache.group
+from dlrm.mixed_precision.trainer import MixedPrecisionTrainer
 from embcache import BagTable, CachedLowPrecisionEmbedding
 from embcache.group import TableGroup
 from tests._emulated import EMU, comparable_stats, needs_emulator, small_bags
@@ -181,10 +182,10 @@ def test_an_update_marks_the_copies_of_its_rows_stale(staging):
         CPU.unstage_rows(keys.clone(), rows, ranges, [3])
 
 
-def test_a_stage_serves_any_forward_and_goes_with_a_flush_or_a_load(staging):
-    """A stage made for other lookups of the same count changes no value (each copy is
-    found by its table and row); a flush or a load of the tables drops it; a group on the
-    CPU, or of tables in device memory, stages nothing."""
+def test_a_stage_serves_any_forward_of_its_mode_and_goes_with_a_flush_or_a_load(staging):
+    """A stage is taken by the next forward of as many lookups in the mode it was made in (an
+    evaluation leaves a training stage); made for other lookups of that count it changes no
+    value (each copy is found by its table and row); a flush or a load drops it."""
     m, twin = _module(), _module()
     gen = torch.Generator().manual_seed(4)
     first = _batch(gen)
@@ -192,6 +193,10 @@ def test_a_stage_serves_any_forward_and_goes_with_a_flush_or_a_load(staging):
     grad = torch.randn(24, 38, generator=gen)
     m.prefetch(*second)
     assert m.group._stage is not None
+    m.eval()
+    m(*first)
+    m.train()
+    assert m.group._stage is not None  # left for a training forward
     out = m(*first)
     assert m.group._stage is None  # taken
     assert torch.equal(out, _cpu_step(twin, first, grad))
@@ -211,3 +216,44 @@ def test_prefetch_does_nothing_where_nothing_gains(emulated):
     single = CachedLowPrecisionEmbedding(3000, 8, cache_ratio=0.1)
     single.prefetch(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
     assert single.group._stage is None
+
+
+class _Model(torch.nn.Module):
+    """The trainer's model: the tables under a linear layer, taking (ids, lengths) batches."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.embedding_collection = _module(seed)
+        torch.manual_seed(seed)
+        self.top = torch.nn.Linear(38, 1)
+
+    def forward(self, dense, batch):
+        x = self.embedding_collection(*batch) + dense
+        return self.top(x.to(self.top.weight.dtype))
+
+    def prefetch(self, batch):
+        self.embedding_collection.prefetch(*batch)
+
+
+def test_the_trainer_prefetching_each_next_batch_trains_as_without(staging):
+    """MixedPrecisionTrainer given each next batch (as dlrm train gives it) trains as the
+    same trainer on the CPU ops without one, loss for loss, through a skipped step (an
+    overflow: the gated update changes nothing, and its stale marks are harmless)."""
+    gen = torch.Generator().manual_seed(9)
+    trainers = [MixedPrecisionTrainer(_Model(1), lr=0.1) for _ in range(2)]
+    batches = [_batch(gen) for _ in range(6)]
+    for step, batch in enumerate(batches):
+        dense, labels = torch.randn(24, 38, generator=gen), torch.rand(24, generator=gen).round()
+        if step == 3:
+            dense[0, 0] = float("inf")
+        following = batches[step + 1] if step + 1 < len(batches) else None
+        ours = trainers[0].train_step(dense, batch, labels, next_sparse=following)
+        staged = trainers[0].model.embedding_collection.group._stage
+        assert (staged is not None) == (following is not None)  # the next step's, made
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(embcache.group, "_ops", embcache.group._ops.cpu_ops)
+            theirs = trainers[1].train_step(dense, batch, labels)
+        assert ours["skipped"] == theirs["skipped"] == (step == 3)
+        torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=0, atol=0, equal_nan=True)
+    a, b = (t.model.embedding_collection for t in trainers)
+    assert _same(_tables(a), _tables(b))

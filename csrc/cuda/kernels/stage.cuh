@@ -17,13 +17,17 @@ __device__ __forceinline__ const uint8_t* staged_row(const Stage& stage, int64_t
   return k < stage.n && stage.keys[k] == key ? stage.rows + k * stage.stride : nullptr;
 }
 
-/// Staging, step 1, one warp per bag of a feature looked up in the table at `position`:
-/// each lookup of a valid row that is not cached gets its key at its place in `keys`.
-__global__ void stage_keys_kernel(StagedTable T, int64_t position, Bags bags, int64_t* keys) {
+/// Staging, step 1, one warp per bag of every feature (bag g is feature g / batch's, looked
+/// up in tables[feature_table[f]]): each lookup of a staged table's valid row that is not
+/// cached gets its key at its place in `keys`.
+__global__ void stage_keys_kernel(const StagedTable* tables, const int64_t* feature_table,
+                                  Bags bags, int64_t batch, int64_t* keys) {
   const unsigned lane = lane_id();
   for (int64_t b = warp_global(); b < bags.nb; b += warps_in_grid()) {
     const int64_t g = bags.first + b, start = bags.off[g], end = bags.off[g + 1];
-    if (!bag_is_valid(start, end, g, bags.total, bags.n)) continue;
+    const int64_t position = feature_table[g / batch];
+    const StagedTable& T = tables[position];
+    if (!T.staged || !bag_is_valid(start, end, g, bags.total, bags.n)) continue;
     for (int64_t l = start; l < end; ++l) {
       const int64_t row = bags.idx[l];
       if (row < 0 || row >= T.t.rows) continue;
@@ -60,20 +64,17 @@ void stage_misses(const StagedTable* tables, int64_t nt, const Bags& bags, int64
                   int64_t stride, Stream stream) {
   const int64_t n = bags.n;
   if (n == 0 || batch == 0) return;
-  Bags feature = bags;
-  feature.nb = batch;
-  for (int64_t f = 0; f < nf; ++f) {
-    const int64_t t = feature_table[f];
-    if (!tables[t].staged) continue;
-    feature.first = f * batch;
-    EC_LAUNCH(stage_keys_kernel, grid_warps(batch), block_dim(), stream, tables[t], t, feature,
-              keys);
-  }
+  const DeviceArray<StagedTable> placed(tables, nt, stream);
+  const DeviceArray<int64_t> features(feature_table, nf, stream);
+  Bags all = bags;
+  all.first = 0;
+  all.nb = nf * batch;
+  EC_LAUNCH(stage_keys_kernel, grid_warps(all.nb), block_dim(), stream, placed.get(),
+            features.get(), all, batch, keys);
   // The keys as unsigned: kNoStagedRow, the largest, sorts last; bit 63 is always 0.
   Scratch positions(n * 8, stream);
   sort_pairs_u64_i64(reinterpret_cast<uint64_t*>(keys), positions.as<int64_t>(), n, 0, 63,
                      stream);
-  const DeviceArray<StagedTable> placed(tables, nt, stream);
   EC_LAUNCH(stage_copy_kernel, grid_warps(n), block_dim(), stream, placed.get(), keys, n, rows,
             stride);
 }

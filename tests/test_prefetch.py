@@ -257,3 +257,17 @@ def test_the_trainer_prefetching_each_next_batch_trains_as_without(staging):
         torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=0, atol=0, equal_nan=True)
     a, b = (t.model.embedding_collection for t in trainers)
     assert _same(_tables(a), _tables(b))
+
+
+def test_a_stage_too_narrow_for_a_tables_rows_is_not_read(emulated):
+    """A stage whose rows are narrower than a table's (a stage of other tables) is not read
+    for it, even where its keys name the table's rows: no value changes, no read past it."""
+    m = small_bags([BagTable("w", 900, 8)], precision="fp32")  # 32-byte rows
+    ids = torch.randint(0, 900, (40,))
+    lengths = torch.full((8,), 5)
+    keys = ((ids << 1).sort().values).clone()  # table 0's rows, as fresh copies
+    rows = torch.full((40, 16), 0xFF, dtype=torch.uint8)
+    group = m.group
+    args = (group.state(), group.specs, ids, lengths, None, [0], 8, [])
+    staged = EMU.multi_lookup_forward(*args, keys, rows)[0]
+    assert torch.equal(staged, EMU.multi_lookup_forward(*args)[0])

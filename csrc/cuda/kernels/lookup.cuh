@@ -74,7 +74,7 @@ __device__ __forceinline__ void pool_bags_warp(const uint8_t* w, int64_t num_row
             if (j < dim) add(k, v[j], s);
           }
         } else {
-          const uint8_t* staged = staged_row(stage, row);
+          const uint8_t* staged = staged_row(stage, row, f.row_bytes());
           const uint8_t* r = staged ? staged : w + row * f.row_bytes();
           float scale = 0.f, bias = 0.f;
           if (f.is_int()) load_qparams(f, r, &scale, &bias);

@@ -8,10 +8,12 @@
 namespace embcache {
 namespace EMBCACHE_GPU_NS {
 
-/// The fresh copy of `row` that `stage` holds for its table, or null. All lanes of a warp may
-/// call it with the same row (the same answer).
-__device__ __forceinline__ const uint8_t* staged_row(const Stage& stage, int64_t row) {
-  if (!stage.keys) return nullptr;
+/// The fresh copy of `row` (of `bytes` stored bytes) that `stage` holds for its table, or
+/// null (also where a stage's rows are too narrow for it: a stage of other tables). All lanes
+/// of a warp may call it with the same row (the same answer).
+__device__ __forceinline__ const uint8_t* staged_row(const Stage& stage, int64_t row,
+                                                     int64_t bytes) {
+  if (!stage.keys || bytes > stage.stride) return nullptr;
   const int64_t key = stage_key(stage.table, row);
   const int64_t k = lower_bound_key(stage.keys, stage.n, key);
   return k < stage.n && stage.keys[k] == key ? stage.rows + k * stage.stride : nullptr;

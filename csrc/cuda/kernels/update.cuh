@@ -73,7 +73,7 @@ __global__ void compute_update_kernel(const UpdateTable* tables, int64_t nt, con
     const int64_t slot = warp_find_slot(T.state.cache_tags, T.t.set_divisor, T.t.ways, row);
     if (lane == 0) slots[u] = slot;
     const float* cv = slot >= 0 ? T.state.cache_rows + slot * dim : nullptr;
-    const uint8_t* staged = slot < 0 ? staged_row(T.stage, row) : nullptr;
+    const uint8_t* staged = slot < 0 ? staged_row(T.stage, row, f.row_bytes()) : nullptr;
     const uint8_t* tr = staged ? staged : T.state.weights + row * f.row_bytes();
     float scale = 0.f, bias = 0.f;
     if (slot < 0 && f.is_int()) load_qparams(f, tr, &scale, &bias);

@@ -33,27 +33,28 @@ inline void define_cache_ops(torch::Library& m) {
   // no memory, without such features). Bad indices or offsets: the CPU op raises; the CUDA
   // op, which does not wait for its kernels, writes nothing out of bounds and returns their
   // error bits (cache_api.h ErrorBits) in `errors`, int64 [1] on the device (empty from the
-  // CPU op), for the caller to read when it next waits for the device. staged_keys and
-  // staged_rows: a stage of these tables (stage_misses), from which a miss reads its row
+  // CPU op), for the caller to read when it next waits for the device. staged_slots and
+  // staged_rows: a stage of these lookups (stage_misses), from which a miss reads its row
   // where it holds a fresh copy (the same bytes as the table's); the CPU op ignores them.
   m.def("multi_lookup_forward(Tensor[] state, Tensor specs, Tensor indices, Tensor lengths, "
         "Tensor? per_sample_weights, int[] feature_table, int batch, "
-        "Tensor(a!)[] device_counts, Tensor? staged_keys=None, Tensor? staged_rows=None) -> "
+        "Tensor(a!)[] device_counts, Tensor? staged_slots=None, Tensor? staged_rows=None) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // The stage of a forward's misses (docs/design.md, "Prefetch"; csrc/include/embcache/
   // stage.h), for the forward and the update of these lookups to read in place of the
-  // tables' storage: (staged_keys int64 [lookups], sorted, staged_rows uint8 [lookups,
-  // stride]). Arguments as multi_lookup_forward's; table positions are those of `specs`.
-  // Only the misses of the tables at positions `staged_tables` are staged (the caller's
-  // choice: host-placed tables gain, a table in device memory does not); the CPU op, whose
-  // tables are all in its own memory, stages nothing (every key kNoStagedRow, stride 0).
-  // Changes nothing and waits for nothing; bad input stages nothing (the forward reports it).
+  // tables' storage: (staged_slots int64 [entries, 2], the hash table of (key, copy),
+  // staged_rows uint8 [lookups, stride], the copies). Arguments as multi_lookup_forward's;
+  // table positions are those of `specs`. Only the misses of the tables at positions
+  // `staged_tables` are staged (the caller's choice: host-placed tables gain, a table in
+  // device memory does not); the CPU op, whose tables are all in its own memory, stages
+  // nothing. Changes nothing and waits for nothing; bad input stages nothing (the forward
+  // reports it).
   m.def("stage_misses(Tensor[] state, Tensor specs, Tensor indices, Tensor lengths, "
         "int[] feature_table, int batch, int[] staged_tables) -> (Tensor, Tensor)");
   // Marks stale every entry of a stage whose row an update may have written: table position
   // t's part of the update is row_ranges[range_of_table[t]] of unique_rows (multi_update's
   // arguments; -1: none).
-  m.def("unstage_rows(Tensor(a!) staged_keys, Tensor unique_rows, Tensor row_ranges, "
+  m.def("unstage_rows(Tensor(a!) staged_slots, Tensor unique_rows, Tensor row_ranges, "
         "int[] range_of_table) -> ()");
   // Every feature's deduplicated gradient, features in the role of multi_update's tables:
   // (unique_rows, grads, occurrences, slots (empty without lookup_slots), row_ranges,
@@ -79,13 +80,13 @@ inline void define_cache_ops(torch::Library& m) {
   // Table t's update is step counters[t][kSteps] + 1; the caller counts an applied update
   // (count_updates). A commit adds its unique hits, insertions and evictions to
   // device_counts[t]. With commit=false it only checks (a dry run: nothing is changed).
-  // staged_keys and staged_rows: a stage (that of the gradient's forward: stage_misses), in
+  // staged_slots and staged_rows: a stage (that of the gradient's forward: stage_misses), in
   // which table t is at position staged_table[t] (-1: not in it; one per table); an uncached
   // row is read from it where it holds a fresh copy. The CPU op ignores them.
   m.def("multi_update(Tensor(a!)[] state, Tensor specs, Tensor unique_rows, Tensor grads, "
         "Tensor occurrences, Tensor slot_hints, Tensor row_ranges, float[] value_bounds, "
         "Tensor(b!)[] counters, Tensor(c!)[] device_counts, Tensor? gate=None, "
-        "bool commit=True, Tensor? staged_keys=None, Tensor? staged_rows=None, "
+        "bool commit=True, Tensor? staged_slots=None, Tensor? staged_rows=None, "
         "int[] staged_table=[]) -> Tensor");
   // Writes every cached row back into its table (rounded with the stream of step
   // counters[t][kSteps]) and empties the caches; returns the rows written per table, which

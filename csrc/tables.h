@@ -425,30 +425,35 @@ inline void check_lookups(const at::Tensor& indices, const c10::optional<at::Ten
   }
 }
 
-/// A stage (stage_misses' outputs), checked: int64 keys [entries] and uint8 rows [entries,
+/// A stage (stage_misses' outputs, csrc/include/embcache/stage.h), checked: int64 slots
+/// [entries, 2], entries a power of two and at least twice the rows, and uint8 rows [copies,
 /// stride] on `device`, the stride a multiple of 16 (rows stay aligned to their values) and
-/// the rows starting at a 16-byte boundary; `entries`, if not negative, the lookups it must
-/// be the stage of. Returns the entries.
-inline int64_t check_stage(const at::Tensor& keys, const at::Tensor& rows, int64_t entries,
-                           const DeviceKind& device) {
-  device.check(keys, at::kLong, "staged_keys");
+/// the rows starting at a 16-byte boundary; `lookups`, if not negative, the lookups it must
+/// be the stage of (a copy for each).
+inline void check_stage(const at::Tensor& slots, const at::Tensor& rows, int64_t lookups,
+                        const DeviceKind& device) {
+  device.check(slots, at::kLong, "staged_slots");
   device.check(rows, at::kByte, "staged_rows");
-  const int64_t n = keys.numel();
-  TORCH_CHECK(keys.dim() == 1 && rows.dim() == 2 && rows.size(0) == n && rows.size(1) % 16 == 0 &&
+  const int64_t entries = slots.dim() == 2 ? slots.size(0) : 0;
+  TORCH_CHECK(slots.dim() == 2 && slots.size(1) == 2 && entries > 0 &&
+                  (entries & (entries - 1)) == 0 && rows.dim() == 2 &&
+                  entries >= 2 * rows.size(0) && rows.size(1) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
-              "embcache: a stage is int64 keys [n] and uint8 rows [n, a multiple of 16] "
-              "starting at a 16-byte boundary, got ", keys.sizes(), " and ", rows.sizes());
-  TORCH_CHECK(entries < 0 || n == entries, "embcache: the stage holds ", n,
-              " entries, for as many lookups; this call has ", entries);
-  return n;
+              "embcache: a stage is int64 slots [a power of two, at least twice the rows, 2] "
+              "and uint8 rows [n, a multiple of 16] starting at a 16-byte boundary, got ",
+              slots.sizes(), " and ", rows.sizes());
+  TORCH_CHECK(lookups < 0 || rows.size(0) == lookups, "embcache: the stage holds ",
+              rows.size(0), " copies, for as many lookups; this call has ", lookups);
 }
 
-/// unstage_rows's arguments, checked: a stage's keys, an update's int64 unique rows and its
+/// unstage_rows's arguments, checked: a stage's slots, an update's int64 unique rows and its
 /// row ranges [parts, 3] on `device`, and for each table position of the stage a part or -1.
-inline void check_unstage_args(const at::Tensor& keys, const at::Tensor& rows,
+inline void check_unstage_args(const at::Tensor& slots, const at::Tensor& rows,
                                const at::Tensor& ranges, at::IntArrayRef range_of,
                                const DeviceKind& device) {
-  device.check(keys, at::kLong, "staged_keys");
+  device.check(slots, at::kLong, "staged_slots");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(1) == 2,
+              "embcache: staged_slots must be [entries, 2], got ", slots.sizes());
   device.check(rows, at::kLong, "unique_rows");
   device.check(ranges, at::kLong, "row_ranges");
   TORCH_CHECK(ranges.dim() == 2 && ranges.size(1) == 3,

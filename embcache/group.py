@@ -99,12 +99,12 @@ def _error_text(bits: int) -> str:
 
 class Stage(NamedTuple):
     """Copies of the stored rows a coming forward's lookups miss (``stage_misses``; docs/
-    design.md, "Prefetch"): ``keys`` and ``rows`` on the tables' device, ``lookups`` the
-    number of lookups and ``training`` the mode of the forward it was made for, ``done`` the
-    CUDA event its staging recorded on the side stream (None where it ran on the caller's
-    stream)."""
+    design.md, "Prefetch"): ``slots`` (its hash table of keys and copies) and ``rows`` (the
+    copies) on the tables' device, ``lookups`` the number of lookups and ``training`` the
+    mode of the forward it was made for, ``done`` the CUDA event its staging recorded on the
+    side stream (None where it ran on the caller's stream)."""
 
-    keys: torch.Tensor
+    slots: torch.Tensor
     rows: torch.Tensor
     lookups: int
     training: bool
@@ -113,7 +113,7 @@ class Stage(NamedTuple):
     def wait(self) -> None:
         """Orders the current stream's later work after the staging (no host wait)."""
         if self.done is not None:
-            torch.cuda.current_stream(self.keys.device).wait_event(self.done)
+            torch.cuda.current_stream(self.slots.device).wait_event(self.done)
 
 
 # the side stream of each CUDA device that stages on it (TableGroup.prefetch)
@@ -267,20 +267,20 @@ class TableGroup:
         side = _staging_stream(indices.device)
         args = (self.state(), self.specs, indices, lengths, feature_tables, batch, staged)
         if side is None:
-            keys, rows = _ops.stage_misses(*args)
-            self._stage = Stage(keys, rows, indices.numel(), training, None)
+            slots, rows = _ops.stage_misses(*args)
+            self._stage = Stage(slots, rows, indices.numel(), training, None)
             return
         main = torch.cuda.current_stream(indices.device)
         side.wait_stream(main)  # the inputs, and every update launched so far
         with torch.cuda.stream(side):
-            keys, rows = _ops.stage_misses(*args)
+            slots, rows = _ops.stage_misses(*args)
             done = torch.cuda.Event()
             done.record(side)
         for t in (indices, lengths):
             t.record_stream(side)
-        for t in (keys, rows):
+        for t in (slots, rows):
             t.record_stream(main)
-        self._stage = Stage(keys, rows, indices.numel(), training, done)
+        self._stage = Stage(slots, rows, indices.numel(), training, done)
 
     def _take_stage(self, lookups: int, training: bool) -> Stage | None:
         """The prefetched stage if it was made for a forward of this many lookups in this
@@ -329,7 +329,7 @@ class TableGroup:
             feature_tables,
             batch,
             self.device_counts() if training else [],
-            None if stage is None else stage.keys,
+            None if stage is None else stage.slots,
             None if stage is None else stage.rows,
         )
         pending = None
@@ -695,7 +695,7 @@ def _launch(
             range_of = [-1] * len(g._every)
             for i, t in enumerate(chosen):
                 range_of[t] = at + i
-            _ops.unstage_rows(g._stage.keys, rows, ranges, range_of)
+            _ops.unstage_rows(g._stage.slots, rows, ranges, range_of)
         at += len(chosen)
     return PendingUpdate(taken, rows, ranges, verdict, full_gate, gate_words, inputs, commit)
 
@@ -711,7 +711,7 @@ def _staged_arguments(taken, stages) -> tuple:
     positions = []
     for i, (_, tables) in enumerate(taken):
         positions += tables if i == chosen else [-1] * len(tables)
-    return stages[chosen].keys, stages[chosen].rows, positions
+    return stages[chosen].slots, stages[chosen].rows, positions
 
 
 def _start_hinted(

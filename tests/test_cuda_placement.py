@@ -154,7 +154,7 @@ def test_prefetching_on_a_side_stream_changes_no_value(optimizer):
         outs = [m(idx.cuda(), off.cuda()) for m in (device, host)]
         if s + 1 < len(batches):
             host.prefetch(batches[s + 1][0].cuda(), batches[s + 1][1].cuda())
-            staged += int((host.group._stage.keys != (1 << 63) - 1).sum())
+            staged += int((host.group._stage.slots[:, 0] != (1 << 63) - 1).sum())
         for m, out in zip((device, host), outs):
             out.backward(grad.cuda())
             m.step()

@@ -82,7 +82,7 @@ def test_steps_that_prefetch_the_next_batch_are_the_cpu_steps(staging, policy, o
         out = ours(*batch)
         if step + 1 < len(batches):
             ours.prefetch(*batches[step + 1])
-            keys = ours.group._stage.keys
+            keys = ours.group._stage.slots[:, 0]  # (a view: the update marks it)
             staged += int((keys != NO_ROW).sum())
         out.backward(grad)
         ours.step()
@@ -95,9 +95,10 @@ def test_steps_that_prefetch_the_next_batch_are_the_cpu_steps(staging, policy, o
 
 
 def test_the_stage_holds_copies_of_the_misses_of_the_staged_tables(emulated):
-    """stage_misses: one key per lookup, ascending; a lookup of a staged table whose row is
-    not cached has its (table, row) key, every other kNoStagedRow; the first entry of each
-    key holds the row's stored bytes. The CPU op stages nothing."""
+    """stage_misses: a hash table of twice as many entries as lookups (a power of two) whose
+    keys are the (table, row) of every lookup of a staged table whose row is not cached, each
+    once, with a copy of the row's stored bytes, the copies numbered from 0; the other
+    entries empty. The CPU op stages nothing."""
     m = _module()
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -105,25 +106,27 @@ def test_the_stage_holds_copies_of_the_misses_of_the_staged_tables(emulated):
     ids, lengths = _batch(gen)
     group = m.group
     args = (group.state(), group.specs, ids, lengths, m._feature_tables, 24)
-    keys, rows = EMU.stage_misses(*args, [0, 2])
-    assert torch.equal(keys, keys.sort().values) and keys.numel() == ids.numel()
+    slots, rows = EMU.stage_misses(*args, [0, 2])
+    entries = slots.shape[0]
+    assert entries >= 2 * ids.numel() and entries & (entries - 1) == 0 and slots.shape[1] == 2
     table_of_lookup = torch.repeat_interleave(
         torch.tensor(m._feature_tables), lengths.view(4, 24).sum(1)
     )
-    want = []
-    for t, row in zip(table_of_lookup.tolist(), ids.tolist()):
-        table = group.tables[t]
-        if t in (0, 2) and row not in table.cache_tags.tolist():
-            want.append((t << 49) | (row << 1))
-    assert sorted(want) == [k for k in keys.tolist() if k != NO_ROW]
-    assert rows.shape[1] % 16 == 0 and rows.shape[1] >= group.tables[0].config.row_bytes
-    for k, key in enumerate(keys.tolist()):
-        if key != NO_ROW and (k == 0 or keys[k - 1] != key):
-            table, row = group.tables[key >> 49], key >> 1 & ((1 << 48) - 1)
-            width = table.config.row_bytes
-            assert torch.equal(rows[k, :width], table.weights[row]), (key >> 49, row)
-    cpu_keys, cpu_rows = CPU.stage_misses(*args, [0, 2])
-    assert bool((cpu_keys == NO_ROW).all()) and cpu_rows.shape == (ids.numel(), 0)
+    want = {
+        (t << 49) | (row << 1)
+        for t, row in zip(table_of_lookup.tolist(), ids.tolist())
+        if t in (0, 2) and row not in group.tables[t].cache_tags.tolist()
+    }
+    filled = slots[slots[:, 0] != NO_ROW]
+    assert sorted(filled[:, 0].tolist()) == sorted(want)  # each once
+    assert sorted(filled[:, 1].tolist()) == list(range(len(want)))
+    assert rows.shape[0] == ids.numel() and rows.shape[1] % 16 == 0
+    for key, copy in filled.tolist():
+        table, row = group.tables[key >> 49], key >> 1 & ((1 << 48) - 1)
+        width = table.config.row_bytes
+        assert torch.equal(rows[copy, :width], table.weights[row]), (key >> 49, row)
+    cpu_slots, cpu_rows = CPU.stage_misses(*args, [0, 2])
+    assert bool((cpu_slots[:, 0] == NO_ROW).all()) and cpu_rows.numel() == 0
 
 
 def test_the_forward_and_the_update_read_the_stage(staging):
@@ -155,10 +158,12 @@ def test_an_update_marks_the_copies_of_its_rows_stale(staging):
     batch = _batch(gen)
     out = m(*batch)
     m.prefetch(*batch)  # the same rows: every staged row is updated
-    before = m.group._stage.keys.clone()
+    before = m.group._stage.slots.clone()
     out.backward(torch.randn(24, 38, generator=gen))
     m.step()
-    after = m.group._stage.keys
+    after = m.group._stage.slots
+    assert torch.equal(after[:, 1], before[:, 1])  # the copies stay where they are
+    before, after = before[:, 0], after[:, 0]
     fresh = before != NO_ROW
     assert bool(fresh.any()) and torch.equal(after[fresh], before[fresh] | 1)
     assert torch.equal(after[~fresh], before[~fresh])
@@ -168,18 +173,19 @@ def test_an_update_marks_the_copies_of_its_rows_stale(staging):
     keys = torch.tensor(
         [(t << 49) | (r << 1) | s for t in range(4) for r in range(10) for s in (0, 1)] + [NO_ROW]
     )
+    slots = torch.stack([keys, torch.arange(keys.numel())], dim=1)
     for range_of in ([0, 1, -1, 2], [1, -1, 0, -1], [-1, -1, -1, -1]):
-        a, b = keys.clone(), keys.clone()
+        a, b = slots.clone(), slots.clone()
         EMU.unstage_rows(a, rows, ranges, range_of)
         CPU.unstage_rows(b, rows, ranges, range_of)
-        assert torch.equal(a, b), range_of
-    CPU.unstage_rows(b := keys.clone(), rows, ranges, [0, 1, -1, 2])
-    marked = {(k >> 49, k >> 1 & 15) for k, was in zip(b.tolist(), keys.tolist()) if k != was}
+        assert torch.equal(a, b) and torch.equal(a[:, 1], slots[:, 1]), range_of
+    CPU.unstage_rows(b := slots.clone(), rows, ranges, [0, 1, -1, 2])
+    marked = {(k >> 49, k >> 1 & 15) for k, was in zip(b[:, 0].tolist(), keys.tolist()) if k != was}
     assert marked == {(0, 1), (0, 4), (0, 9), (1, 2), (1, 3), (1, 7), (1, 8)} | {
         (3, r) for r in range(10)
     }
     with pytest.raises(RuntimeError, match="range_of_table holds 3"):
-        CPU.unstage_rows(keys.clone(), rows, ranges, [3])
+        CPU.unstage_rows(slots.clone(), rows, ranges, [3])
 
 
 def test_a_stage_serves_any_forward_of_its_mode_and_goes_with_a_flush_or_a_load(staging):
@@ -265,9 +271,11 @@ def test_a_stage_too_narrow_for_a_tables_rows_is_not_read(emulated):
     m = small_bags([BagTable("w", 900, 8)], precision="fp32")  # 32-byte rows
     ids = torch.randint(0, 900, (40,))
     lengths = torch.full((8,), 5)
-    keys = ((ids << 1).sort().values).clone()  # table 0's rows, as fresh copies
-    rows = torch.full((40, 16), 0xFF, dtype=torch.uint8)
     group = m.group
+    slots, rows = EMU.stage_misses(group.state(), group.specs, ids, lengths, [0], 8, [0])
+    assert int((slots[:, 0] != NO_ROW).sum()) > 0 and rows.shape[1] == 32
+    narrow = torch.full((40, 16), 0xFF, dtype=torch.uint8)  # its keys, narrower rows
     args = (group.state(), group.specs, ids, lengths, None, [0], 8, [])
-    staged = EMU.multi_lookup_forward(*args, keys, rows)[0]
+    staged = EMU.multi_lookup_forward(*args, slots, narrow)[0]
     assert torch.equal(staged, EMU.multi_lookup_forward(*args)[0])
+    assert torch.equal(EMU.multi_lookup_forward(*args, slots, rows)[0], staged)  # (read: same)

@@ -342,7 +342,7 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
                      const at::Tensor& lengths,
                      const c10::optional<at::Tensor>& per_sample_weights,
                      at::IntArrayRef feature_table, int64_t batch,
-                     at::TensorList device_counts, const c10::optional<at::Tensor>& /*staged_keys*/,
+                     at::TensorList device_counts, const c10::optional<at::Tensor>& /*staged_slots*/,
                      const c10::optional<at::Tensor>& /*staged_rows*/) {
   const Tables tables = op_tables(state, specs, {}, true, kCpu);
   const std::vector<int64_t*> counts =

@@ -9,8 +9,8 @@ namespace embcache {
 namespace cpu {
 namespace {
 
-/// Nothing staged: every key kNoStagedRow, rows of stride 0. The arguments are checked as the
-/// forward checks them.
+/// Nothing staged: two empty entries, no rows. The arguments are checked as the forward
+/// checks them.
 std::tuple<at::Tensor, at::Tensor> stage_misses(at::TensorList state, const at::Tensor& specs,
                                                 const at::Tensor& indices,
                                                 const at::Tensor& lengths,
@@ -22,18 +22,17 @@ std::tuple<at::Tensor, at::Tensor> stage_misses(at::TensorList state, const at::
   TORCH_CHECK(batch >= 0 && lengths.dim() == 1 &&
                   lengths.numel() == (int64_t)feature_table.size() * batch,
               "embcache: lengths must hold features * batch bag sizes");
-  const int64_t n = indices.numel();
-  return {at::full({n}, kNoStagedRow, indices.options()), at::empty({n, 0}, at::kByte)};
+  return {at::full({2, 2}, kNoStagedRow, indices.options()), at::empty({0, 16}, at::kByte)};
 }
 
-void unstage_rows(const at::Tensor& keys, const at::Tensor& unique_rows,
+void unstage_rows(const at::Tensor& slots, const at::Tensor& unique_rows,
                   const at::Tensor& row_ranges, at::IntArrayRef range_of_table) {
-  check_unstage_args(keys, unique_rows, row_ranges, range_of_table, kCpu);
-  int64_t* k = keys.data_ptr<int64_t>();
-  for (int64_t i = 0; i < keys.numel(); ++i)
-    k[i] = key_after_update(k[i], unique_rows.data_ptr<int64_t>(), unique_rows.numel(),
-                            row_ranges.data_ptr<int64_t>(), range_of_table.data(),
-                            (int64_t)range_of_table.size());
+  check_unstage_args(slots, unique_rows, row_ranges, range_of_table, kCpu);
+  int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t h = 0; h < slots.size(0); ++h)
+    s[2 * h] = key_after_update(s[2 * h], unique_rows.data_ptr<int64_t>(), unique_rows.numel(),
+                                row_ranges.data_ptr<int64_t>(), range_of_table.data(),
+                                (int64_t)range_of_table.size());
 }
 
 }  // namespace

@@ -110,7 +110,7 @@ at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
                         const at::Tensor& row_ranges, at::ArrayRef<double> value_bounds,
                         at::TensorList counters, at::TensorList device_counts,
                         const c10::optional<at::Tensor>& gate, bool commit,
-                        const c10::optional<at::Tensor>& /*staged_keys*/,
+                        const c10::optional<at::Tensor>& /*staged_slots*/,
                         const c10::optional<at::Tensor>& /*staged_rows*/,
                         at::IntArrayRef /*staged_table*/) {
   const UpdateArgs a = update_args(state, specs, unique_rows, grads, occurrences, slot_hints,

@@ -85,15 +85,16 @@ struct Bags {
   const float* psw;
 };
 
-/// A stage as a kernel reads it (embcache/stage.h): n entries, keys ascending, the copy of
-/// the first entry of each key at rows + k * stride; `table` is the position of the table
-/// whose rows the kernel looks for. keys null: no stage (every miss reads the table).
+/// A stage as a kernel reads it (embcache/stage.h): mask + 1 (key, copy) entries `slots`,
+/// the copies at rows + copy * stride; `table` is the position of the table whose rows the
+/// kernel looks for. slots null: no stage (every miss reads the table).
 struct Stage {
-  const int64_t* keys;
+  const int64_t* slots;
+  int64_t mask;
   const uint8_t* rows;
-  int64_t n, stride, table;
+  int64_t stride, table;
 };
-constexpr Stage kNoStage{nullptr, nullptr, 0, 0, 0};
+constexpr Stage kNoStage{nullptr, 0, nullptr, 0, 0};
 
 /// One table of a staging (stage_misses): where its rows are, and whether to stage them (a
 /// host-placed table's; a table in device memory gains nothing from a copy).
@@ -104,21 +105,21 @@ struct StagedTable {
 };
 
 /// Stages the misses of nf features (feature f: bags [f * batch, (f + 1) * batch) of `bags`,
-/// which holds them all, in tables[feature_table[f]]): every lookup of a staged table whose
-/// row is valid and not cached gets the key stage_key(position, row), the others
-/// kNoStagedRow; the keys (n = bags.n, prefilled kNoStagedRow by the caller) are sorted and
-/// the first entry of each key gets a copy of the row's stored bytes at rows + k * stride
-/// (stride: at least the widest row, a multiple of 16). Lookups are not checked here: the
-/// forward reports bad ones, and an invalid row or bag stages nothing.
+/// which holds them all, in tables[feature_table[f]]), in one launch: every lookup of a
+/// staged table whose row is valid and not cached puts stage_key(position, row) into the
+/// stage `slots` (mask + 1 entries, every one kNoStagedRow before: the caller fills them),
+/// and the lookup that puts a key first copies the row's stored bytes to the next free row
+/// of `rows` (stride bytes each, at least the widest row, a multiple of 16; as many as the
+/// lookups). Lookups are not checked here: the forward reports bad ones, and an invalid row
+/// or bag stages nothing.
 void stage_misses(const StagedTable* tables, int64_t nt, const Bags& bags, int64_t batch,
-                  int64_t nf, const int64_t* feature_table, int64_t* keys, uint8_t* rows,
-                  int64_t stride, Stream stream);
+                  int64_t nf, const int64_t* feature_table, int64_t* slots, int64_t mask,
+                  uint8_t* rows, int64_t stride, Stream stream);
 
-/// Marks stale (stale_key) every entry of a stage (keys[0..n)) whose row an update of the
-/// table at its position may have written: the table's part of the update is
-/// row_ranges[range_of[t]] (-1: the update has none) of its unique `rows` (nrows of them).
-/// Entries keep their order.
-void unstage_rows(int64_t* keys, int64_t n, const int64_t* rows, int64_t nrows,
+/// Marks stale (stale_key) every entry of a stage (n (key, copy) pairs `slots`) whose row an
+/// update of the table at its position may have written (key_after_update: the table's part
+/// of the update is row_ranges[range_of[t]] of its nrows unique `rows`; -1: none).
+void unstage_rows(int64_t* slots, int64_t n, const int64_t* rows, int64_t nrows,
                   const int64_t* ranges, const int64_t* range_of, int64_t nt, Stream stream);
 
 /// The forward: the bags pooled from table `t` (by t.pooling) into out[b * out_stride + j];

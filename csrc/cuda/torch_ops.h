@@ -115,12 +115,12 @@ inline at::Tensor offsets_of(const at::Tensor& lengths) {
   return at::cat({at::zeros({1}, lengths.options().dtype(at::kLong)), lengths.cumsum(0, at::kLong)});
 }
 
-/// Table position t's view of a stage, or none.
-inline Stage stage_of(const c10::optional<at::Tensor>& keys, const c10::optional<at::Tensor>& rows,
-                      int64_t t) {
-  if (!keys.has_value()) return kNoStage;
-  return Stage{keys->data_ptr<int64_t>(), rows->data_ptr<uint8_t>(), keys->numel(), rows->size(1),
-               t};
+/// Table position t's view of a stage (checked: check_stage), or none.
+inline Stage stage_of(const c10::optional<at::Tensor>& slots,
+                      const c10::optional<at::Tensor>& rows, int64_t t) {
+  if (!slots.has_value()) return kNoStage;
+  return Stage{slots->data_ptr<int64_t>(), slots->size(0) - 1, rows->data_ptr<uint8_t>(),
+               rows->size(1), t};
 }
 
 /// The forward: every feature's bags launched on the stream, each adding its lookups and
@@ -130,7 +130,7 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
                      const at::Tensor& lengths,
                      const c10::optional<at::Tensor>& per_sample_weights,
                      at::IntArrayRef feature_table, int64_t batch,
-                     at::TensorList device_counts, const c10::optional<at::Tensor>& staged_keys,
+                     at::TensorList device_counts, const c10::optional<at::Tensor>& staged_slots,
                      const c10::optional<at::Tensor>& staged_rows) {
   EMBCACHE_DEVICE_GUARD(indices);
   const Tables tables = op_tables(state, specs, {}, true, kDevice);
@@ -144,9 +144,9 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
   TORCH_CHECK(argmax_col[nf] == 0 || indices.numel() <= INT32_MAX,
               "embcache: at most 2^31 - 1 lookups per call with max pooling");
   check_same_device(tables, state, indices, "indices");
-  TORCH_CHECK(staged_keys.has_value() == staged_rows.has_value(),
-              "embcache: a stage is staged_keys and staged_rows together");
-  if (staged_keys.has_value()) check_stage(*staged_keys, *staged_rows, indices.numel(), kDevice);
+  TORCH_CHECK(staged_slots.has_value() == staged_rows.has_value(),
+              "embcache: a stage is staged_slots and staged_rows together");
+  if (staged_slots.has_value()) check_stage(*staged_slots, *staged_rows, indices.numel(), kDevice);
   const at::Tensor offsets = offsets_of(lengths);
   Bags bags = op_bags(indices, offsets, per_sample_weights, nf, batch);
   at::Tensor out = at::empty({batch, col[nf]}, indices.options().dtype(at::kFloat));
@@ -156,7 +156,7 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
     const int64_t t = feature_table[f];
     bags.first = f * batch;
     bags.nb = batch;
-    pool_bags(spec[t], tables.state[t], bags, stage_of(staged_keys, staged_rows, t),
+    pool_bags(spec[t], tables.state[t], bags, stage_of(staged_slots, staged_rows, t),
               out.data_ptr<float>() + col[f], col[nf],
               argmax.data_ptr<int32_t>() + argmax_col[f], argmax_col[nf], words(errors),
               counts.empty() ? nullptr : (unsigned long long*)counts[t] + kDeviceLookups,
@@ -166,8 +166,8 @@ multi_lookup_forward(at::TensorList state, const at::Tensor& specs, const at::Te
           at::empty({0}, at::kFloat), argmax, errors};
 }
 
-/// The stage of the lookups' misses in the tables `staged_tables` (stage_misses): keys
-/// sorted, the first entry of each key a copy of its row; nothing is read back.
+/// The stage of the lookups' misses in the tables `staged_tables` (stage_misses), made in
+/// one launch; nothing is read back.
 inline std::tuple<at::Tensor, at::Tensor> stage_misses(at::TensorList state,
                                                        const at::Tensor& specs,
                                                        const at::Tensor& indices,
@@ -193,23 +193,25 @@ inline std::tuple<at::Tensor, at::Tensor> stage_misses(at::TensorList state,
     widest = std::max<int64_t>(widest, tables.spec[t].f.row_bytes());
   }
   const int64_t n = indices.numel(), stride = (widest + 15) / 16 * 16;
-  const at::Tensor keys = at::full({n}, kNoStagedRow, indices.options());
+  int64_t entries = 2;  // a power of two, at least twice the lookups
+  while (entries < 2 * n) entries *= 2;
+  const at::Tensor slots = at::full({entries, 2}, kNoStagedRow, indices.options());
   const at::Tensor rows = at::empty({n, stride}, indices.options().dtype(at::kByte));
   if (stride > 0)
     EMBCACHE_GPU_NS::stage_misses(staged.data(), nt, bags, batch, nf, feature_table.data(),
-                                  keys.data_ptr<int64_t>(), rows.data_ptr<uint8_t>(), stride,
-                                  current_stream());
-  return {keys, rows};
+                                  slots.data_ptr<int64_t>(), entries - 1,
+                                  rows.data_ptr<uint8_t>(), stride, current_stream());
+  return {slots, rows};
 }
 
 /// unstage_rows on the device: nothing read back.
-inline void unstage_rows(const at::Tensor& keys, const at::Tensor& unique_rows,
+inline void unstage_rows(const at::Tensor& slots, const at::Tensor& unique_rows,
                          const at::Tensor& row_ranges, at::IntArrayRef range_of_table) {
-  EMBCACHE_DEVICE_GUARD(keys);
-  check_unstage_args(keys, unique_rows, row_ranges, range_of_table, kDevice);
-  TORCH_CHECK(unique_rows.device() == keys.device() && row_ranges.device() == keys.device(),
+  EMBCACHE_DEVICE_GUARD(slots);
+  check_unstage_args(slots, unique_rows, row_ranges, range_of_table, kDevice);
+  TORCH_CHECK(unique_rows.device() == slots.device() && row_ranges.device() == slots.device(),
               "embcache: the stage and the update must be on one device");
-  EMBCACHE_GPU_NS::unstage_rows(keys.data_ptr<int64_t>(), keys.numel(),
+  EMBCACHE_GPU_NS::unstage_rows(slots.data_ptr<int64_t>(), slots.size(0),
                                 unique_rows.data_ptr<int64_t>(), unique_rows.numel(),
                                 row_ranges.data_ptr<int64_t>(), range_of_table.data(),
                                 (int64_t)range_of_table.size(), current_stream());
@@ -258,7 +260,7 @@ inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
                                at::ArrayRef<double> value_bounds, at::TensorList counters,
                                at::TensorList device_counts,
                                const c10::optional<at::Tensor>& gate, bool commit,
-                               const c10::optional<at::Tensor>& staged_keys,
+                               const c10::optional<at::Tensor>& staged_slots,
                                const c10::optional<at::Tensor>& staged_rows,
                                at::IntArrayRef staged_table) {
   EMBCACHE_DEVICE_GUARD(unique_rows);
@@ -269,16 +271,16 @@ inline at::Tensor multi_update(at::TensorList state, const at::Tensor& specs,
   const std::vector<TableSpec>& spec = tables.spec;
   const int64_t nt = (int64_t)spec.size();
   check_same_device(tables, state, unique_rows, "unique_rows");
-  TORCH_CHECK(staged_keys.has_value() == staged_rows.has_value() &&
-                  (int64_t)staged_table.size() == (staged_keys.has_value() ? nt : 0),
-              "embcache: a stage is staged_keys, staged_rows and a staged_table entry per table");
-  if (staged_keys.has_value()) check_stage(*staged_keys, *staged_rows, -1, kDevice);
+  TORCH_CHECK(staged_slots.has_value() == staged_rows.has_value() &&
+                  (int64_t)staged_table.size() == (staged_slots.has_value() ? nt : 0),
+              "embcache: a stage is staged_slots, staged_rows and a staged_table entry per table");
+  if (staged_slots.has_value()) check_stage(*staged_slots, *staged_rows, -1, kDevice);
   // Every table's part of the op (UpdateTable; its rows placed on the device from row_ranges)
   std::vector<UpdateTable> parts(nt);
   int64_t state_stride = 0;
   for (int64_t t = 0; t < nt; ++t) {
-    const Stage stage = staged_keys.has_value() && staged_table[t] >= 0
-                            ? stage_of(staged_keys, staged_rows, staged_table[t])
+    const Stage stage = staged_slots.has_value() && staged_table[t] >= 0
+                            ? stage_of(staged_slots, staged_rows, staged_table[t])
                             : kNoStage;
     parts[t] = UpdateTable{spec[t], tables.state[t], 0, 0, 0, tables.counters[t][kSteps] + 1, 0,
                            (unsigned long long*)a.device_counts[t], stage};

@@ -304,3 +304,10 @@ template <class T>
 inline T atomicOr(T* address, T val) {
   return __atomic_fetch_or(address, val, __ATOMIC_SEQ_CST);
 }
+
+/// Writes val where *address == compare; returns the old value either way.
+template <class T>
+inline T atomicCAS(T* address, T compare, T val) {
+  __atomic_compare_exchange_n(address, &compare, val, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return compare;
+}

@@ -1,21 +1,21 @@
-// A stage's keys (docs/design.md, "Prefetch"): a stage holds copies of stored rows that a
-// batch's lookups will miss, made ahead on a side stream, so that the forward and the update
-// read them from device memory rather than across PCIe. Its entries are sorted by key:
-// (t << 49) | (row << 1) | stale, t the table's position in its group, so that a row is found
-// by binary search; bit 0 says an update has written the row since the copy was made (the
-// copy is then never read). kNoStagedRow, above every key, fills the places of lookups that
-// stage nothing.
+// A stage (docs/design.md, "Prefetch"): copies of the stored rows a batch's lookups will
+// miss, made ahead on a side stream, so that the forward and the update read them from
+// device memory rather than across PCIe. It is an open-addressing hash table of `slots`
+// entries (a power of two, at least twice the lookups, so that a probe ends at an empty
+// entry), each an int64 pair (key, copy): key = stage_key(table position, row), with bit 0
+// set once an update has written the row since the copy was made (the copy is then never
+// read), or kNoStagedRow for an empty entry; copy = the index of the row's stored bytes in
+// the stage's rows. Probed linearly from stage_hash(key).
 #pragma once
 
-#include "portable.h"
+#include "embcache/rowquant.h"
 
 namespace embcache {
 
 constexpr int kStagedRowShift = 1;
 constexpr int kStagedTableShift = 49;
 constexpr int64_t kNoStagedRow = INT64_MAX;
-/// Rows and table positions a key can hold.
-constexpr int64_t kMaxStagedRows = int64_t(1) << (kStagedTableShift - kStagedRowShift);
+/// Table positions a key can hold.
 constexpr int64_t kMaxStagedTables = int64_t(1) << (63 - kStagedTableShift);
 
 /// The key of a fresh copy of row `row` of the table at position `table`.
@@ -24,26 +24,36 @@ EMBCACHE_HD int64_t stage_key(int64_t table, int64_t row) {
 }
 EMBCACHE_HD int64_t staged_table(int64_t key) { return key >> kStagedTableShift; }
 EMBCACHE_HD int64_t staged_row_id(int64_t key) {
-  return (key >> kStagedRowShift) & (kMaxStagedRows - 1);
+  return (key >> kStagedRowShift) & ((int64_t(1) << (kStagedTableShift - kStagedRowShift)) - 1);
 }
-/// The key with its copy marked stale (it keeps its place in the order).
+/// The key with its copy marked stale.
 EMBCACHE_HD int64_t stale_key(int64_t key) { return key | 1; }
+/// Where a key's probe starts in a stage of mask + 1 entries.
+EMBCACHE_HD int64_t stage_hash(int64_t key, int64_t mask) {
+  return (int64_t)(murmur_fmix64((uint64_t)key) & (uint64_t)mask);
+}
 
-/// The first of keys[0..n) (ascending) not below `key` (n if none).
-EMBCACHE_HD int64_t lower_bound_key(const int64_t* keys, int64_t n, int64_t key) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = lo + ((hi - lo) >> 1);
-    if (keys[mid] < key) lo = mid + 1;
-    else hi = mid;
+/// The copy that the stage (slots: mask + 1 (key, copy) pairs) holds of `key`, or -1. (At
+/// most mask + 1 probes, should a stage have no empty entry.)
+EMBCACHE_HD int64_t find_staged(const int64_t* slots, int64_t mask, int64_t key) {
+  int64_t h = stage_hash(key, mask);
+  for (int64_t probe = 0; probe <= mask; ++probe, h = (h + 1) & mask) {
+    const int64_t k = slots[2 * h];
+    if (k == key) return slots[2 * h + 1];
+    if (k == kNoStagedRow) return -1;
   }
-  return lo;
+  return -1;
 }
 
 /// Whether `row` is among rows[first..end) (ascending): an update's unique rows of a table.
 EMBCACHE_HD bool holds_sorted(const int64_t* rows, int64_t first, int64_t end, int64_t row) {
-  const int64_t at = first + lower_bound_key(rows + first, end - first, row);
-  return at < end && rows[at] == row;
+  int64_t lo = first, hi = end;  // the first position not below row
+  while (lo < hi) {
+    const int64_t mid = lo + ((hi - lo) >> 1);
+    if (rows[mid] < row) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < end && rows[lo] == row;
 }
 
 /// Entry `key` of a stage after an update: stale if the update's part of its table holds its

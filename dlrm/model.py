@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from dlrm.mixed_precision import Linear, bmm
 from dlrm.torchrec_adapter import kjt_from_ids, takes_keyed_input
+from embcache.multi_table import CachedLowPrecisionEmbeddingBags
 
 __all__ = [
     "NUM_DENSE",
@@ -175,11 +176,12 @@ class DLRM(nn.Module):
 
     def prefetch(self, sparse) -> None:
         """Stages the table rows that a coming forward of ``sparse`` (as :meth:`forward`
-        takes it) will miss, while the current batch trains, where the collection can
-        (embcache's ``prefetch``: host-placed tables on a GPU); else nothing."""
-        prefetch = getattr(self.embedding_collection, "prefetch", None)
-        if prefetch is None:
+        takes it) will miss, while the current batch trains, where the collection is
+        embcache's (its ``prefetch``: host-placed tables on a GPU); else nothing (a TorchRec
+        module's ``prefetch`` is its pipeline's, of another kind)."""
+        if not isinstance(self.embedding_collection, CachedLowPrecisionEmbeddingBags):
             return
+        prefetch = self.embedding_collection.prefetch
         if self._keyed and isinstance(sparse, Tensor):
             sparse = kjt_from_ids(sparse, self._feature_names)
         prefetch(sparse)

@@ -9,7 +9,7 @@ import torch
 
 import embcache.group
 from dlrm.mixed_precision.trainer import MixedPrecisionTrainer
-from embcache import BagTable, CachedLowPrecisionEmbedding
+from embcache import BagTable, CachedLowPrecisionEmbedding, CachedLowPrecisionEmbeddingBags
 from embcache.group import TableGroup
 from tests._emulated import EMU, comparable_stats, needs_emulator, small_bags
 
@@ -279,3 +279,24 @@ def test_a_stage_too_narrow_for_a_tables_rows_is_not_read(emulated):
     staged = EMU.multi_lookup_forward(*args, slots, narrow)[0]
     assert torch.equal(staged, EMU.multi_lookup_forward(*args)[0])
     assert torch.equal(EMU.multi_lookup_forward(*args, slots, rows)[0], staged)  # (read: same)
+
+
+def test_dlrm_prefetches_through_embcache_collections_only(staging):
+    """DLRM.prefetch (what dlrm's trainer calls) stages through our tables, given the ids as
+    a tensor whichever interface the collection has; a TorchRec collection's prefetch, of
+    another kind, is never called."""
+    from dlrm.model import DLRM
+    from dlrm.torchrec_adapter import make_torchrec_ebc
+    from embcache import CachedLowPrecisionEmbeddingBagCollection
+
+    names = [f"f{i}" for i in range(26)]
+    bags = [BagTable(f"t{i}", 500, 16, (name,)) for i, name in enumerate(names)]
+    ids = torch.randint(0, 500, (8, 26))
+    options = dict(cache_ratio=0.1, min_rows_for_low_precision=0)
+    for tables in (
+        CachedLowPrecisionEmbeddingBags(bags, **options),
+        CachedLowPrecisionEmbeddingBagCollection.from_bag_tables(bags, **options),
+    ):
+        DLRM.from_preset("kaggle", tables).prefetch(ids)
+        assert tables.group._stage is not None and tables.group._stage.lookups == 8 * 26
+    DLRM.from_preset("kaggle", make_torchrec_ebc([500] * 26, 16, names)).prefetch(ids)

@@ -274,12 +274,23 @@ BIG_ROWS = 3_000_000  # per table: about 110 MB in INT8 with LFU counts and AdaG
 
 
 def _shard_big_tables_from_meta(rank: int, world_size: int, device: str | None) -> None:
+    from embcache import CachedLowPrecisionEmbedding
+
     tables = [
         EmbeddingBagConfig(
             name=f"t_{i}", num_embeddings=BIG_ROWS, embedding_dim=16, feature_names=[f"f_{i}"]
         )
         for i in range(2)
     ]
+    given = []  # every table given memory in this process: (name, rows)
+    allocate = CachedLowPrecisionEmbedding._allocate_state
+
+    def recorded(table, where):
+        if where is None or where.type != "meta":
+            given.append((table.config.name, table.config.num_embeddings))
+        return allocate(table, where)
+
+    CachedLowPrecisionEmbedding._allocate_state = recorded
     model = nn.ModuleDict()
     open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
     before = _peak_rss_kib()
@@ -289,9 +300,11 @@ def _shard_big_tables_from_meta(rank: int, world_size: int, device: str | None) 
     growth = (_peak_rss_kib() - before) * 1024
     (shard,) = sharded.local_tables().values()
     own = shard.memory_bytes()["total"]
-    # The rank's own table and DMP's working memory (measured 1.1-1.4x the table), less
-    # than one more table: neither unsharded table (each as large as the shard) was built.
-    assert own <= growth < 2 * own, (growth, own)
+    # Only the rank's own table was ever given memory (neither unsharded table was built) ...
+    assert given == [(f"t_{rank}", BIG_ROWS)], given
+    # ... and the peak is that table and DMP's working memory (measured 1.4-2.0x the table
+    # on a loaded 2-core VM, 1.1-1.4x on a quiet one): the bound catches gross copies.
+    assert own <= growth < 3 * own, (growth, own)
 
 
 def _peak_rss_kib() -> int:

@@ -100,15 +100,19 @@ def _error_text(bits: int) -> str:
 class Stage(NamedTuple):
     """Copies of the stored rows a coming forward's lookups miss (``stage_misses``; docs/
     design.md, "Prefetch"): ``slots`` (its hash table of keys and copies) and ``rows`` (the
-    copies) on the tables' device, ``lookups`` the number of lookups and ``training`` the
-    mode of the forward it was made for, ``done`` the CUDA event its staging recorded on the
-    side stream (None where it ran on the caller's stream)."""
+    copies, room for one a lookup) on the tables' device, ``training`` the mode of the
+    forward it was made for, ``done`` the CUDA event its staging recorded on the side stream
+    (None where it ran on the caller's stream)."""
 
     slots: torch.Tensor
     rows: torch.Tensor
-    lookups: int
     training: bool
     done: object
+
+    @property
+    def lookups(self) -> int:
+        """The lookups of the forward it was made for."""
+        return self.rows.shape[0]
 
     def wait(self) -> None:
         """Orders the current stream's later work after the staging (no host wait)."""
@@ -268,7 +272,7 @@ class TableGroup:
         args = (self.state(), self.specs, indices, lengths, feature_tables, batch, staged)
         if side is None:
             slots, rows = _ops.stage_misses(*args)
-            self._stage = Stage(slots, rows, indices.numel(), training, None)
+            self._stage = Stage(slots, rows, training, None)
             return
         main = torch.cuda.current_stream(indices.device)
         side.wait_stream(main)  # the inputs, and every update launched so far
@@ -280,7 +284,7 @@ class TableGroup:
             t.record_stream(side)
         for t in (slots, rows):
             t.record_stream(main)
-        self._stage = Stage(slots, rows, indices.numel(), training, done)
+        self._stage = Stage(slots, rows, training, done)
 
     def _take_stage(self, lookups: int, training: bool) -> Stage | None:
         """The prefetched stage if it was made for a forward of this many lookups in this

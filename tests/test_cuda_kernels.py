@@ -673,85 +673,48 @@ def test_refused_inputs_change_nothing(backend):
     grads = torch.tensor([[0.0] * 4, [-1e9] * 4, [1e9] * 4])
     occ = torch.ones(3, dtype=torch.int64)
     none = torch.empty(0, dtype=torch.int64)
-    for commit in (False, True):
-        want = CPU.multi_update(
-            twin._args(twin.cpu),
-            twin.specs,
-            rows,
-            grads.flatten(),
-            occ,
-            none,
-            torch.tensor([[0, 3, 0]]),
-            [-1.0],
-            [twin.cpu_counters],
-            [twin.cpu_commit],
-            None,
-            commit,
-        )
-        got = b.ops.multi_update(
-            twin._args(twin.dev),
-            twin.specs,
-            b.to(rows),
-            b.to(grads.flatten()),
-            b.to(occ),
-            b.to(none),
-            b.to(torch.tensor([[0, 3, 0]])),
-            [-1.0],
-            [twin.dev_counters],
-            [twin.dev_commit],
-            None,
-            commit,
-        )
-        assert want.tolist() == got.tolist() == [[0, 8]]
 
-    def unsorted(ops, state, to, counters, counts):
+    def update(on_device, rows, grads, occ, ranges, commit=True):
+        """multi_update of the twin's table, by the CPU ops or on the device."""
+        to = b.to if on_device else (lambda t: t)
+        ops, state, counters, counts = (
+            (b.ops, twin.dev, twin.dev_counters, twin.dev_commit)
+            if on_device
+            else (CPU, twin.cpu, twin.cpu_counters, twin.cpu_commit)
+        )
         return ops.multi_update(
             twin._args(state),
             twin.specs,
-            to(torch.tensor([8, 3])),
-            to(grads[:2].flatten()),
-            to(occ[:2]),
+            to(rows),
+            to(grads.flatten()),
+            to(occ),
             to(none),
-            to(torch.tensor([[0, 2, 0]])),
+            to(torch.tensor(ranges)),
             [-1.0],
             [counters],
             [counts],
+            None,
+            commit,
         )
 
+    for commit in (False, True):
+        want = update(False, rows, grads, occ, [[0, 3, 0]], commit)
+        got = update(True, rows, grads, occ, [[0, 3, 0]], commit)
+        assert want.tolist() == got.tolist() == [[0, 8]]
+
+    unsorted = (torch.tensor([8, 3]), grads[:2], occ[:2], [[0, 2, 0]])
     with pytest.raises(RuntimeError, match="unique rows must be ascending"):
-        unsorted(CPU, twin.cpu, lambda t: t, twin.cpu_counters, twin.cpu_commit)
+        update(False, *unsorted)
     # the device's update decides on the device: its verdict holds the error bit, and the
     # rows are not committed
-    verdict = unsorted(b.ops, twin.dev, b.to, twin.dev_counters, twin.dev_commit)
+    verdict = update(True, *unsorted)
     assert verdict[0, 0].item() == 4  # kBadUniqueRows
     # a table's rows said to run past the arrays: refused on the CPU, flagged on the device
     # (kBadRanges), and not committed either way
-    past = torch.tensor([[0, 4, 0]])
+    past = (rows, grads, occ, [[0, 4, 0]])
     with pytest.raises(RuntimeError, match="row_ranges of table 0"):
-        CPU.multi_update(
-            twin._args(twin.cpu),
-            twin.specs,
-            rows,
-            grads.flatten(),
-            occ,
-            none,
-            past,
-            [-1.0],
-            [twin.cpu_counters],
-            [twin.cpu_commit],
-        )
-    verdict = b.ops.multi_update(
-        twin._args(twin.dev),
-        twin.specs,
-        b.to(rows),
-        b.to(grads.flatten()),
-        b.to(occ),
-        b.to(none),
-        b.to(past),
-        [-1.0],
-        [twin.dev_counters],
-        [twin.dev_commit],
-    )
+        update(False, *past)
+    verdict = update(True, *past)
     assert verdict[0, 0].item() == 8
     twin.compare_state("after refused calls")
 
